@@ -1,0 +1,67 @@
+// The architecture of a Llama-family checkpoint, read from Hugging Face's config.json.
+//
+// Supports Llama 2/3/3.1+ (rope_scaling type "llama3"), Qwen2/2.5 (q/k/v bias) and Mistral.
+// Both the classic `rope_theta` / `rope_scaling` keys and the newer `rope_parameters`
+// object are accepted. Plain value type; thread-compatible.
+#ifndef KVGRID_MODEL_MODEL_CONFIG_H_
+#define KVGRID_MODEL_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvgrid::model {
+
+enum class RopeScalingType : uint8_t {
+  kNone,     // plain RoPE
+  kLinear,   // positions divided by `factor`
+  kLlama3,   // Llama 3.1 frequency-dependent scaling
+};
+
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;                   // llama3
+  double high_freq_factor = 4.0;                  // llama3
+  int64_t original_max_position_embeddings = 0;   // llama3
+};
+
+struct ModelConfig {
+  std::string model_type;        // "llama", "qwen2", "mistral"
+  std::vector<std::string> architectures;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;   // defaults to num_attention_heads
+  int64_t head_dim = 0;              // defaults to hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;       // q/k/v projections carry a bias (Qwen2: always)
+  bool mlp_bias = false;
+  std::vector<int64_t> eos_token_ids;  // from config.json; may be empty
+  int64_t bos_token_id = -1;           // -1 when absent
+  std::string torch_dtype;             // "bfloat16", "float16", "float32" or empty
+  int64_t sliding_window = 0;          // 0 = none (informational; full attention is used)
+};
+
+// Parses config.json text. `source` names the file in error messages.
+// Errors: INVALID_ARGUMENT naming the source and the offending field (missing, wrong type,
+// out of range, inconsistent head counts, unsupported model_type or rope_scaling type).
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source);
+
+// Reads `path` (a config.json, or a directory holding one).
+// Errors: NOT_FOUND when the file is missing; otherwise as ParseModelConfig.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
+
+}  // namespace kvgrid::model
+
+#endif  // KVGRID_MODEL_MODEL_CONFIG_H_

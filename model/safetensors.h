@@ -1,0 +1,97 @@
+// Read-only access to safetensors checkpoints: one file, or a sharded set described by
+// model.safetensors.index.json. Files are memory-mapped; tensors are views into the maps.
+//
+// Every length and offset is validated with overflow-safe arithmetic before any byte of
+// tensor data is touched: header length <= 100 MB and inside the file, the header is a JSON
+// object of {name: {dtype, shape, data_offsets}}, offsets lie inside the data section,
+// element count x dtype size == byte length, and no two tensors overlap.
+//
+// Thread-safety: immutable after Open; all const methods may be called concurrently.
+#ifndef KVGRID_MODEL_SAFETENSORS_H_
+#define KVGRID_MODEL_SAFETENSORS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "model/dtype.h"
+
+namespace kvgrid::model {
+
+inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100ull * 1000 * 1000;
+
+// A tensor inside a mapped file. `data` stays valid while the owning reader lives.
+struct TensorView {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  std::span<const std::byte> data;
+  std::filesystem::path file;  // for error messages
+
+  int64_t NumElements() const;
+};
+
+// One memory-mapped .safetensors file. Non-copyable, movable.
+class SafetensorsFile {
+ public:
+  // Errors: NOT_FOUND (missing file), INVALID_ARGUMENT naming the file and the field or tensor
+  // for every malformed header (see the file comment), UNIMPLEMENTED for dtypes other than
+  // F32/F16/BF16/I8/U8/I32.
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::filesystem::path& path);
+
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  // The "__metadata__" string map, if any.
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  SafetensorsFile() = default;
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::map<std::string, TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// All tensors of a checkpoint directory: model.safetensors, or the shards listed in
+// model.safetensors.index.json (every shard must exist and hold exactly the tensors the index
+// assigns to it). Non-copyable.
+class Checkpoint {
+ public:
+  // `path` is a directory, a .safetensors file, or an index .json file.
+  // Errors: NOT_FOUND when no checkpoint is there; INVALID_ARGUMENT naming the file and field
+  // for malformed files or an index that disagrees with its shards.
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::filesystem::path& path);
+
+  bool Contains(const std::string& name) const;
+  // Errors: NOT_FOUND naming the tensor and the checkpoint.
+  absl::StatusOr<const TensorView*> Find(const std::string& name) const;
+  std::vector<std::string> Names() const;
+
+  // Converts a F32/F16/BF16 tensor to fp32 into `out` (resized). `expected_shape` is
+  // checked when non-empty. Errors: NOT_FOUND, INVALID_ARGUMENT (shape or dtype mismatch,
+  // naming the tensor, the expected and the actual shape).
+  absl::Status ReadF32(const std::string& name, std::span<const int64_t> expected_shape,
+                       std::vector<float>* out) const;
+
+ private:
+  Checkpoint() = default;
+  std::filesystem::path root_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> index_;
+};
+
+}  // namespace kvgrid::model
+
+#endif  // KVGRID_MODEL_SAFETENSORS_H_

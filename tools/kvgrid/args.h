@@ -1,0 +1,45 @@
+// Minimal `--flag value` / `--flag=value` parsing for the kvgrid subcommands.
+//
+// Every flag a subcommand reads must be declared by reading it; Finish() then reports any
+// flag the user gave that nothing read, so typos are errors rather than silently ignored.
+#ifndef KVGRID_TOOLS_KVGRID_ARGS_H_
+#define KVGRID_TOOLS_KVGRID_ARGS_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvgrid::cli {
+
+class Args {
+ public:
+  // Parses argv[first..argc). Errors: INVALID_ARGUMENT for a positional argument or a flag
+  // given twice.
+  static absl::StatusOr<Args> Parse(int argc, char** argv, int first);
+
+  bool Has(const std::string& name);
+  // Boolean flag: present without value, or with value true/false/1/0.
+  absl::StatusOr<bool> GetBool(const std::string& name, bool fallback);
+  std::optional<std::string> GetString(const std::string& name);
+  absl::StatusOr<std::optional<int64_t>> GetInt(const std::string& name);
+  absl::StatusOr<std::optional<double>> GetDouble(const std::string& name);
+  // Comma-separated integers, e.g. "1,2,3".
+  absl::StatusOr<std::optional<std::vector<int32_t>>> GetIntList(const std::string& name);
+
+  // INVALID_ARGUMENT naming every flag that was given but never read.
+  absl::Status Finish() const;
+
+ private:
+  std::map<std::string, std::optional<std::string>> values_;
+  std::set<std::string> read_;
+};
+
+}  // namespace kvgrid::cli
+
+#endif  // KVGRID_TOOLS_KVGRID_ARGS_H_

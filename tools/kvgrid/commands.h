@@ -1,0 +1,19 @@
+// Subcommands of the kvgrid CLI. Each parses its own flags from `args` and returns the
+// process exit code; errors are printed to stderr as "kvgrid <cmd>: <message>".
+#ifndef KVGRID_TOOLS_KVGRID_COMMANDS_H_
+#define KVGRID_TOOLS_KVGRID_COMMANDS_H_
+
+#include "tools/kvgrid/args.h"
+
+namespace kvgrid::cli {
+
+// run: stream a continuation of --prompt (or --prompt-ids) to stdout.
+int RunCommand(Args& args);
+// logits: last-position logits after prefilling --prompt-ids and decoding --decode-ids.
+int LogitsCommand(Args& args);
+// tokenize: JSON lines in (strings), JSON lines out (ids), against a tokenizer.json.
+int TokenizeCommand(Args& args);
+
+}  // namespace kvgrid::cli
+
+#endif  // KVGRID_TOOLS_KVGRID_COMMANDS_H_

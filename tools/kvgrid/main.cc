@@ -1,0 +1,41 @@
+// kvgrid: command-line entry point.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "tools/kvgrid/args.h"
+#include "tools/kvgrid/commands.h"
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: kvgrid <command> [flags]\n"
+    "\n"
+    "commands:\n"
+    "  run        stream a continuation of a prompt (default: the embedded model)\n"
+    "  logits     print last-position logits as JSON (for reference checks)\n"
+    "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
+    "\n"
+    "run 'kvgrid <command> --help' for the flags of a command.\n";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
+      !std::strcmp(argv[1], "help")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  auto args = kvgrid::cli::Args::Parse(argc, argv, 2);
+  if (!args.ok()) {
+    std::fprintf(stderr, "kvgrid %s: %s\n", command.c_str(),
+                 std::string(args.status().message()).c_str());
+    return 2;
+  }
+  if (command == "run") return kvgrid::cli::RunCommand(*args);
+  if (command == "logits") return kvgrid::cli::LogitsCommand(*args);
+  if (command == "tokenize") return kvgrid::cli::TokenizeCommand(*args);
+  std::fprintf(stderr, "kvgrid: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return 2;
+}
