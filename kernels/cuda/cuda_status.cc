@@ -1,0 +1,15 @@
+#include "kernels/cuda/cuda_status.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvgrid::kernels::cuda {
+
+absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  std::string message = absl::StrCat(call, " failed at ", file, ":", line, ": ",
+                                     cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
+  return absl::InternalError(message);
+}
+
+}  // namespace kvgrid::kernels::cuda
