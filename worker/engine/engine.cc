@@ -1,1 +1,241 @@
-// Implementation pending.
+#include "worker/engine/engine.h"
+
+#include <algorithm>
+#include <span>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
+
+namespace kvgrid::worker {
+
+std::string_view FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+  }
+  return "?";
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaModel> model,
+                                                       const EngineOptions& options) {
+  if (options.max_num_seqs < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-num-seqs: must be >= 1, got ", options.max_num_seqs));
+  }
+  if (options.max_num_batched_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-num-batched-tokens: must be >= 1, got ", options.max_num_batched_tokens));
+  }
+  const int64_t model_len = model->config().max_position_embeddings;
+  int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
+  if (max_model_len <= 1 || (model_len > 0 && max_model_len > model_len)) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-model-len: must be in [2, ", model_len,
+                                                   "], got ", max_model_len));
+  }
+  if (!(options.block_size == 8 || options.block_size == 16 || options.block_size == 32)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
+  }
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<KvPool> pool,
+      KvPool::Create(model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype),
+                     options.kv_cache_memory));
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(model), options, std::move(pool), max_model_len));
+}
+
+Engine::Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
+               std::unique_ptr<KvPool> pool, int64_t max_model_len)
+    : model_(std::move(model)),
+      options_(options),
+      pool_(std::move(pool)),
+      blocks_(pool_->num_blocks(), static_cast<int32_t>(options.block_size)),
+      max_model_len_(max_model_len) {}
+
+absl::Status Engine::AddRequest(GenerationRequest request) {
+  if (request.id.empty()) return absl::InvalidArgumentError("request_id: must not be empty");
+  if (live_.contains(request.id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id: '", request.id, "' is already in use"));
+  }
+  if (request.prompt.empty()) return absl::InvalidArgumentError("prompt: must not be empty");
+  const int64_t vocab = model_->config().vocab_size;
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    if (request.prompt[i] < 0 || request.prompt[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("prompt[", i, "]: token id ",
+                                                     request.prompt[i],
+                                                     " is outside the vocabulary [0, ", vocab,
+                                                     ")"));
+    }
+  }
+  const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
+  if (prompt_len >= max_model_len_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt: ", prompt_len, " tokens leave no room in the context window of ",
+                     max_model_len_, " tokens"));
+  }
+  KVGRID_RETURN_IF_ERROR(request.sampling.Validate());
+  if (request.stopping.max_new_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be >= 1, got ",
+                                                   request.stopping.max_new_tokens));
+  }
+  const int64_t worst = std::min(prompt_len + request.stopping.max_new_tokens, max_model_len_);
+  if (blocks_.BlocksFor(worst) > blocks_.num_blocks()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prompt + max_new_tokens: the sequence may need ", worst, " tokens (",
+        blocks_.BlocksFor(worst), " KV blocks), the KV cache holds ", pool_->capacity_tokens(),
+        " tokens (", blocks_.num_blocks(), " blocks)"));
+  }
+
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = next_seq_id_++;
+  seq->tokens = request.prompt;
+  seq->rng.seed(request.sampling.seed ? *request.sampling.seed : std::random_device{}());
+  seq->request = std::move(request);
+  live_[seq->request.id] = seq.get();
+  waiting_.push_back(std::move(seq));
+  return absl::OkStatus();
+}
+
+void Engine::Abort(const std::string& request_id) {
+  auto it = live_.find(request_id);
+  if (it == live_.end()) return;
+  Sequence* target = it->second;
+  live_.erase(it);
+  blocks_.Free(target->seq_id);
+  for (SeqList* list : {&waiting_, &running_}) {
+    list->remove_if([target](const std::unique_ptr<Sequence>& s) { return s.get() == target; });
+  }
+}
+
+bool Engine::PreemptNewest(const Sequence* keep) {
+  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
+    if (it->get() == keep) continue;
+    std::unique_ptr<Sequence> victim = std::move(*it);
+    running_.erase(std::next(it).base());
+    blocks_.Free(victim->seq_id);
+    victim->num_computed = 0;
+    waiting_.push_front(std::move(victim));
+    ++num_preemptions_;
+    return true;
+  }
+  return false;
+}
+
+FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
+  const StoppingParams& stop = seq.request.stopping;
+  if (!stop.ignore_eos &&
+      std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), token) !=
+          options_.eos_token_ids.end()) {
+    return FinishReason::kStop;
+  }
+  if (std::find(stop.stop_token_ids.begin(), stop.stop_token_ids.end(), token) !=
+      stop.stop_token_ids.end()) {
+    return FinishReason::kStop;
+  }
+  if (seq.num_generated >= stop.max_new_tokens) return FinishReason::kLength;
+  if (static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) return FinishReason::kLength;
+  return FinishReason::kNone;
+}
+
+absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
+  // 1. Every running sequence needs a slot for one more token; preempt the newest when the
+  //    pool is dry. A sequence alone always fits (AddRequest checked its worst case).
+  for (auto it = running_.begin(); it != running_.end();) {
+    Sequence* seq = it->get();
+    absl::Status reserved;
+    while (!(reserved = blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())))
+                .ok()) {
+      if (!PreemptNewest(seq)) return reserved;  // unreachable given the AddRequest check
+    }
+    ++it;
+  }
+
+  // 2. Admit waiting sequences while blocks, the sequence cap and the token budget allow.
+  int64_t budget = options_.max_num_batched_tokens - static_cast<int64_t>(running_.size());
+  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
+    Sequence* seq = waiting_.front().get();
+    const int64_t need = static_cast<int64_t>(seq->tokens.size()) - seq->num_computed;
+    // A prompt larger than the budget still runs when it would be alone (no chunking yet).
+    if (need > budget && !running_.empty()) break;
+    if (!blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())).ok()) break;
+    budget -= need;
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+  }
+  if (running_.empty()) return std::vector<TokenOutput>{};
+
+  // 3. Lay the batch out for the kernels.
+  ForwardBatch& b = batch_;
+  b.token_ids.clear();
+  b.positions.clear();
+  b.slots.clear();
+  b.query_start.assign(1, 0);
+  b.seq_lens.clear();
+  b.logit_rows.clear();
+  b.max_blocks_per_seq = 1;
+  for (const auto& seq : running_) {
+    b.max_blocks_per_seq = std::max<int64_t>(
+        b.max_blocks_per_seq, static_cast<int64_t>(blocks_.BlockTable(seq->seq_id).size()));
+  }
+  b.block_tables.assign(running_.size() * b.max_blocks_per_seq, 0);
+  int64_t s = 0;
+  for (const auto& seq : running_) {
+    const int64_t len = static_cast<int64_t>(seq->tokens.size());
+    for (int64_t pos = seq->num_computed; pos < len; ++pos) {
+      b.token_ids.push_back(seq->tokens[pos]);
+      b.positions.push_back(static_cast<int32_t>(pos));
+      b.slots.push_back(blocks_.Slot(seq->seq_id, pos));
+    }
+    b.query_start.push_back(static_cast<int32_t>(b.token_ids.size()));
+    b.seq_lens.push_back(static_cast<int32_t>(len));
+    b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+    const std::vector<int32_t>& table = blocks_.BlockTable(seq->seq_id);
+    std::copy(table.begin(), table.end(), b.block_tables.begin() + s * b.max_blocks_per_seq);
+    ++s;
+  }
+
+  KVGRID_RETURN_IF_ERROR(model_->Forward(b, *pool_, &logits_));
+
+  // 4. Sample, append, and retire finished sequences.
+  const int64_t vocab = model_->config().vocab_size;
+  std::vector<TokenOutput> outputs;
+  outputs.reserve(running_.size());
+  s = 0;
+  for (auto it = running_.begin(); it != running_.end(); ++s) {
+    Sequence& seq = **it;
+    seq.num_computed = static_cast<int64_t>(seq.tokens.size());
+    std::span<float> row(logits_.data() + s * vocab, vocab);
+    const int32_t token = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
+    seq.tokens.push_back(token);
+    ++seq.num_generated;
+    const FinishReason finish = CheckStop(seq, token);
+    outputs.push_back({seq.request.id, token, finish});
+    if (finish != FinishReason::kNone) {
+      blocks_.Free(seq.seq_id);
+      live_.erase(seq.request.id);
+      it = running_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return outputs;
+}
+
+EngineStats Engine::Stats() const {
+  EngineStats st;
+  st.blocks_total = blocks_.num_blocks();
+  st.blocks_free = blocks_.num_free_blocks();
+  st.bytes_per_token = pool_->geometry().BytesPerToken();
+  st.num_running = static_cast<int64_t>(running_.size());
+  st.num_waiting = static_cast<int64_t>(waiting_.size());
+  st.num_preemptions = num_preemptions_;
+  return st;
+}
+
+}  // namespace kvgrid::worker

@@ -1,1 +1,353 @@
-// Implementation pending.
+#include "worker/executor/llama_model.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/kv_write.h"
+#include "kernels/cpu/rms_norm.h"
+#include "kernels/cpu/rope.h"
+#include "model/safetensors.h"
+#include "model/status_macros.h"
+
+namespace kvgrid::worker {
+namespace cpu = kernels::cpu;
+
+namespace {
+
+struct Dims {
+  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, q_dim, kv_dim, qkv_dim;
+};
+
+Dims DimsOf(const model::ModelConfig& c) {
+  Dims d;
+  d.hidden = c.hidden_size;
+  d.heads = c.num_attention_heads;
+  d.kv_heads = c.num_key_value_heads;
+  d.head_dim = c.head_dim;
+  d.inter = c.intermediate_size;
+  d.vocab = c.vocab_size;
+  d.q_dim = d.heads * d.head_dim;
+  d.kv_dim = d.kv_heads * d.head_dim;
+  d.qkv_dim = d.q_dim + 2 * d.kv_dim;
+  return d;
+}
+
+absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std::string& what) {
+  if (static_cast<int64_t>(t.size()) != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("weight ", what, " has ", t.size(),
+                                                   " elements, the config implies ", expected));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w) {
+  const Dims d = DimsOf(c);
+  KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab * d.hidden, "embed_tokens"));
+  KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
+  if (!c.tie_word_embeddings || !w.lm_head.empty()) {
+    KVGRID_RETURN_IF_ERROR(CheckSize(w.lm_head, d.vocab * d.hidden, "lm_head"));
+  }
+  if (static_cast<int64_t>(w.layers.size()) != c.num_hidden_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("weights have ", w.layers.size(),
+                                                   " layers, the config ", c.num_hidden_layers));
+  }
+  for (size_t i = 0; i < w.layers.size(); ++i) {
+    const LayerWeights& l = w.layers[i];
+    const std::string p = absl::StrCat("layers.", i, ".");
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.input_norm, d.hidden, p + "input_layernorm"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv, d.qkv_dim * d.hidden, p + "qkv"));
+    if (!l.qkv_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv_bias, d.qkv_dim, p + "qkv_bias"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.o, d.hidden * d.q_dim, p + "o_proj"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.post_norm, d.hidden, p + "post_attention_layernorm"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.gate_up, 2 * d.inter * d.hidden, p + "gate_up"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(l.down, d.hidden * d.inter, p + "down_proj"));
+  }
+  return absl::OkStatus();
+}
+
+// Reads tensor `name` with `shape` and appends it to `dst`.
+absl::Status Append(const model::Checkpoint& ckpt, const std::string& name,
+                    std::vector<int64_t> shape, std::vector<float>* dst,
+                    std::vector<float>* scratch) {
+  KVGRID_RETURN_IF_ERROR(ckpt.ReadF32(name, shape, scratch));
+  dst->insert(dst->end(), scratch->begin(), scratch->end());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesystem::path& dir) {
+  absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
+  if (!config.ok()) return config.status();
+  absl::StatusOr<std::unique_ptr<model::Checkpoint>> ckpt = model::Checkpoint::Open(dir);
+  if (!ckpt.ok()) return ckpt.status();
+  const model::Checkpoint& c = **ckpt;
+  const Dims d = DimsOf(*config);
+
+  LlamaWeights w;
+  std::vector<float> scratch;
+  KVGRID_RETURN_IF_ERROR(c.ReadF32("model.embed_tokens.weight", std::vector<int64_t>{d.vocab, d.hidden}, &w.embed));
+  KVGRID_RETURN_IF_ERROR(c.ReadF32("model.norm.weight", std::vector<int64_t>{d.hidden}, &w.final_norm));
+  // Some tied checkpoints still store lm_head; use it when present.
+  if (c.Contains("lm_head.weight")) {
+    KVGRID_RETURN_IF_ERROR(c.ReadF32("lm_head.weight", std::vector<int64_t>{d.vocab, d.hidden}, &w.lm_head));
+  } else if (!config->tie_word_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir.string(), ": lm_head.weight is missing and tie_word_embeddings is false"));
+  }
+  const bool bias = c.Contains("model.layers.0.self_attn.q_proj.bias");
+  for (int64_t i = 0; i < config->num_hidden_layers; ++i) {
+    LayerWeights l;
+    const std::string p = absl::StrCat("model.layers.", i, ".");
+    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "input_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.input_norm));
+    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "post_attention_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.post_norm));
+    l.qkv.reserve(d.qkv_dim * d.hidden);
+    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.q_proj.weight", {d.q_dim, d.hidden}, &l.qkv, &scratch));
+    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.k_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
+    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
+    if (bias) {
+      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.q_proj.bias", {d.q_dim}, &l.qkv_bias, &scratch));
+      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.k_proj.bias", {d.kv_dim}, &l.qkv_bias, &scratch));
+      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.bias", {d.kv_dim}, &l.qkv_bias, &scratch));
+    }
+    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, d.q_dim}, &l.o));
+    l.gate_up.reserve(2 * d.inter * d.hidden);
+    KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.gate_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
+    KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.up_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
+    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, d.inter}, &l.down));
+    w.layers.push_back(std::move(l));
+  }
+  return FromWeights(*config, std::move(w));
+}
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromWeights(
+    const model::ModelConfig& config, LlamaWeights weights) {
+  KVGRID_RETURN_IF_ERROR(CheckWeights(config, weights));
+  absl::StatusOr<std::vector<double>> inv_freq = cpu::RopeInvFreq(config);
+  if (!inv_freq.ok()) return inv_freq.status();
+  return std::unique_ptr<LlamaModel>(
+      new LlamaModel(config, std::move(weights), *std::move(inv_freq)));
+}
+
+LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
+                       std::vector<double> inv_freq)
+    : config_(config), w_(std::move(weights)), inv_freq_(std::move(inv_freq)) {}
+
+LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t seed) {
+  const Dims d = DimsOf(c);
+  std::mt19937_64 rng(seed);
+  // Uniform in [-a, a] has std a/sqrt(3); cheap to draw for half a billion weights.
+  auto fill = [&rng](int64_t n, float std_dev) {
+    std::vector<float> v(n);
+    const float a = std_dev * std::sqrt(3.f);
+    std::uniform_real_distribution<float> u(-a, a);
+    for (float& x : v) x = u(rng);
+    return v;
+  };
+  auto ones = [](int64_t n) { return std::vector<float>(n, 1.f); };
+  LlamaWeights w;
+  w.embed = fill(d.vocab * d.hidden, 1.f);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    LayerWeights l;
+    l.input_norm = ones(d.hidden);
+    l.post_norm = ones(d.hidden);
+    l.qkv = fill(d.qkv_dim * d.hidden, 1.f / std::sqrt(static_cast<float>(d.hidden)));
+    if (c.attention_bias) l.qkv_bias = fill(d.qkv_dim, 0.02f);
+    l.o = fill(d.hidden * d.q_dim, 1.f / std::sqrt(static_cast<float>(d.q_dim)));
+    l.gate_up = fill(2 * d.inter * d.hidden, 1.f / std::sqrt(static_cast<float>(d.hidden)));
+    l.down = fill(d.hidden * d.inter, 1.f / std::sqrt(static_cast<float>(d.inter)));
+    w.layers.push_back(std::move(l));
+  }
+  w.final_norm = ones(d.hidden);
+  if (!c.tie_word_embeddings) {
+    w.lm_head = fill(d.vocab * d.hidden, 1.f / std::sqrt(static_cast<float>(d.hidden)));
+  }
+  return w;
+}
+
+int64_t LlamaModel::WeightBytes() const {
+  int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
+  for (const LayerWeights& l : w_.layers) {
+    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() +
+         l.post_norm.size() + l.gate_up.size() + l.down.size();
+  }
+  return n * static_cast<int64_t>(sizeof(float));
+}
+
+KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
+                                     kernels::KvDType v_dtype) const {
+  KvGeometry g;
+  g.num_layers = config_.num_hidden_layers;
+  g.num_kv_heads = config_.num_key_value_heads;
+  g.head_dim = config_.head_dim;
+  g.block_size = block_size;
+  g.k_dtype = k_dtype;
+  g.v_dtype = v_dtype;
+  return g;
+}
+
+absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vector<float>* logits) {
+  const Dims d = DimsOf(config_);
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
+  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slots.size()) != n ||
+      static_cast<int64_t>(b.query_start.size()) != num_seqs + 1 ||
+      static_cast<int64_t>(b.block_tables.size()) != num_seqs * b.max_blocks_per_seq) {
+    return absl::InvalidArgumentError("ForwardBatch: inconsistent sizes");
+  }
+  for (int32_t row : b.logit_rows) {
+    if (row < 0 || row >= n) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: logit row ", row,
+                                                     " outside [0, ", n, ")"));
+    }
+  }
+  const KvGeometry& g = pool.geometry();
+  if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != d.kv_heads ||
+      g.head_dim != d.head_dim) {
+    return absl::InvalidArgumentError("KV pool geometry does not match the model");
+  }
+  logits->clear();
+  if (n == 0) return absl::OkStatus();
+
+  x_.resize(n * d.hidden);
+  h_.resize(n * d.hidden);
+  qkv_.resize(n * d.qkv_dim);
+  q_.resize(n * d.q_dim);
+  k_.resize(n * d.kv_dim);
+  v_.resize(n * d.kv_dim);
+  attn_.resize(n * d.q_dim);
+  gate_up_.resize(n * 2 * d.inter);
+  act_.resize(n * d.inter);
+
+  KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed.data(),
+                                         .ids = b.token_ids.data(),
+                                         .output = x_.data(),
+                                         .vocab = d.vocab,
+                                         .hidden = d.hidden,
+                                         .num_tokens = n}));
+  const float eps = static_cast<float>(config_.rms_norm_eps);
+  for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
+    const LayerWeights& l = w_.layers[layer];
+    KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
+                                         .weight = l.input_norm.data(),
+                                         .output = h_.data(),
+                                         .num_tokens = n,
+                                         .hidden = d.hidden,
+                                         .eps = eps}));
+    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = h_.data(),
+                                        .weight = l.qkv.data(),
+                                        .bias = l.qkv_bias.empty() ? nullptr : l.qkv_bias.data(),
+                                        .output = qkv_.data(),
+                                        .num_tokens = n,
+                                        .in_features = d.hidden,
+                                        .out_features = d.qkv_dim}));
+    for (int64_t t = 0; t < n; ++t) {
+      const float* row = qkv_.data() + t * d.qkv_dim;
+      std::memcpy(q_.data() + t * d.q_dim, row, sizeof(float) * d.q_dim);
+      std::memcpy(k_.data() + t * d.kv_dim, row + d.q_dim, sizeof(float) * d.kv_dim);
+      std::memcpy(v_.data() + t * d.kv_dim, row + d.q_dim + d.kv_dim, sizeof(float) * d.kv_dim);
+    }
+    KVGRID_RETURN_IF_ERROR(cpu::Rope({.query = q_.data(),
+                                      .key = k_.data(),
+                                      .positions = b.positions.data(),
+                                      .inv_freq = inv_freq_.data(),
+                                      .num_tokens = n,
+                                      .num_heads = d.heads,
+                                      .num_kv_heads = d.kv_heads,
+                                      .head_dim = d.head_dim}));
+    KVGRID_RETURN_IF_ERROR(cpu::KvWrite({.key = k_.data(),
+                                         .value = v_.data(),
+                                         .slots = b.slots.data(),
+                                         .k_cache = pool.k(layer),
+                                         .v_cache = pool.v(layer),
+                                         .k_dtype = g.k_dtype,
+                                         .v_dtype = g.v_dtype,
+                                         .num_tokens = n,
+                                         .num_blocks = pool.num_blocks(),
+                                         .num_kv_heads = d.kv_heads,
+                                         .block_size = g.block_size,
+                                         .head_dim = d.head_dim}));
+    KVGRID_RETURN_IF_ERROR(cpu::PagedAttention(
+        {.query = q_.data(),
+         .output = attn_.data(),
+         .k_cache = pool.k(layer),
+         .v_cache = pool.v(layer),
+         .k_dtype = g.k_dtype,
+         .v_dtype = g.v_dtype,
+         .block_tables = b.block_tables.data(),
+         .seq_lens = b.seq_lens.data(),
+         .query_start = b.query_start.data(),
+         .num_seqs = num_seqs,
+         .num_tokens = n,
+         .max_blocks_per_seq = b.max_blocks_per_seq,
+         .num_blocks = pool.num_blocks(),
+         .num_heads = d.heads,
+         .num_kv_heads = d.kv_heads,
+         .block_size = g.block_size,
+         .head_dim = d.head_dim,
+         .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)))}));
+    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = attn_.data(),
+                                        .weight = l.o.data(),
+                                        .output = x_.data(),
+                                        .num_tokens = n,
+                                        .in_features = d.q_dim,
+                                        .out_features = d.hidden,
+                                        .accumulate = true}));
+    KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
+                                         .weight = l.post_norm.data(),
+                                         .output = h_.data(),
+                                         .num_tokens = n,
+                                         .hidden = d.hidden,
+                                         .eps = eps}));
+    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = h_.data(),
+                                        .weight = l.gate_up.data(),
+                                        .output = gate_up_.data(),
+                                        .num_tokens = n,
+                                        .in_features = d.hidden,
+                                        .out_features = 2 * d.inter}));
+    KVGRID_RETURN_IF_ERROR(cpu::SiluAndMul({.gate_up = gate_up_.data(),
+                                            .output = act_.data(),
+                                            .num_tokens = n,
+                                            .intermediate = d.inter}));
+    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = act_.data(),
+                                        .weight = l.down.data(),
+                                        .output = x_.data(),
+                                        .num_tokens = n,
+                                        .in_features = d.inter,
+                                        .out_features = d.hidden,
+                                        .accumulate = true}));
+  }
+
+  // Only the requested rows go through the final norm and the (large) vocabulary projection.
+  const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+  if (m == 0) return absl::OkStatus();
+  rows_.resize(m * d.hidden);
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(rows_.data() + i * d.hidden, x_.data() + b.logit_rows[i] * d.hidden,
+                sizeof(float) * d.hidden);
+  }
+  KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = rows_.data(),
+                                       .weight = w_.final_norm.data(),
+                                       .output = rows_.data(),
+                                       .num_tokens = m,
+                                       .hidden = d.hidden,
+                                       .eps = eps}));
+  logits->resize(m * d.vocab);
+  const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
+  return cpu::Linear({.input = rows_.data(),
+                      .weight = head.data(),
+                      .output = logits->data(),
+                      .num_tokens = m,
+                      .in_features = d.hidden,
+                      .out_features = d.vocab});
+}
+
+}  // namespace kvgrid::worker

@@ -1,1 +1,120 @@
-// Implementation pending.
+#include "worker/executor/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvgrid::worker {
+
+absl::Status SamplingParams::Validate() const {
+  if (!(temperature >= 0.0) || !std::isfinite(temperature)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature: must be a finite number >= 0, got ", temperature));
+  }
+  if (!(top_p > 0.0 && top_p <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("top_p: must be in (0, 1], got ", top_p));
+  }
+  if (top_k < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("top_k: must be >= 0 (0 = off), got ", top_k));
+  }
+  if (!(min_p >= 0.0 && min_p <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat("min_p: must be in [0, 1], got ", min_p));
+  }
+  if (!(repetition_penalty > 0.0) || !std::isfinite(repetition_penalty)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("repetition_penalty: must be > 0, got ", repetition_penalty));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+int32_t Argmax(std::span<const float> logits) {
+  int32_t best = 0;
+  for (int32_t i = 1; i < static_cast<int32_t>(logits.size()); ++i) {
+    if (logits[i] > logits[best]) best = i;  // strict: ties keep the lower id
+  }
+  return best;
+}
+
+// Uniform double in [0, 1) from 53 random bits: the same on every platform.
+double UniformUnit(std::mt19937_64& rng) {
+  return static_cast<double>(rng() >> 11) * (1.0 / 9007199254740992.0);
+}
+
+}  // namespace
+
+int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
+                    std::span<const int32_t> context, std::mt19937_64& rng) {
+  const int32_t vocab = static_cast<int32_t>(logits.size());
+  if (p.repetition_penalty != 1.0) {
+    absl::flat_hash_set<int32_t> seen(context.begin(), context.end());
+    const float penalty = static_cast<float>(p.repetition_penalty);
+    for (int32_t id : seen) {
+      if (id < 0 || id >= vocab) continue;
+      logits[id] = logits[id] > 0 ? logits[id] / penalty : logits[id] * penalty;
+    }
+  }
+  if (p.temperature == 0.0) return Argmax(logits);
+
+  // Candidates sorted by logit (descending, ties by id); top-k cuts the list first so the
+  // common case sorts only k entries.
+  std::vector<int32_t> ids(vocab);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto by_logit = [&logits](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  int32_t keep = vocab;
+  if (p.top_k > 0 && p.top_k < vocab) {
+    keep = static_cast<int32_t>(p.top_k);
+    std::nth_element(ids.begin(), ids.begin() + keep, ids.end(), by_logit);
+    ids.resize(keep);
+  }
+  std::sort(ids.begin(), ids.end(), by_logit);
+
+  // Softmax over the candidates at the given temperature.
+  const double inv_t = 1.0 / p.temperature;
+  const double max = logits[ids[0]];
+  std::vector<double> probs(keep);
+  double sum = 0.0;
+  for (int32_t i = 0; i < keep; ++i) {
+    probs[i] = std::exp((logits[ids[i]] - max) * inv_t);
+    sum += probs[i];
+  }
+  for (double& q : probs) q /= sum;
+
+  // top-p: the smallest prefix whose mass reaches top_p (always at least one token).
+  if (p.top_p < 1.0) {
+    double mass = 0.0;
+    int32_t cut = 0;
+    while (cut < keep) {
+      mass += probs[cut++];
+      if (mass >= p.top_p) break;
+    }
+    keep = cut;
+  }
+  // min-p: relative to the most likely token.
+  if (p.min_p > 0.0) {
+    const double floor = p.min_p * probs[0];
+    int32_t cut = 1;
+    while (cut < keep && probs[cut] >= floor) ++cut;
+    keep = cut;
+  }
+
+  double total = 0.0;
+  for (int32_t i = 0; i < keep; ++i) total += probs[i];
+  const double u = UniformUnit(rng) * total;
+  double acc = 0.0;
+  for (int32_t i = 0; i < keep; ++i) {
+    acc += probs[i];
+    if (u < acc) return ids[i];
+  }
+  return ids[keep - 1];
+}
+
+}  // namespace kvgrid::worker

@@ -1,0 +1,50 @@
+// Causal attention for a batch of sequences whose K/V live in paged arenas.
+//
+// One kernel serves prefill, chunked prefill and decode: sequence s contributes query tokens
+// [query_start[s], query_start[s+1]); they are the last tokens of its context of seq_lens[s]
+// tokens, so query token i of s sits at position seq_lens[s] - q_len + i and attends to
+// positions 0..that position. The K/V of those tokens must already be written (KvWrite).
+// Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
+#ifndef KVGRID_KERNELS_CPU_ATTENTION_H_
+#define KVGRID_KERNELS_CPU_ATTENTION_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/kv_dtype.h"
+
+namespace kvgrid::kernels::cpu {
+
+struct PagedAttentionParams {
+  const float* query = nullptr;          // [num_tokens, num_heads, head_dim]
+  float* output = nullptr;               // [num_tokens, num_heads, head_dim]
+  const void* k_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, head_dim]
+  const void* v_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, head_dim]
+  KvDType k_dtype = KvDType::kF32;
+  KvDType v_dtype = KvDType::kF32;
+  const int32_t* block_tables = nullptr; // [num_seqs, max_blocks_per_seq]
+  const int32_t* seq_lens = nullptr;     // [num_seqs]
+  const int32_t* query_start = nullptr;  // [num_seqs + 1], query_start[0] == 0
+  int64_t num_seqs = 0;
+  int64_t num_tokens = 0;                // == query_start[num_seqs]
+  int64_t max_blocks_per_seq = 0;
+  int64_t num_blocks = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t block_size = 0;
+  int64_t head_dim = 0;
+  float scale = 0.f;                     // usually 1 / sqrt(head_dim)
+
+  // INVALID_ARGUMENT naming the field: null pointers, heads not divisible by kv heads,
+  // query_start not a prefix sum ending at num_tokens, a sequence with more queries than
+  // context or more context than its block table, a block id outside the arena.
+  absl::Status Validate() const;
+};
+
+// Parallel over (query token, KV head) pairs; the query heads of a group share each K/V row
+// read. Softmax in fp32 with the running maximum subtracted.
+absl::Status PagedAttention(const PagedAttentionParams& params);
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_ATTENTION_H_

@@ -1,0 +1,30 @@
+// Linear layers through OpenBLAS: output = input x weight^T (+ bias), fp32 compute.
+// Weights keep the checkpoint's [out_features, in_features] row-major layout.
+#ifndef KVGRID_KERNELS_CPU_GEMM_H_
+#define KVGRID_KERNELS_CPU_GEMM_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace kvgrid::kernels::cpu {
+
+struct LinearParams {
+  const float* input = nullptr;   // [num_tokens, in_features]
+  const float* weight = nullptr;  // [out_features, in_features]
+  const float* bias = nullptr;    // [out_features] or null
+  float* output = nullptr;        // [num_tokens, out_features]; must not alias input
+  int64_t num_tokens = 0;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  bool accumulate = false;        // output += instead of output =
+
+  absl::Status Validate() const;
+};
+
+// One token uses GEMV (bandwidth-bound decode), more use GEMM. OpenBLAS uses every core.
+absl::Status Linear(const LinearParams& params);
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_GEMM_H_

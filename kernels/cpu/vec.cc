@@ -1,0 +1,113 @@
+#include "kernels/cpu/vec.h"
+
+#include <immintrin.h>
+
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+float DotPortable(const float* a, const float* b, int64_t n) {
+  // Four partial sums so the compiler can keep several multiplies in flight.
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    s0 += a[i] * b[i];
+    s1 += a[i + 1] * b[i + 1];
+    s2 += a[i + 2] * b[i + 2];
+    s3 += a[i + 3] * b[i + 3];
+  }
+  for (; i < n; ++i) s0 += a[i] * b[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+void AxpyPortable(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+void F16ToF32Portable(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = model::F16ToF32(src[i]);
+}
+
+void F32ToF16Portable(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = model::F32ToF16(src[i]);
+}
+
+#if defined(__x86_64__)
+#define KVGRID_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KVGRID_AVX2 float DotAvx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps();
+  __m256 acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  }
+  __m256 acc = _mm256_add_ps(acc0, acc1);
+  __m128 lo = _mm256_castps256_ps128(acc);
+  __m128 hi = _mm256_extractf128_ps(acc, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  float s = _mm_cvtss_f32(lo);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+KVGRID_AVX2 void AxpyAvx2(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+KVGRID_AVX2 void F16ToF32Avx2(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = model::F16ToF32(src[i]);
+}
+
+KVGRID_AVX2 void F32ToF16Avx2(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = model::F32ToF16(src[i]);
+}
+
+bool HasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+#endif
+
+constexpr VecOps kPortable = {DotPortable, AxpyPortable, F16ToF32Portable, F32ToF16Portable,
+                              "portable"};
+
+}  // namespace
+
+const VecOps& PortableVec() { return kPortable; }
+
+const VecOps& Vec() {
+#if defined(__x86_64__)
+  static const VecOps ops = HasAvx2() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
+                                               "avx2"}
+                                      : kPortable;
+  return ops;
+#else
+  return kPortable;
+#endif
+}
+
+}  // namespace kvgrid::kernels::cpu

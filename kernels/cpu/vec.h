@@ -1,0 +1,29 @@
+// Vector primitives the CPU kernels are built from, with an AVX2/FMA/F16C path chosen once at
+// run time when the CPU has it and a portable fallback otherwise. Thread-safe.
+#ifndef KVGRID_KERNELS_CPU_VEC_H_
+#define KVGRID_KERNELS_CPU_VEC_H_
+
+#include <cstdint>
+
+namespace kvgrid::kernels::cpu {
+
+struct VecOps {
+  // sum_i a[i] * b[i]
+  float (*dot)(const float* a, const float* b, int64_t n);
+  // y[i] += alpha * x[i]
+  void (*axpy)(float alpha, const float* x, float* y, int64_t n);
+  // dst[i] = float(src[i]) for IEEE half `src`
+  void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n);
+  // dst[i] = half(src[i]), round to nearest even
+  void (*f32_to_f16)(const float* src, uint16_t* dst, int64_t n);
+  const char* name;  // "avx2" or "portable"
+};
+
+// The best implementation for this CPU.
+const VecOps& Vec();
+// The portable implementation (for tests comparing the two).
+const VecOps& PortableVec();
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_VEC_H_

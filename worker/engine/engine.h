@@ -1,0 +1,143 @@
+// The generation engine of one worker: owns the model, the KV pool and its block manager, and
+// runs requests to completion step by step.
+//
+// Each Step() forms one batch: every running sequence decodes one token, and waiting requests
+// are admitted (FCFS) while their blocks fit, the sequence cap and the token budget allow;
+// their whole prompt is prefilled in the same forward pass. When a decode finds no free block,
+// the newest running sequence is preempted: its blocks are freed and it is recomputed later
+// (prompt + generated tokens prefilled again), so greedy output is unchanged.
+//
+// Thread-safety: none; one thread drives an engine.
+#ifndef KVGRID_WORKER_ENGINE_ENGINE_H_
+#define KVGRID_WORKER_ENGINE_ENGINE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kv_dtype.h"
+#include "worker/executor/llama_model.h"
+#include "worker/executor/sampler.h"
+#include "worker/kv/block_manager.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+
+struct StoppingParams {
+  int64_t max_new_tokens = 16;        // >= 1
+  bool ignore_eos = false;
+  std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+};
+
+struct GenerationRequest {
+  std::string id;                     // unique among live requests
+  std::vector<int32_t> prompt;        // token ids, non-empty
+  SamplingParams sampling;
+  StoppingParams stopping;
+};
+
+enum class FinishReason : uint8_t {
+  kNone,    // still running
+  kStop,    // EOS or a stop token
+  kLength,  // max_new_tokens or the model's context length
+};
+std::string_view FinishReasonName(FinishReason reason);
+
+struct TokenOutput {
+  std::string request_id;
+  int32_t token_id = -1;
+  FinishReason finish = FinishReason::kNone;
+};
+
+struct EngineOptions {
+  int64_t block_size = 16;
+  kernels::KvDType k_dtype = kernels::KvDType::kF32;
+  kernels::KvDType v_dtype = kernels::KvDType::kF32;
+  int64_t kv_cache_memory = 256ll << 20;   // bytes for the KV pool
+  int64_t max_num_seqs = 64;
+  int64_t max_num_batched_tokens = 8192;   // prefill admissions stop at this many tokens
+  int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
+  std::vector<int32_t> eos_token_ids;
+};
+
+struct EngineStats {
+  int32_t blocks_total = 0;
+  int32_t blocks_free = 0;
+  int64_t bytes_per_token = 0;
+  int64_t num_running = 0;
+  int64_t num_waiting = 0;
+  int64_t num_preemptions = 0;
+};
+
+class Engine {
+ public:
+  // Allocates the KV pool. Errors: INVALID_ARGUMENT for bad options (naming the option).
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<LlamaModel> model,
+                                                        const EngineOptions& options);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request. Errors: INVALID_ARGUMENT naming the field for an empty or duplicate id,
+  // an empty prompt, a token outside the vocabulary, a prompt that leaves no room in the
+  // context window (with both lengths), bad sampling or stopping parameters, or a sequence
+  // that could never fit the KV pool even alone (with blocks needed and available).
+  absl::Status AddRequest(GenerationRequest request);
+
+  // Drops a request wherever it is and frees its blocks. Unknown or finished ids are fine.
+  void Abort(const std::string& request_id);
+
+  [[nodiscard]] bool HasWork() const { return !waiting_.empty() || !running_.empty(); }
+
+  // Runs one batch; returns one output per sequence that produced a token. Errors from the
+  // forward pass are returned as they are (the step's sequences are left unchanged).
+  absl::StatusOr<std::vector<TokenOutput>> Step();
+
+  [[nodiscard]] EngineStats Stats() const;
+  [[nodiscard]] const LlamaModel& model() const { return *model_; }
+  [[nodiscard]] int64_t max_model_len() const { return max_model_len_; }
+  [[nodiscard]] const BlockManager& block_manager() const { return blocks_; }
+
+ private:
+  struct Sequence {
+    GenerationRequest request;
+    SequenceId seq_id = 0;
+    std::vector<int32_t> tokens;     // prompt + generated
+    int64_t num_computed = 0;        // tokens whose K/V are in the cache
+    int64_t num_generated = 0;
+    std::mt19937_64 rng;
+  };
+  using SeqList = std::list<std::unique_ptr<Sequence>>;
+
+  Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
+         std::unique_ptr<KvPool> pool, int64_t max_model_len);
+
+  // Frees the blocks of the newest running sequence other than `keep` and requeues it at the
+  // front of the waiting queue. Returns false when there is none.
+  bool PreemptNewest(const Sequence* keep);
+  FinishReason CheckStop(const Sequence& seq, int32_t token) const;
+
+  std::unique_ptr<LlamaModel> model_;
+  EngineOptions options_;
+  std::unique_ptr<KvPool> pool_;
+  BlockManager blocks_;
+  int64_t max_model_len_;
+  SeqList waiting_;
+  SeqList running_;  // admission order: front is oldest
+  absl::flat_hash_map<std::string, Sequence*> live_;
+  SequenceId next_seq_id_ = 1;
+  int64_t num_preemptions_ = 0;
+  ForwardBatch batch_;
+  std::vector<float> logits_;
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_ENGINE_ENGINE_H_

@@ -1,0 +1,94 @@
+// A Llama-family decoder (Llama 2/3, Qwen2, Mistral) on the CPU kernels, fp32 compute.
+//
+// Weights are converted to fp32 at load, with q/k/v and gate/up fused so each layer runs three
+// GEMMs for attention input/output and two for the MLP. Forward() runs a batch of sequences
+// through every layer, writing their new K/V into a KvPool and returning logits for the rows
+// asked for. Not thread-safe (one engine drives it); the workspace is reused across calls.
+#ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
+#define KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "model/model_config.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+
+struct LayerWeights {
+  std::vector<float> input_norm;  // [hidden]
+  std::vector<float> qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+  std::vector<float> qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] or empty
+  std::vector<float> o;           // [hidden, num_heads * head_dim]
+  std::vector<float> post_norm;   // [hidden]
+  std::vector<float> gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
+  std::vector<float> down;        // [hidden, intermediate]
+};
+
+struct LlamaWeights {
+  std::vector<float> embed;       // [vocab, hidden]
+  std::vector<LayerWeights> layers;
+  std::vector<float> final_norm;  // [hidden]
+  std::vector<float> lm_head;     // [vocab, hidden]; empty when tied to `embed`
+};
+
+// One step's work, laid out for the kernels. Sequence s owns tokens
+// [query_start[s], query_start[s+1]) and has seq_lens[s] tokens of context after this step.
+struct ForwardBatch {
+  std::vector<int32_t> token_ids;     // [num_tokens]
+  std::vector<int32_t> positions;     // [num_tokens]
+  std::vector<int64_t> slots;         // [num_tokens] KV slots to write
+  std::vector<int32_t> query_start;   // [num_seqs + 1]
+  std::vector<int32_t> seq_lens;      // [num_seqs]
+  std::vector<int32_t> block_tables;  // [num_seqs, max_blocks_per_seq], padded with 0
+  int64_t max_blocks_per_seq = 0;
+  std::vector<int32_t> logit_rows;    // token indices whose logits are returned, in order
+};
+
+class LlamaModel {
+ public:
+  // Reads config.json and the safetensors checkpoint in `dir`.
+  // Errors: as model::LoadModelConfig and model::Checkpoint (naming file and tensor), plus
+  // INVALID_ARGUMENT for a missing or mis-shaped tensor.
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir);
+
+  // Builds a model from weights in memory (benchmarks, tests).
+  // Errors: INVALID_ARGUMENT when a tensor's size disagrees with `config`.
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> FromWeights(const model::ModelConfig& config,
+                                                                 LlamaWeights weights);
+
+  // Deterministic random weights (std ~ 1/sqrt(fan_in), norms ~ 1) for benchmarks.
+  static LlamaWeights RandomWeights(const model::ModelConfig& config, uint64_t seed);
+
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  [[nodiscard]] const model::ModelConfig& config() const { return config_; }
+  // Bytes of fp32 weights held.
+  [[nodiscard]] int64_t WeightBytes() const;
+  // The KV geometry this model needs (dtypes and block size left to the caller).
+  [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
+                                         kernels::KvDType v_dtype) const;
+
+  // Runs `batch`; writes K/V of its tokens into `pool`; fills `logits` with
+  // [batch.logit_rows.size(), vocab] floats. Errors: INVALID_ARGUMENT for malformed batches
+  // (token id outside the vocabulary, slots outside the pool, inconsistent sizes).
+  absl::Status Forward(const ForwardBatch& batch, KvPool& pool, std::vector<float>* logits);
+
+ private:
+  LlamaModel(const model::ModelConfig& config, LlamaWeights weights, std::vector<double> inv_freq);
+
+  model::ModelConfig config_;
+  LlamaWeights w_;
+  std::vector<double> inv_freq_;  // [head_dim / 2]
+  // Workspace, reused across steps.
+  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_;
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
