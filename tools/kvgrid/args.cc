@@ -85,7 +85,7 @@ absl::StatusOr<std::optional<std::vector<int32_t>>> Args::GetIntList(const std::
   auto s = GetString(name);
   if (!s) return std::optional<std::vector<int32_t>>();
   std::vector<int32_t> out;
-  for (std::string_view part : absl::StrSplit(*s, ',', absl::SkipWhitespace())) {
+  for (absl::string_view part : absl::StrSplit(*s, ',', absl::SkipWhitespace())) {
     int32_t v;
     if (!absl::SimpleAtoi(part, &v)) {
       return absl::InvalidArgumentError(

@@ -1,5 +1,95 @@
+// kvgrid logits: prefill --prompt-ids, decode --decode-ids one at a time, and print the logits
+// of the last position as JSON. Drives the model, KV pool and block manager directly, so
+// reference checks see exactly what the kernels compute.
 #include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
+#include "tools/kvgrid/model_setup.h"
+#include "worker/kv/block_manager.h"
+#include "worker/kv/kv_pool.h"
+
 namespace kvgrid::cli {
-int LogitsCommand(Args& args) { std::fputs("kvgrid logits: not built yet\n", stderr); return 1; }
+namespace {
+
+constexpr char kHelp[] =
+    "usage: kvgrid logits [--model DIR] --prompt-ids 1,2,3 [--decode-ids 4,5]\n"
+    "                     [--kv-cache-dtype fp32|fp16] [--block-size 16]\n"
+    "prints {\"logits\": [...], \"num_tokens\": N} for the last position\n";
+
+absl::Status Logits(Args& args) {
+  const std::filesystem::path dir = ResolveModelDir(args);
+  KVGRID_ASSIGN_OR_RETURN(auto prompt, args.GetIntList("prompt-ids"));
+  KVGRID_ASSIGN_OR_RETURN(auto decode, args.GetIntList("decode-ids"));
+  KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
+  KVGRID_RETURN_IF_ERROR(args.Finish());
+  if (!prompt || prompt->empty()) {
+    return absl::InvalidArgumentError("--prompt-ids: required and non-empty");
+  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::LlamaModel> model, worker::LlamaModel::Load(dir));
+  const std::vector<int32_t> extra = decode.value_or(std::vector<int32_t>{});
+  const int64_t total = static_cast<int64_t>(prompt->size() + extra.size());
+  if (total > model->config().max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--prompt-ids/--decode-ids: ", total, " tokens exceed the context window of ",
+        model->config().max_position_embeddings));
+  }
+  const worker::KvGeometry geometry =
+      model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
+  const int64_t blocks = (total + options.block_size - 1) / options.block_size;
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::KvPool> pool,
+                          worker::KvPool::Create(geometry, blocks * geometry.BytesPerBlock()));
+  worker::BlockManager manager(pool->num_blocks(), static_cast<int32_t>(options.block_size));
+  constexpr worker::SequenceId kSeq = 1;
+  KVGRID_RETURN_IF_ERROR(manager.Reserve(kSeq, total));
+
+  std::vector<int32_t> tokens = *prompt;
+  std::vector<float> logits;
+  int64_t computed = 0;
+  auto run_step = [&]() -> absl::Status {
+    worker::ForwardBatch b;
+    for (int64_t pos = computed; pos < static_cast<int64_t>(tokens.size()); ++pos) {
+      b.token_ids.push_back(tokens[pos]);
+      b.positions.push_back(static_cast<int32_t>(pos));
+      b.slots.push_back(manager.Slot(kSeq, pos));
+    }
+    b.query_start = {0, static_cast<int32_t>(b.token_ids.size())};
+    b.seq_lens = {static_cast<int32_t>(tokens.size())};
+    b.block_tables = manager.BlockTable(kSeq);
+    b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
+    b.logit_rows = {static_cast<int32_t>(b.token_ids.size()) - 1};
+    computed = static_cast<int64_t>(tokens.size());
+    return model->Forward(b, *pool, &logits);
+  };
+  KVGRID_RETURN_IF_ERROR(run_step());
+  for (int32_t id : extra) {
+    tokens.push_back(id);
+    KVGRID_RETURN_IF_ERROR(run_step());
+  }
+  nlohmann::json j;
+  j["logits"] = logits;
+  j["num_tokens"] = tokens.size();
+  std::printf("%s\n", j.dump().c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int LogitsCommand(Args& args) {
+  if (args.Has("help")) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  absl::Status status = Logits(args);
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvgrid logits: %s\n", std::string(status.message()).c_str());
+    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
+
 }  // namespace kvgrid::cli

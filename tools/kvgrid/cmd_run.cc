@@ -1,5 +1,188 @@
+// kvgrid run: generate a continuation of one prompt and stream it to stdout.
+#include <chrono>
 #include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
+#include "tools/kvgrid/model_setup.h"
+
 namespace kvgrid::cli {
-int RunCommand(Args& args) { std::fputs("kvgrid run: not built yet\n", stderr); return 1; }
+namespace {
+
+constexpr char kHelp[] =
+    "usage: kvgrid run [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [flags]\n"
+    "\n"
+    "  --model DIR                 Hugging Face model directory (default: $KVGRID_MODEL, else\n"
+    "                              the embedded models/kjv-tiny)\n"
+    "  --prompt TEXT               prompt text, tokenized with the model's tokenizer.json\n"
+    "  --prompt-ids IDS            prompt as comma-separated token ids\n"
+    "  --add-bos                   prepend the tokenizer's BOS token to a text prompt\n"
+    "  --max-new-tokens N          default: generation_config.json, else 64\n"
+    "  --temperature T             0 = greedy (default: generation_config.json, else 1)\n"
+    "  --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
+    "  --ignore-eos                keep generating past EOS\n"
+    "  --stop-token-ids IDS        extra token ids that end the sequence\n"
+    "  --kv-cache-dtype fp32|fp16  (--k-cache-dtype / --v-cache-dtype to choose separately)\n"
+    "  --kv-cache-memory BYTES     KV pool size, e.g. 256MiB (default 256MiB)\n"
+    "  --block-size 8|16|32        tokens per KV block (default 16)\n"
+    "  --max-model-len N           context window (default: max_position_embeddings)\n"
+    "  --json                      print one JSON object at the end instead of streaming\n";
+
+struct RunResult {
+  std::vector<int32_t> prompt_ids;
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::string finish_reason;
+};
+
+absl::Status Run(Args& args) {
+  const std::filesystem::path dir = ResolveModelDir(args);
+  const std::optional<std::string> prompt_text = args.GetString("prompt");
+  KVGRID_ASSIGN_OR_RETURN(auto prompt_ids_flag, args.GetIntList("prompt-ids"));
+  KVGRID_ASSIGN_OR_RETURN(bool add_bos, args.GetBool("add-bos", false));
+  KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
+  KVGRID_ASSIGN_OR_RETURN(bool ignore_eos, args.GetBool("ignore-eos", false));
+  KVGRID_ASSIGN_OR_RETURN(auto max_new_tokens, args.GetInt("max-new-tokens"));
+  KVGRID_ASSIGN_OR_RETURN(auto temperature, args.GetDouble("temperature"));
+  KVGRID_ASSIGN_OR_RETURN(auto top_p, args.GetDouble("top-p"));
+  KVGRID_ASSIGN_OR_RETURN(auto top_k, args.GetInt("top-k"));
+  KVGRID_ASSIGN_OR_RETURN(auto min_p, args.GetDouble("min-p"));
+  KVGRID_ASSIGN_OR_RETURN(auto repetition_penalty, args.GetDouble("repetition-penalty"));
+  KVGRID_ASSIGN_OR_RETURN(auto seed, args.GetInt("seed"));
+  KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
+  KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
+  KVGRID_RETURN_IF_ERROR(args.Finish());
+  if (prompt_text.has_value() == prompt_ids_flag.has_value()) {
+    return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
+  }
+
+  KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
+  const model::GenerationConfig& gen = loaded.generation;
+
+  worker::GenerationRequest request;
+  request.id = "run";
+  if (prompt_text) {
+    if (!loaded.tokenizer) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          (dir / "tokenizer.json").string(), " is missing; use --prompt-ids instead"));
+    }
+    if (add_bos) {
+      if (auto bos = loaded.tokenizer->bos_token_id()) {
+        request.prompt.push_back(*bos);
+      } else if (gen.bos_token_id) {
+        request.prompt.push_back(static_cast<int32_t>(*gen.bos_token_id));
+      } else if (loaded.model->config().bos_token_id >= 0) {
+        request.prompt.push_back(static_cast<int32_t>(loaded.model->config().bos_token_id));
+      } else {
+        return absl::InvalidArgumentError("--add-bos: the model defines no BOS token");
+      }
+    }
+    std::vector<int32_t> ids = loaded.tokenizer->Encode(*prompt_text);
+    request.prompt.insert(request.prompt.end(), ids.begin(), ids.end());
+  } else {
+    request.prompt = *prompt_ids_flag;
+  }
+
+  // Defaults: generation_config.json (do_sample=false means greedy), then the flags.
+  worker::SamplingParams& sp = request.sampling;
+  if (gen.temperature) sp.temperature = *gen.temperature;
+  if (gen.do_sample && !*gen.do_sample) sp.temperature = 0.0;
+  if (gen.top_p) sp.top_p = *gen.top_p;
+  if (gen.top_k) sp.top_k = *gen.top_k;
+  if (gen.min_p) sp.min_p = *gen.min_p;
+  if (gen.repetition_penalty) sp.repetition_penalty = *gen.repetition_penalty;
+  if (temperature) sp.temperature = *temperature;
+  if (top_p) sp.top_p = *top_p;
+  if (top_k) sp.top_k = *top_k;
+  if (min_p) sp.min_p = *min_p;
+  if (repetition_penalty) sp.repetition_penalty = *repetition_penalty;
+  if (seed) sp.seed = static_cast<uint64_t>(*seed);
+  request.stopping.max_new_tokens = max_new_tokens ? *max_new_tokens
+                                    : gen.max_new_tokens ? *gen.max_new_tokens
+                                                         : 64;
+  request.stopping.ignore_eos = ignore_eos;
+  if (stop_ids) request.stopping.stop_token_ids = *stop_ids;
+
+  for (int64_t id : gen.eos_token_ids) options.eos_token_ids.push_back(static_cast<int32_t>(id));
+  for (int64_t id : loaded.model->config().eos_token_ids) {
+    options.eos_token_ids.push_back(static_cast<int32_t>(id));
+  }
+
+  RunResult result;
+  result.prompt_ids = request.prompt;
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::Engine> engine,
+                          worker::Engine::Create(std::move(loaded.model), options));
+  KVGRID_RETURN_IF_ERROR(engine->AddRequest(std::move(request)));
+
+  std::optional<model::IncrementalDetokenizer> detok;
+  if (loaded.tokenizer) detok.emplace(loaded.tokenizer.get(), /*skip_special_tokens=*/true);
+  const auto start = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point first_token;
+  while (engine->HasWork()) {
+    KVGRID_ASSIGN_OR_RETURN(std::vector<worker::TokenOutput> outputs, engine->Step());
+    for (const worker::TokenOutput& out : outputs) {
+      if (result.token_ids.empty()) first_token = std::chrono::steady_clock::now();
+      result.token_ids.push_back(out.token_id);
+      if (detok) {
+        KVGRID_ASSIGN_OR_RETURN(std::string delta, detok->Push(out.token_id));
+        result.text += delta;
+        if (!json) {
+          std::fwrite(delta.data(), 1, delta.size(), stdout);
+          std::fflush(stdout);
+        }
+      }
+      if (out.finish != worker::FinishReason::kNone) {
+        result.finish_reason = std::string(worker::FinishReasonName(out.finish));
+      }
+    }
+  }
+  if (detok) {
+    std::string tail = detok->Finish();
+    result.text += tail;
+    if (!json) std::fwrite(tail.data(), 1, tail.size(), stdout);
+  }
+  const auto end = std::chrono::steady_clock::now();
+  const double total_s = std::chrono::duration<double>(end - start).count();
+  const double decode_s = std::chrono::duration<double>(end - first_token).count();
+
+  if (json) {
+    nlohmann::json j;
+    j["prompt_ids"] = result.prompt_ids;
+    j["token_ids"] = result.token_ids;
+    j["text"] = result.text;
+    j["finish_reason"] = result.finish_reason;
+    std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  } else {
+    if (!detok) {
+      for (int32_t id : result.token_ids) std::printf("%d ", id);
+    }
+    std::printf("\n");
+    std::fprintf(stderr,
+                 "[%zu prompt tokens, %zu generated, finish: %s, %.2f s, %.1f tokens/s decode]\n",
+                 result.prompt_ids.size(), result.token_ids.size(), result.finish_reason.c_str(),
+                 total_s,
+                 result.token_ids.size() > 1 ? (result.token_ids.size() - 1) / decode_s : 0.0);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunCommand(Args& args) {
+  if (args.Has("help")) {
+    std::fputs(kHelp, stdout);
+    return 0;
+  }
+  absl::Status status = Run(args);
+  if (!status.ok()) {
+    std::fprintf(stderr, "kvgrid run: %s\n", std::string(status.message()).c_str());
+    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
+
 }  // namespace kvgrid::cli

@@ -1,0 +1,205 @@
+// PagedAttention against a dense, contiguous reference on random batches that mix prefill,
+// chunked prefill and decode, with GQA, scattered block tables and fp32/fp16 arenas.
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/kv_write.h"
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+struct Case {
+  int64_t heads, kv_heads, head_dim, block_size;
+  std::vector<int32_t> ctx_lens;  // per sequence, after this step
+  std::vector<int32_t> q_lens;    // per sequence
+  KvDType dtype;
+};
+
+// Dense reference: K/V per sequence as [ctx, kv_heads, head_dim] in fp64.
+void RunCase(const Case& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const int64_t num_seqs = static_cast<int64_t>(c.ctx_lens.size());
+  int64_t max_blocks = 0, total_blocks = 0;
+  for (int32_t len : c.ctx_lens) {
+    const int64_t b = (len + c.block_size - 1) / c.block_size;
+    max_blocks = std::max(max_blocks, b);
+    total_blocks += b;
+  }
+  const int64_t num_blocks = total_blocks + 3;
+  // Scatter blocks: a random permutation of arena ids.
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(num_seqs * max_blocks, 0);
+  int64_t next = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t b = (c.ctx_lens[s] + c.block_size - 1) / c.block_size;
+    for (int64_t i = 0; i < b; ++i) tables[s * max_blocks + i] = ids[next++];
+  }
+
+  const int64_t kv_row = c.kv_heads * c.head_dim;
+  const size_t esize = KvDTypeSize(c.dtype);
+  std::vector<std::byte> k_cache(num_blocks * c.kv_heads * c.block_size * c.head_dim * esize);
+  std::vector<std::byte> v_cache(k_cache.size());
+  std::vector<std::vector<float>> k_dense(num_seqs), v_dense(num_seqs);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = c.ctx_lens[s];
+    k_dense[s].resize(len * kv_row);
+    v_dense[s].resize(len * kv_row);
+    for (float& x : k_dense[s]) x = normal(rng);
+    for (float& x : v_dense[s]) x = normal(rng);
+    std::vector<int64_t> slots(len);
+    for (int64_t p = 0; p < len; ++p) {
+      slots[p] = static_cast<int64_t>(tables[s * max_blocks + p / c.block_size]) * c.block_size +
+                 p % c.block_size;
+    }
+    ASSERT_TRUE(KvWrite({.key = k_dense[s].data(),
+                         .value = v_dense[s].data(),
+                         .slots = slots.data(),
+                         .k_cache = k_cache.data(),
+                         .v_cache = v_cache.data(),
+                         .k_dtype = c.dtype,
+                         .v_dtype = c.dtype,
+                         .num_tokens = len,
+                         .num_blocks = num_blocks,
+                         .num_kv_heads = c.kv_heads,
+                         .block_size = c.block_size,
+                         .head_dim = c.head_dim})
+                    .ok());
+    if (c.dtype == KvDType::kF16) {  // the reference sees what the arena holds
+      for (float& x : k_dense[s]) x = model::F16ToF32(model::F32ToF16(x));
+      for (float& x : v_dense[s]) x = model::F16ToF32(model::F32ToF16(x));
+    }
+  }
+
+  std::vector<int32_t> query_start(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) query_start[s + 1] = query_start[s] + c.q_lens[s];
+  const int64_t num_tokens = query_start[num_seqs];
+  std::vector<float> q(num_tokens * c.heads * c.head_dim);
+  for (float& x : q) x = normal(rng);
+  std::vector<float> out(q.size(), -1.f);
+  const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
+  ASSERT_TRUE(PagedAttention({.query = q.data(),
+                              .output = out.data(),
+                              .k_cache = k_cache.data(),
+                              .v_cache = v_cache.data(),
+                              .k_dtype = c.dtype,
+                              .v_dtype = c.dtype,
+                              .block_tables = tables.data(),
+                              .seq_lens = c.ctx_lens.data(),
+                              .query_start = query_start.data(),
+                              .num_seqs = num_seqs,
+                              .num_tokens = num_tokens,
+                              .max_blocks_per_seq = max_blocks,
+                              .num_blocks = num_blocks,
+                              .num_heads = c.heads,
+                              .num_kv_heads = c.kv_heads,
+                              .block_size = c.block_size,
+                              .head_dim = c.head_dim,
+                              .scale = scale})
+                  .ok());
+
+  const int64_t group = c.heads / c.kv_heads;
+  double max_err = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t i = 0; i < c.q_lens[s]; ++i) {
+      const int64_t t = query_start[s] + i;
+      const int64_t pos = c.ctx_lens[s] - c.q_lens[s] + i;
+      for (int64_t h = 0; h < c.heads; ++h) {
+        const int64_t g = h / group;
+        const float* qv = q.data() + (t * c.heads + h) * c.head_dim;
+        std::vector<double> w(pos + 1);
+        double max = -1e300;
+        for (int64_t j = 0; j <= pos; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < c.head_dim; ++d) {
+            dot += static_cast<double>(qv[d]) * k_dense[s][j * kv_row + g * c.head_dim + d];
+          }
+          w[j] = dot * scale;
+          max = std::max(max, w[j]);
+        }
+        double sum = 0;
+        for (double& x : w) sum += (x = std::exp(x - max));
+        for (int64_t d = 0; d < c.head_dim; ++d) {
+          double acc = 0;
+          for (int64_t j = 0; j <= pos; ++j) {
+            acc += w[j] / sum * v_dense[s][j * kv_row + g * c.head_dim + d];
+          }
+          max_err = std::max(max_err,
+                             std::abs(acc - out[(t * c.heads + h) * c.head_dim + d]));
+        }
+      }
+    }
+  }
+  EXPECT_LT(max_err, 1e-5) << "seed " << seed;
+}
+
+TEST(PagedAttentionTest, DecodeBatchMatchesDenseReference) {
+  RunCase({8, 2, 32, 16, {1, 17, 40, 64}, {1, 1, 1, 1}, KvDType::kF32}, 1);
+}
+
+TEST(PagedAttentionTest, PrefillAndChunkedPrefillMatchDenseReference) {
+  // Full prefill, a chunk that follows cached tokens, and a decode in one batch.
+  RunCase({4, 4, 16, 8, {23, 50, 9}, {23, 13, 1}, KvDType::kF32}, 2);
+  RunCase({6, 3, 64, 32, {100, 33}, {100, 33}, KvDType::kF32}, 3);
+}
+
+TEST(PagedAttentionTest, Fp16ArenaMatchesReferenceOnRoundedValues) {
+  RunCase({8, 2, 32, 16, {5, 31, 70}, {5, 2, 1}, KvDType::kF16}, 4);
+}
+
+TEST(PagedAttentionTest, RandomShapes) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t kv_heads = 1 + rng() % 3;
+    const int64_t heads = kv_heads * (1 + rng() % 4);
+    const int64_t head_dim = 8 * (1 + rng() % 8);
+    const int64_t block_size = int64_t{8} << (rng() % 3);
+    const int64_t num_seqs = 1 + rng() % 4;
+    std::vector<int32_t> ctx, ql;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      ctx.push_back(1 + rng() % 70);
+      ql.push_back(1 + rng() % ctx.back());
+    }
+    RunCase({heads, kv_heads, head_dim, block_size, ctx, ql,
+             trial % 2 ? KvDType::kF16 : KvDType::kF32},
+            100 + trial);
+  }
+}
+
+TEST(PagedAttentionTest, RejectsBlockOutsideArena) {
+  std::vector<float> q(16), out(16);
+  std::vector<float> cache(16 * 16);
+  const int32_t table[] = {5};
+  const int32_t lens[] = {1};
+  const int32_t starts[] = {0, 1};
+  absl::Status s = PagedAttention({.query = q.data(),
+                                   .output = out.data(),
+                                   .k_cache = cache.data(),
+                                   .v_cache = cache.data(),
+                                   .block_tables = table,
+                                   .seq_lens = lens,
+                                   .query_start = starts,
+                                   .num_seqs = 1,
+                                   .num_tokens = 1,
+                                   .max_blocks_per_seq = 1,
+                                   .num_blocks = 1,
+                                   .num_heads = 1,
+                                   .num_kv_heads = 1,
+                                   .block_size = 16,
+                                   .head_dim = 16,
+                                   .scale = 0.25f});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("outside the arena"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvgrid::kernels::cpu

@@ -1,0 +1,190 @@
+// The elementwise and GEMM kernels against straightforward loops, and the SIMD vector
+// primitives against their portable versions.
+#include <cmath>
+#include <numbers>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/activation.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/rms_norm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/vec.h"
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+std::vector<float> Random(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+TEST(LinearTest, MatchesLoopsForGemvAndGemmWithBiasAndAccumulate) {
+  for (int64_t m : {1, 3, 17}) {
+    const int64_t k = 37, n = 29;
+    std::vector<float> x = Random(m * k, 1), w = Random(n * k, 2), bias = Random(n, 3);
+    std::vector<float> y = Random(m * n, 4), y0 = y;
+    ASSERT_TRUE(Linear({.input = x.data(), .weight = w.data(), .bias = bias.data(),
+                        .output = y.data(), .num_tokens = m, .in_features = k, .out_features = n,
+                        .accumulate = true})
+                    .ok());
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t j = 0; j < n; ++j) {
+        double ref = y0[t * n + j] + bias[j];
+        for (int64_t i = 0; i < k; ++i) ref += double(x[t * k + i]) * w[j * k + i];
+        EXPECT_NEAR(y[t * n + j], ref, 1e-4) << m << " " << t << " " << j;
+      }
+    }
+    ASSERT_TRUE(Linear({.input = x.data(), .weight = w.data(), .output = y.data(),
+                        .num_tokens = m, .in_features = k, .out_features = n})
+                    .ok());
+    double ref = 0;
+    for (int64_t i = 0; i < k; ++i) ref += double(x[i]) * w[i];
+    EXPECT_NEAR(y[0], ref, 1e-4);
+  }
+}
+
+TEST(RmsNormTest, MatchesFormula) {
+  const int64_t n = 3, d = 50;
+  std::vector<float> x = Random(n * d, 5), w = Random(d, 6), y(n * d);
+  ASSERT_TRUE(RmsNorm({.input = x.data(), .weight = w.data(), .output = y.data(), .num_tokens = n,
+                       .hidden = d, .eps = 1e-5f})
+                  .ok());
+  for (int64_t t = 0; t < n; ++t) {
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += double(x[t * d + i]) * x[t * d + i];
+    const double r = 1.0 / std::sqrt(ss / d + 1e-5);
+    for (int64_t i = 0; i < d; ++i) EXPECT_NEAR(y[t * d + i], x[t * d + i] * r * w[i], 1e-5);
+  }
+}
+
+TEST(RmsNormTest, RejectsBadEps) {
+  float x = 1, w = 1, y;
+  EXPECT_FALSE(RmsNorm({.input = &x, .weight = &w, .output = &y, .num_tokens = 1, .hidden = 1,
+                        .eps = 0.f})
+                   .ok());
+}
+
+TEST(SiluAndMulTest, MatchesFormula) {
+  const int64_t n = 2, inter = 7;
+  std::vector<float> gu = Random(n * 2 * inter, 7), out(n * inter);
+  ASSERT_TRUE(SiluAndMul({.gate_up = gu.data(), .output = out.data(), .num_tokens = n,
+                          .intermediate = inter})
+                  .ok());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t i = 0; i < inter; ++i) {
+      const double g = gu[t * 2 * inter + i], u = gu[t * 2 * inter + inter + i];
+      EXPECT_NEAR(out[t * inter + i], g / (1 + std::exp(-g)) * u, 1e-6);
+    }
+  }
+}
+
+TEST(EmbeddingTest, GathersRowsAndRejectsOutOfVocabIds) {
+  std::vector<float> table = Random(5 * 3, 8), out(2 * 3);
+  const int32_t ids[] = {4, 0};
+  ASSERT_TRUE(Embedding({.table = table.data(), .ids = ids, .output = out.data(), .vocab = 5,
+                         .hidden = 3, .num_tokens = 2})
+                  .ok());
+  EXPECT_EQ(out[0], table[12]);
+  EXPECT_EQ(out[3], table[0]);
+  const int32_t bad[] = {5};
+  absl::Status s = Embedding({.table = table.data(), .ids = bad, .output = out.data(),
+                              .vocab = 5, .hidden = 3, .num_tokens = 1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+model::ModelConfig RopeConfig() {
+  model::ModelConfig c;
+  c.head_dim = 128;
+  c.rope_theta = 500000.0;
+  return c;
+}
+
+TEST(RopeTest, DefaultInvFreq) {
+  auto f = RopeInvFreq(RopeConfig());
+  ASSERT_TRUE(f.ok());
+  ASSERT_EQ(f->size(), 64u);
+  EXPECT_DOUBLE_EQ((*f)[0], 1.0);
+  EXPECT_NEAR((*f)[1], std::pow(500000.0, -2.0 / 128), 1e-15);
+}
+
+TEST(RopeTest, Llama3ScalingKeepsHighAndDividesLowFrequencies) {
+  model::ModelConfig c = RopeConfig();
+  c.rope_scaling = {model::RopeScalingType::kLlama3, 8.0, 1.0, 4.0, 8192};
+  auto plain = RopeInvFreq(RopeConfig());
+  auto scaled = RopeInvFreq(c);
+  ASSERT_TRUE(plain.ok() && scaled.ok());
+  int kept = 0, divided = 0, blended = 0;
+  for (size_t i = 0; i < plain->size(); ++i) {
+    const double wavelen = 2 * std::numbers::pi / (*plain)[i];
+    if (wavelen < 8192.0 / 4) {
+      EXPECT_DOUBLE_EQ((*scaled)[i], (*plain)[i]);
+      ++kept;
+    } else if (wavelen > 8192.0) {
+      EXPECT_NEAR((*scaled)[i], (*plain)[i] / 8, 1e-18);
+      ++divided;
+    } else {
+      EXPECT_LT((*scaled)[i], (*plain)[i]);
+      EXPECT_GT((*scaled)[i], (*plain)[i] / 8);
+      ++blended;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(blended, 0);
+}
+
+TEST(RopeTest, RotatesPairsHalfApart) {
+  model::ModelConfig c;
+  c.head_dim = 4;
+  c.rope_theta = 10000.0;
+  auto f = RopeInvFreq(c);
+  ASSERT_TRUE(f.ok());
+  std::vector<float> q = {1, 2, 3, 4}, k = {1, 0, 0, 1};
+  const int32_t pos[] = {3};
+  ASSERT_TRUE(Rope({.query = q.data(), .key = k.data(), .positions = pos, .inv_freq = f->data(),
+                    .num_tokens = 1, .num_heads = 1, .num_kv_heads = 1, .head_dim = 4})
+                  .ok());
+  const double a0 = 3.0, a1 = 3.0 * (*f)[1];
+  EXPECT_NEAR(q[0], 1 * std::cos(a0) - 3 * std::sin(a0), 1e-6);
+  EXPECT_NEAR(q[2], 3 * std::cos(a0) + 1 * std::sin(a0), 1e-6);
+  EXPECT_NEAR(q[1], 2 * std::cos(a1) - 4 * std::sin(a1), 1e-6);
+  EXPECT_NEAR(q[3], 4 * std::cos(a1) + 2 * std::sin(a1), 1e-6);
+  EXPECT_NEAR(k[0], std::cos(a0), 1e-6);
+}
+
+TEST(RopeTest, RejectsOddHeadDim) {
+  model::ModelConfig c;
+  c.head_dim = 5;
+  EXPECT_FALSE(RopeInvFreq(c).ok());
+}
+
+TEST(VecTest, SimdMatchesPortable) {
+  const VecOps& fast = Vec();
+  const VecOps& slow = PortableVec();
+  for (int64_t n : {1, 7, 8, 15, 16, 33, 128}) {
+    std::vector<float> a = Random(n, n), b = Random(n, n + 1);
+    EXPECT_NEAR(fast.dot(a.data(), b.data(), n), slow.dot(a.data(), b.data(), n), 1e-4) << n;
+    std::vector<float> y1 = b, y2 = b;
+    fast.axpy(0.37f, a.data(), y1.data(), n);
+    slow.axpy(0.37f, a.data(), y2.data(), n);
+    for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(y1[i], y2[i], 1e-6);
+    std::vector<uint16_t> h1(n), h2(n);
+    fast.f32_to_f16(a.data(), h1.data(), n);
+    slow.f32_to_f16(a.data(), h2.data(), n);
+    EXPECT_EQ(h1, h2) << n;
+    std::vector<float> f1(n), f2(n);
+    fast.f16_to_f32(h1.data(), f1.data(), n);
+    slow.f16_to_f32(h1.data(), f2.data(), n);
+    EXPECT_EQ(f1, f2);
+  }
+}
+
+}  // namespace
+}  // namespace kvgrid::kernels::cpu

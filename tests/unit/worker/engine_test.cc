@@ -1,0 +1,219 @@
+// The engine on the generated fixture models: batching does not change outputs, preemption by
+// recompute does not change greedy outputs, aborts and finishes return every block, and bad
+// requests are refused with the field named.
+#include "worker/engine/engine.h"
+
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvgrid::worker {
+namespace {
+
+std::filesystem::path Fixture(const std::string& name) {
+  return std::filesystem::path(KVGRID_FIXTURES_DIR) / name;
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& fixture, EngineOptions options = {}) {
+  auto model = LlamaModel::Load(Fixture(fixture));
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return nullptr;
+  auto engine = Engine::Create(*std::move(model), options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? *std::move(engine) : nullptr;
+}
+
+GenerationRequest Request(const std::string& id, std::vector<int32_t> prompt, int64_t max_new,
+                          double temperature, std::optional<uint64_t> seed = std::nullopt) {
+  GenerationRequest r;
+  r.id = id;
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = temperature;
+  r.sampling.top_p = temperature > 0 ? 0.95 : 1.0;
+  r.sampling.seed = seed;
+  r.stopping.max_new_tokens = max_new;
+  r.stopping.ignore_eos = true;
+  return r;
+}
+
+// Runs to completion; returns generated tokens per request id and checks finish bookkeeping.
+std::map<std::string, std::vector<int32_t>> Drain(Engine& engine) {
+  std::map<std::string, std::vector<int32_t>> out;
+  int guard = 0;
+  while (engine.HasWork() && ++guard < 10000) {
+    auto step = engine.Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) break;
+    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
+  }
+  EXPECT_FALSE(engine.HasWork());
+  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
+  return out;
+}
+
+std::vector<GenerationRequest> MixedRequests() {
+  std::vector<GenerationRequest> rs;
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 3 + 7 * i; ++j) prompt.push_back(100 + (j * 31 + i * 17) % 5000);
+    const bool sampled = i % 2 == 1;
+    rs.push_back(Request("r" + std::to_string(i), prompt, 12 + i, sampled ? 0.8 : 0.0,
+                         sampled ? std::optional<uint64_t>(1000 + i) : std::nullopt));
+  }
+  return rs;
+}
+
+class EngineFixtureTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineFixtureTest, BatchedOutputsEqualOutputsAlone) {
+  std::map<std::string, std::vector<int32_t>> alone;
+  for (GenerationRequest& r : MixedRequests()) {
+    auto engine = MakeEngine(GetParam());
+    ASSERT_NE(engine, nullptr);
+    const std::string id = r.id;
+    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+    alone[id] = Drain(*engine)[id];
+  }
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  for (GenerationRequest& r : MixedRequests()) ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  EXPECT_EQ(Drain(*engine), alone);
+}
+
+TEST_P(EngineFixtureTest, PreemptionByRecomputeKeepsGreedyOutputs) {
+  std::map<std::string, std::vector<int32_t>> expected;
+  {
+    auto engine = MakeEngine(GetParam());
+    ASSERT_NE(engine, nullptr);
+    for (GenerationRequest& r : MixedRequests()) {
+      r.sampling.temperature = 0;
+      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+    }
+    expected = Drain(*engine);
+  }
+  // Room for 6 blocks of 8 tokens: the six sequences (up to 53 tokens each) must take turns.
+  auto probe = MakeEngine(GetParam());
+  ASSERT_NE(probe, nullptr);
+  EngineOptions tight;
+  tight.block_size = 8;
+  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
+  auto engine = MakeEngine(GetParam(), tight);
+  ASSERT_NE(engine, nullptr);
+  ASSERT_EQ(engine->Stats().blocks_total, 8);
+  for (GenerationRequest& r : MixedRequests()) {
+    r.sampling.temperature = 0;
+    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  }
+  EXPECT_EQ(Drain(*engine), expected);
+  EXPECT_GT(engine->Stats().num_preemptions, 0);
+}
+
+TEST_P(EngineFixtureTest, AbortFreesBlocksAndIsIdempotent) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("a", {1, 2, 3, 4, 5}, 50, 0.0)).ok());
+  ASSERT_TRUE(engine->AddRequest(Request("b", {6, 7, 8}, 50, 0.0)).ok());
+  ASSERT_TRUE(engine->Step().ok());
+  ASSERT_TRUE(engine->Step().ok());
+  EXPECT_LT(engine->Stats().blocks_free, engine->Stats().blocks_total);
+  engine->Abort("a");
+  engine->Abort("a");
+  engine->Abort("never-existed");
+  engine->Abort("b");
+  EXPECT_FALSE(engine->HasWork());
+  EXPECT_EQ(engine->Stats().blocks_free, engine->Stats().blocks_total);
+  // The id is free again.
+  EXPECT_TRUE(engine->AddRequest(Request("a", {1}, 2, 0.0)).ok());
+  Drain(*engine);
+}
+
+TEST_P(EngineFixtureTest, MaxNewTokensAndFinishReason) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("x", {10, 11}, 5, 0.0)).ok());
+  std::vector<TokenOutput> all;
+  while (engine->HasWork()) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    all.insert(all.end(), step->begin(), step->end());
+  }
+  ASSERT_EQ(all.size(), 5u);
+  for (size_t i = 0; i + 1 < all.size(); ++i) EXPECT_EQ(all[i].finish, FinishReason::kNone);
+  EXPECT_EQ(all.back().finish, FinishReason::kLength);
+}
+
+TEST_P(EngineFixtureTest, StopTokenEndsTheSequence) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("g", {10, 11, 12}, 8, 0.0)).ok());
+  const std::vector<int32_t> greedy = Drain(*engine)["g"];
+  ASSERT_EQ(greedy.size(), 8u);
+  GenerationRequest r = Request("s", {10, 11, 12}, 8, 0.0);
+  r.stopping.stop_token_ids = {greedy[3]};
+  ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  const std::vector<int32_t> stopped = Drain(*engine)["s"];
+  const size_t first = std::find(greedy.begin(), greedy.end(), greedy[3]) - greedy.begin();
+  EXPECT_EQ(stopped, std::vector<int32_t>(greedy.begin(), greedy.begin() + first + 1));
+}
+
+TEST_P(EngineFixtureTest, RefusesBadRequestsNamingTheField) {
+  EngineOptions small;
+  small.max_model_len = 64;
+  auto engine = MakeEngine(GetParam(), small);
+  ASSERT_NE(engine, nullptr);
+  auto message = [&](GenerationRequest r) {
+    absl::Status s = engine->AddRequest(std::move(r));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    return std::string(s.message());
+  };
+  EXPECT_NE(message(Request("", {1}, 1, 0.0)).find("request_id"), std::string::npos);
+  EXPECT_NE(message(Request("e", {}, 1, 0.0)).find("prompt"), std::string::npos);
+  EXPECT_NE(message(Request("v", {1, -3}, 1, 0.0)).find("prompt[1]"), std::string::npos);
+  EXPECT_NE(message(Request("v", {1, 1 << 30}, 1, 0.0)).find("vocabulary"), std::string::npos);
+  const std::string too_long = message(Request("l", std::vector<int32_t>(64, 5), 1, 0.0));
+  EXPECT_NE(too_long.find("64 tokens"), std::string::npos) << too_long;
+  EXPECT_NE(message(Request("m", {1}, 0, 0.0)).find("max_new_tokens"), std::string::npos);
+  GenerationRequest bad_p = Request("p", {1}, 1, 1.0);
+  bad_p.sampling.top_p = 0;
+  EXPECT_NE(message(std::move(bad_p)).find("top_p"), std::string::npos);
+  ASSERT_TRUE(engine->AddRequest(Request("dup", {1}, 1, 0.0)).ok());
+  EXPECT_NE(message(Request("dup", {1}, 1, 0.0)).find("already in use"), std::string::npos);
+  Drain(*engine);
+}
+
+TEST_P(EngineFixtureTest, RefusesSequencesThatCanNeverFit) {
+  auto probe = MakeEngine(GetParam());
+  ASSERT_NE(probe, nullptr);
+  EngineOptions tiny;
+  tiny.kv_cache_memory = 2 * 16 * probe->Stats().bytes_per_token;  // 2 blocks = 32 tokens
+  auto engine = MakeEngine(GetParam(), tiny);
+  ASSERT_NE(engine, nullptr);
+  absl::Status s = engine->AddRequest(Request("big", std::vector<int32_t>(20, 3), 20, 0.0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("40 tokens"), std::string::npos) << s;
+  EXPECT_NE(std::string(s.message()).find("holds 32 tokens"), std::string::npos) << s;
+  EXPECT_TRUE(engine->AddRequest(Request("ok", std::vector<int32_t>(20, 3), 12, 0.0)).ok());
+  Drain(*engine);
+}
+
+TEST_P(EngineFixtureTest, Fp16CacheStaysCloseToFp32) {
+  EngineOptions f16;
+  f16.k_dtype = f16.v_dtype = kernels::KvDType::kF16;
+  auto a = MakeEngine(GetParam());
+  auto b = MakeEngine(GetParam(), f16);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Stats().bytes_per_token * 2, a->Stats().bytes_per_token);
+  ASSERT_TRUE(a->AddRequest(Request("q", {5, 6, 7, 8, 9, 10}, 16, 0.0)).ok());
+  ASSERT_TRUE(b->AddRequest(Request("q", {5, 6, 7, 8, 9, 10}, 16, 0.0)).ok());
+  EXPECT_EQ(Drain(*a), Drain(*b));
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFixtureTest,
+                         ::testing::Values("llama3-tiny", "qwen2-tiny"));
+
+}  // namespace
+}  // namespace kvgrid::worker

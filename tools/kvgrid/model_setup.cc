@@ -1,0 +1,86 @@
+#include "tools/kvgrid/model_setup.h"
+
+#include <cstdlib>
+#include <string>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
+
+namespace kvgrid::cli {
+
+std::filesystem::path ResolveModelDir(Args& args) {
+  if (auto m = args.GetString("model")) return *m;
+  if (const char* env = std::getenv("KVGRID_MODEL"); env && *env) return env;
+  return std::filesystem::path(KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
+}
+
+absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir) {
+  if (!std::filesystem::is_directory(dir)) {
+    return absl::NotFoundError(absl::StrCat("model directory ", dir.string(), " does not exist"));
+  }
+  LoadedModel out;
+  out.dir = dir;
+  KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir));
+  if (std::filesystem::exists(dir / "tokenizer.json")) {
+    KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(dir / "tokenizer.json"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(out.generation, model::LoadGenerationConfig(dir));
+  return out;
+}
+
+absl::StatusOr<int64_t> ParseBytes(std::string_view text, std::string_view flag) {
+  std::string s = absl::AsciiStrToLower(std::string(text));
+  struct Unit {
+    const char* suffix;
+    int64_t scale;
+  };
+  static constexpr Unit kUnits[] = {{"kib", 1ll << 10}, {"mib", 1ll << 20}, {"gib", 1ll << 30},
+                                    {"tib", 1ll << 40}, {"kb", 1000},       {"mb", 1000000},
+                                    {"gb", 1000000000}, {"tb", 1000000000000}, {"b", 1}};
+  int64_t scale = 1;
+  for (const Unit& u : kUnits) {
+    const std::string suffix = u.suffix;
+    if (s.size() > suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      scale = u.scale;
+      s.resize(s.size() - suffix.size());
+      break;
+    }
+  }
+  double value;
+  if (!absl::SimpleAtod(s, &value) || !(value > 0) || value * scale > 9e18) {
+    return absl::InvalidArgumentError(absl::StrCat("--", std::string(flag),
+                                                   ": expected a positive size such as 512MiB, got '",
+                                                   std::string(text), "'"));
+  }
+  return static_cast<int64_t>(value * static_cast<double>(scale));
+}
+
+absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
+  worker::EngineOptions o;
+  if (auto d = args.GetString("kv-cache-dtype")) {
+    KVGRID_ASSIGN_OR_RETURN(o.k_dtype, kernels::ParseKvDType(*d));
+    o.v_dtype = o.k_dtype;
+  }
+  if (auto d = args.GetString("k-cache-dtype")) {
+    KVGRID_ASSIGN_OR_RETURN(o.k_dtype, kernels::ParseKvDType(*d));
+  }
+  if (auto d = args.GetString("v-cache-dtype")) {
+    KVGRID_ASSIGN_OR_RETURN(o.v_dtype, kernels::ParseKvDType(*d));
+  }
+  if (auto m = args.GetString("kv-cache-memory")) {
+    KVGRID_ASSIGN_OR_RETURN(o.kv_cache_memory, ParseBytes(*m, "kv-cache-memory"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(auto block_size, args.GetInt("block-size"));
+  if (block_size) o.block_size = *block_size;
+  KVGRID_ASSIGN_OR_RETURN(auto max_num_seqs, args.GetInt("max-num-seqs"));
+  if (max_num_seqs) o.max_num_seqs = *max_num_seqs;
+  KVGRID_ASSIGN_OR_RETURN(auto max_batched, args.GetInt("max-num-batched-tokens"));
+  if (max_batched) o.max_num_batched_tokens = *max_batched;
+  KVGRID_ASSIGN_OR_RETURN(auto max_model_len, args.GetInt("max-model-len"));
+  if (max_model_len) o.max_model_len = *max_model_len;
+  return o;
+}
+
+}  // namespace kvgrid::cli

@@ -1,0 +1,41 @@
+// What `run` and `logits` share: resolving the model directory (the embedded default when
+// --model is absent), loading its parts, and turning KV/engine flags into EngineOptions.
+#ifndef KVGRID_TOOLS_KVGRID_MODEL_SETUP_H_
+#define KVGRID_TOOLS_KVGRID_MODEL_SETUP_H_
+
+#include <filesystem>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "model/generation_config.h"
+#include "model/tokenizer.h"
+#include "tools/kvgrid/args.h"
+#include "worker/engine/engine.h"
+#include "worker/executor/llama_model.h"
+
+namespace kvgrid::cli {
+
+// --model, else $KVGRID_MODEL, else the model shipped in the source tree.
+std::filesystem::path ResolveModelDir(Args& args);
+
+struct LoadedModel {
+  std::filesystem::path dir;
+  std::unique_ptr<worker::LlamaModel> model;
+  std::unique_ptr<model::Tokenizer> tokenizer;  // null when the directory has no tokenizer.json
+  model::GenerationConfig generation;
+};
+
+// Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
+absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir);
+
+// Reads --kv-cache-dtype (both K and V), --k-cache-dtype/--v-cache-dtype overrides,
+// --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
+// --max-num-seqs, --max-num-batched-tokens and --max-model-len.
+absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args);
+
+// "512MiB" -> 536870912. Errors: INVALID_ARGUMENT naming `flag`.
+absl::StatusOr<int64_t> ParseBytes(std::string_view text, std::string_view flag);
+
+}  // namespace kvgrid::cli
+
+#endif  // KVGRID_TOOLS_KVGRID_MODEL_SETUP_H_
