@@ -11,6 +11,8 @@ namespace kvgrid::cli {
 int RunCommand(Args& args);
 // logits: last-position logits after prefilling --prompt-ids and decoding --decode-ids.
 int LogitsCommand(Args& args);
+// perplexity: held-out perplexity of a text file through the paged KV cache.
+int PerplexityCommand(Args& args);
 // tokenize: JSON lines in (strings), JSON lines out (ids), against a tokenizer.json.
 int TokenizeCommand(Args& args);
 

@@ -14,6 +14,7 @@ constexpr char kUsage[] =
     "commands:\n"
     "  run        stream a continuation of a prompt (default: the embedded model)\n"
     "  logits     print last-position logits as JSON (for reference checks)\n"
+    "  perplexity held-out perplexity of a text file\n"
     "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
     "\n"
     "run 'kvgrid <command> --help' for the flags of a command.\n";
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
   }
   if (command == "run") return kvgrid::cli::RunCommand(*args);
   if (command == "logits") return kvgrid::cli::LogitsCommand(*args);
+  if (command == "perplexity") return kvgrid::cli::PerplexityCommand(*args);
   if (command == "tokenize") return kvgrid::cli::TokenizeCommand(*args);
   std::fprintf(stderr, "kvgrid: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return 2;
