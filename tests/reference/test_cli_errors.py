@@ -1,0 +1,99 @@
+"""Bad input through the kvgrid CLI: a clear message naming the file or field, a non-zero exit,
+never a crash (signals give negative return codes)."""
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BIN = Path(os.environ["KVGRID_BIN"]) / "kvgrid"
+FIXTURES = Path(os.environ["KVGRID_FIXTURES"])
+
+
+def run(*args, stdin=None):
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True,
+                          input=stdin, timeout=120)
+
+
+@pytest.fixture
+def model_copy(tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(FIXTURES / "qwen2-tiny", dst)
+    return dst
+
+
+def assert_clean_failure(result, *needles):
+    assert result.returncode > 0, (result.returncode, result.stderr)
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+def test_missing_model_dir(tmp_path):
+    r = run("run", "--model", tmp_path / "nope", "--prompt", "hi")
+    assert_clean_failure(r, "does not exist")
+
+
+def test_malformed_config(model_copy):
+    (model_copy / "config.json").write_text('{"hidden_size": 64,')
+    r = run("run", "--model", model_copy, "--prompt", "hi")
+    assert_clean_failure(r, "config.json")
+
+
+def test_config_with_bad_field(model_copy):
+    cfg = json.loads((model_copy / "config.json").read_text())
+    cfg["num_key_value_heads"] = 3
+    (model_copy / "config.json").write_text(json.dumps(cfg))
+    r = run("run", "--model", model_copy, "--prompt", "hi")
+    assert_clean_failure(r, "num_key_value_heads")
+
+
+def test_truncated_safetensors(model_copy):
+    path = model_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    r = run("run", "--model", model_copy, "--prompt", "hi")
+    assert_clean_failure(r, "model.safetensors")
+
+
+def test_safetensors_huge_header(model_copy):
+    path = model_copy / "model.safetensors"
+    path.write_bytes((200 * 1000 * 1000).to_bytes(8, "little") + b"{}")
+    r = run("run", "--model", model_copy, "--prompt", "hi")
+    assert_clean_failure(r, "model.safetensors")
+
+
+def test_malformed_tokenizer(model_copy):
+    (model_copy / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 5}}')
+    r = run("run", "--model", model_copy, "--prompt", "hi")
+    assert_clean_failure(r, "tokenizer.json")
+
+
+def test_prompt_longer_than_context(model_copy):
+    r = run("run", "--model", model_copy, "--prompt-ids", ",".join(["5"] * 40),
+            "--max-model-len", "32")
+    assert_clean_failure(r, "context window")
+
+
+def test_token_id_outside_vocabulary(model_copy):
+    r = run("run", "--model", model_copy, "--prompt-ids", "1,99999999")
+    assert_clean_failure(r, "vocabulary")
+
+
+def test_unknown_flag_and_bad_values(model_copy):
+    assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi", "--bogus", "1"),
+                         "--bogus")
+    assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi", "--top-p", "2"),
+                         "top_p")
+    assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi",
+                             "--kv-cache-dtype", "int3"), "int3")
+    assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi",
+                             "--kv-cache-memory", "lots"), "--kv-cache-memory")
+
+
+def test_kv_cache_too_small_for_the_request(model_copy):
+    r = run("run", "--model", model_copy, "--prompt-ids", ",".join(["5"] * 20),
+            "--max-new-tokens", "100", "--kv-cache-memory", "8KiB")
+    assert_clean_failure(r)
+    assert "KV" in r.stderr or "kv-cache-memory" in r.stderr, r.stderr
