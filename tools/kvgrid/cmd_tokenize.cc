@@ -60,6 +60,9 @@ int TokenizeCommand(Args& args) {
   auto tokenizer = model::Tokenizer::FromFile(*path);
   if (!tokenizer.ok()) return Fail(std::string(tokenizer.status().message()));
 
+  // Only iostreams read stdin here; unsyncing them from stdio makes getline several times
+  // faster on large batches.
+  std::ios::sync_with_stdio(false);
   std::string line;
   std::string out;
   for (int64_t number = 1; std::getline(std::cin, line); ++number) {
