@@ -1,1 +1,435 @@
-// Implementation pending.
+#include "model/model_config.h"
+
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace kvgrid::model {
+namespace {
+
+using Json = nlohmann::json;
+
+// Debian's abseil has its own string_view type; StrCat needs it spelled out.
+absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+
+// config.json is a few KB; the cap only stops a wrong path (a checkpoint, /dev/zero) from
+// being slurped into memory.
+constexpr std::uintmax_t kMaxConfigBytes = 16ull << 20;
+
+// A short rendering of a JSON value for error messages; long values are cut so that an
+// error about a huge array stays readable.
+std::string Describe(const Json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return absl::StrCat(value.type_name(), " ", text);
+}
+
+// Reads typed fields of one JSON object and phrases every failure as
+// "<source>: <field>: <problem>". A JSON null counts as absent, because Hugging Face writes
+// null for "use the default" (head_dim, rope_scaling, sliding_window, eos_token_id, ...).
+class FieldReader {
+ public:
+  FieldReader(const Json& object, std::string_view source, std::string prefix = "")
+      : object_(object), source_(source), prefix_(std::move(prefix)) {}
+
+  std::string FieldName(std::string_view key) const { return absl::StrCat(prefix_, Sv(key)); }
+
+  absl::Status Error(std::string_view key, std::string_view problem) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Sv(source_), ": ", FieldName(key), ": ", Sv(problem)));
+  }
+
+  // nullptr when the key is absent or null.
+  const Json* Find(std::string_view key) const {
+    auto it = object_.find(key);
+    if (it == object_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  bool Has(std::string_view key) const { return Find(key) != nullptr; }
+
+  absl::StatusOr<std::optional<int64_t>> Int(std::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    return ToInt(key, *value);
+  }
+
+  absl::StatusOr<int64_t> ToInt(std::string_view key, const Json& value) const {
+    if (value.is_number_unsigned()) {
+      const uint64_t v = value.get<uint64_t>();
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Error(key, absl::StrCat(v, " is out of range"));
+      }
+      return static_cast<int64_t>(v);
+    }
+    if (value.is_number_integer()) return value.get<int64_t>();
+    // Some exporters write integers as 4096.0; accept them when they are exact.
+    if (value.is_number_float()) {
+      const double d = value.get<double>();
+      if (std::isfinite(d) && d == std::trunc(d) && std::fabs(d) < 9.0e18) {
+        return static_cast<int64_t>(d);
+      }
+    }
+    return Error(key, absl::StrCat("expected an integer, got ", Describe(value)));
+  }
+
+  absl::StatusOr<std::optional<double>> Number(std::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_number()) {
+      return Error(key, absl::StrCat("expected a number, got ", Describe(*value)));
+    }
+    return value->get<double>();
+  }
+
+  absl::StatusOr<std::optional<bool>> Bool(std::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_boolean()) {
+      return Error(key, absl::StrCat("expected true or false, got ", Describe(*value)));
+    }
+    return value->get<bool>();
+  }
+
+  absl::StatusOr<std::optional<std::string>> String(std::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_string()) {
+      return Error(key, absl::StrCat("expected a string, got ", Describe(*value)));
+    }
+    return value->get<std::string>();
+  }
+
+  // A required integer > 0.
+  absl::StatusOr<int64_t> PositiveInt(std::string_view key) const {
+    absl::StatusOr<std::optional<int64_t>> value = Int(key);
+    if (!value.ok()) return value.status();
+    if (!value->has_value()) return Error(key, "missing");
+    if (**value <= 0) return Error(key, absl::StrCat(**value, " must be positive"));
+    return **value;
+  }
+
+  // An optional number that must be finite and > 0 when present.
+  absl::StatusOr<double> PositiveNumber(std::string_view key, double fallback) const {
+    absl::StatusOr<std::optional<double>> value = Number(key);
+    if (!value.ok()) return value.status();
+    if (!value->has_value()) return fallback;
+    if (!(**value > 0.0) || !std::isfinite(**value)) {
+      return Error(key, absl::StrCat(**value, " must be positive"));
+    }
+    return **value;
+  }
+
+  // An int or a list of ints (eos_token_id); absent or null gives an empty list.
+  absl::StatusOr<std::vector<int64_t>> TokenIds(std::string_view key) const {
+    std::vector<int64_t> ids;
+    const Json* value = Find(key);
+    if (value == nullptr) return ids;
+    if (value->is_array()) {
+      for (const Json& item : *value) {
+        absl::StatusOr<int64_t> id = ToInt(key, item);
+        if (!id.ok()) return id.status();
+        ids.push_back(*id);
+      }
+    } else {
+      absl::StatusOr<int64_t> id = ToInt(key, *value);
+      if (!id.ok()) return id.status();
+      ids.push_back(*id);
+    }
+    for (int64_t id : ids) {
+      if (id < 0) return Error(key, absl::StrCat("token id ", id, " is negative"));
+    }
+    return ids;
+  }
+
+ private:
+  const Json& object_;
+  std::string_view source_;
+  std::string prefix_;
+};
+
+#define KVGRID_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  if (!tmp.ok()) return std::move(tmp).status();     \
+  lhs = *std::move(tmp)
+#define KVGRID_CONCAT_INNER(a, b) a##b
+#define KVGRID_CONCAT(a, b) KVGRID_CONCAT_INNER(a, b)
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  KVGRID_ASSIGN_OR_RETURN_IMPL(KVGRID_CONCAT(status_or_, __LINE__), lhs, expr)
+
+// Defaults for keys a config.json may leave out, as Hugging Face's config classes fill them.
+struct ModelTypeDefaults {
+  int64_t max_position_embeddings;
+};
+
+std::optional<ModelTypeDefaults> DefaultsFor(std::string_view model_type) {
+  if (model_type == "llama") return ModelTypeDefaults{2048};
+  if (model_type == "qwen2") return ModelTypeDefaults{32768};
+  if (model_type == "mistral") return ModelTypeDefaults{4096 * 32};
+  return std::nullopt;
+}
+
+// Older exports sometimes omit model_type; the architecture class name says the same thing.
+std::optional<std::string> ModelTypeFromArchitecture(std::string_view architecture) {
+  if (architecture == "LlamaForCausalLM") return "llama";
+  if (architecture == "Qwen2ForCausalLM") return "qwen2";
+  if (architecture == "MistralForCausalLM") return "mistral";
+  return std::nullopt;
+}
+
+// Parses one rope scaling description: the legacy `rope_scaling` object or the newer
+// `rope_parameters` object (which adds rope_theta, read by the caller). `rope_type` wins over
+// the legacy `type` key, as in transformers.
+absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, RopeScaling* out) {
+  std::optional<std::string> type;
+  std::string type_key = "rope_type";
+  ASSIGN_OR_RETURN(type, reader.String("rope_type"));
+  if (!type.has_value()) {
+    type_key = "type";
+    ASSIGN_OR_RETURN(type, reader.String("type"));
+  }
+  if (!type.has_value()) {
+    if (type_required)
+      return reader.Error("rope_type", "missing (neither rope_type nor type is set)");
+    type = "default";
+  }
+
+  *out = RopeScaling{};
+  if (*type == "default" || *type == "none") {
+    out->type = RopeScalingType::kNone;
+    return absl::OkStatus();
+  }
+  if (*type == "linear") {
+    out->type = RopeScalingType::kLinear;
+    if (!reader.Has("factor"))
+      return reader.Error("factor", "missing (required by linear scaling)");
+    ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
+    return absl::OkStatus();
+  }
+  if (*type == "llama3") {
+    out->type = RopeScalingType::kLlama3;
+    for (const char* key :
+         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
+      if (!reader.Has(key)) return reader.Error(key, "missing (required by llama3 scaling)");
+    }
+    ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
+    ASSIGN_OR_RETURN(out->low_freq_factor, reader.PositiveNumber("low_freq_factor", 1.0));
+    ASSIGN_OR_RETURN(out->high_freq_factor, reader.PositiveNumber("high_freq_factor", 4.0));
+    ASSIGN_OR_RETURN(out->original_max_position_embeddings,
+                     reader.PositiveInt("original_max_position_embeddings"));
+    // The llama3 formula interpolates between the two wavelengths over
+    // (high_freq_factor - low_freq_factor); equal factors would divide by zero.
+    if (!(out->high_freq_factor > out->low_freq_factor)) {
+      return reader.Error("high_freq_factor", absl::StrCat(out->high_freq_factor,
+                                                           " must be greater than low_freq_factor ",
+                                                           out->low_freq_factor));
+    }
+    return absl::OkStatus();
+  }
+  return reader.Error(type_key, absl::StrCat("unsupported RoPE scaling type \"", *type,
+                                             "\" (supported: default, linear, llama3)"));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
+  Json root;
+  try {
+    root = Json::parse(json_text.begin(), json_text.end());
+  } catch (const Json::exception& e) {
+    // e.what() carries "parse error at line L, column C: ...", which is what a user needs.
+    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Sv(source), ": expected a JSON object at the top level, got ", root.type_name()));
+  }
+  const FieldReader r(root, source);
+  ModelConfig config;
+
+  if (const Json* archs = r.Find("architectures")) {
+    if (!archs->is_array()) {
+      return r.Error("architectures",
+                     absl::StrCat("expected a list of strings, got ", Describe(*archs)));
+    }
+    for (const Json& arch : *archs) {
+      if (!arch.is_string()) {
+        return r.Error("architectures",
+                       absl::StrCat("expected a list of strings, got an element ", Describe(arch)));
+      }
+      config.architectures.push_back(arch.get<std::string>());
+    }
+  }
+
+  std::optional<std::string> model_type;
+  ASSIGN_OR_RETURN(model_type, r.String("model_type"));
+  if (!model_type.has_value()) {
+    for (const std::string& arch : config.architectures) {
+      model_type = ModelTypeFromArchitecture(arch);
+      if (model_type.has_value()) break;
+    }
+    if (!model_type.has_value()) {
+      return r.Error("model_type", "missing, and architectures names no supported model");
+    }
+  }
+  const std::optional<ModelTypeDefaults> defaults = DefaultsFor(*model_type);
+  if (!defaults.has_value()) {
+    return r.Error("model_type", absl::StrCat("unsupported model type \"", *model_type,
+                                              "\" (supported: llama, qwen2, mistral)"));
+  }
+  config.model_type = *model_type;
+
+  ASSIGN_OR_RETURN(config.vocab_size, r.PositiveInt("vocab_size"));
+  ASSIGN_OR_RETURN(config.hidden_size, r.PositiveInt("hidden_size"));
+  ASSIGN_OR_RETURN(config.intermediate_size, r.PositiveInt("intermediate_size"));
+  ASSIGN_OR_RETURN(config.num_hidden_layers, r.PositiveInt("num_hidden_layers"));
+  ASSIGN_OR_RETURN(config.num_attention_heads, r.PositiveInt("num_attention_heads"));
+
+  if (r.Has("num_key_value_heads")) {
+    ASSIGN_OR_RETURN(config.num_key_value_heads, r.PositiveInt("num_key_value_heads"));
+  } else {
+    config.num_key_value_heads = config.num_attention_heads;
+  }
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    return r.Error("num_key_value_heads",
+                   absl::StrCat(config.num_key_value_heads, " does not divide num_attention_heads ",
+                                config.num_attention_heads));
+  }
+
+  // head_dim is independent of hidden_size when given (Mistral-Nemo, Qwen3-style configs);
+  // otherwise it is derived, which needs an exact division.
+  if (r.Has("head_dim")) {
+    ASSIGN_OR_RETURN(config.head_dim, r.PositiveInt("head_dim"));
+  } else {
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      return r.Error("hidden_size",
+                     absl::StrCat(config.hidden_size, " is not divisible by num_attention_heads ",
+                                  config.num_attention_heads, " and head_dim is not given"));
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+  // RoPE rotates channel pairs.
+  if (config.head_dim % 2 != 0) {
+    return r.Error("head_dim", absl::StrCat(config.head_dim, " must be even for RoPE"));
+  }
+
+  if (r.Has("max_position_embeddings")) {
+    ASSIGN_OR_RETURN(config.max_position_embeddings, r.PositiveInt("max_position_embeddings"));
+  } else {
+    config.max_position_embeddings = defaults->max_position_embeddings;
+  }
+  ASSIGN_OR_RETURN(config.rms_norm_eps, r.PositiveNumber("rms_norm_eps", 1e-6));
+
+  // transformers >= 5 folds rope_theta and the scaling into `rope_parameters`; it wins over
+  // the legacy keys because a file that has it was written by the newer format.
+  if (const Json* params = r.Find("rope_parameters")) {
+    if (!params->is_object()) {
+      return r.Error("rope_parameters",
+                     absl::StrCat("expected an object, got ", Describe(*params)));
+    }
+    const FieldReader pr(*params, source, "rope_parameters.");
+    ASSIGN_OR_RETURN(const double legacy_theta, r.PositiveNumber("rope_theta", 10000.0));
+    ASSIGN_OR_RETURN(config.rope_theta, pr.PositiveNumber("rope_theta", legacy_theta));
+    if (absl::Status s = ParseRopeScaling(pr, /*type_required=*/false, &config.rope_scaling);
+        !s.ok()) {
+      return s;
+    }
+  } else {
+    ASSIGN_OR_RETURN(config.rope_theta, r.PositiveNumber("rope_theta", 10000.0));
+    if (const Json* scaling = r.Find("rope_scaling")) {
+      if (!scaling->is_object()) {
+        return r.Error("rope_scaling",
+                       absl::StrCat("expected an object or null, got ", Describe(*scaling)));
+      }
+      const FieldReader sr(*scaling, source, "rope_scaling.");
+      if (absl::Status s = ParseRopeScaling(sr, /*type_required=*/true, &config.rope_scaling);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+
+  // The forward pass implements SwiGLU only.
+  std::optional<std::string> hidden_act;
+  ASSIGN_OR_RETURN(hidden_act, r.String("hidden_act"));
+  if (hidden_act.has_value() && *hidden_act != "silu") {
+    return r.Error("hidden_act",
+                   absl::StrCat("unsupported activation \"", *hidden_act, "\" (supported: silu)"));
+  }
+
+  std::optional<bool> flag;
+  ASSIGN_OR_RETURN(flag, r.Bool("tie_word_embeddings"));
+  config.tie_word_embeddings = flag.value_or(false);
+  ASSIGN_OR_RETURN(flag, r.Bool("attention_bias"));
+  config.attention_bias = flag.value_or(false);
+  // Qwen2's q/k/v projections always carry a bias; its config.json has no key for it.
+  if (config.model_type == "qwen2") config.attention_bias = true;
+  ASSIGN_OR_RETURN(flag, r.Bool("mlp_bias"));
+  config.mlp_bias = flag.value_or(false);
+
+  ASSIGN_OR_RETURN(config.eos_token_ids, r.TokenIds("eos_token_id"));
+  std::optional<int64_t> bos;
+  ASSIGN_OR_RETURN(bos, r.Int("bos_token_id"));
+  if (bos.has_value() && *bos < 0) {
+    return r.Error("bos_token_id", absl::StrCat("token id ", *bos, " is negative"));
+  }
+  config.bos_token_id = bos.value_or(-1);
+
+  // transformers >= 4.56 writes `dtype`; older files say `torch_dtype`.
+  std::optional<std::string> dtype;
+  ASSIGN_OR_RETURN(dtype, r.String("torch_dtype"));
+  if (!dtype.has_value()) {
+    ASSIGN_OR_RETURN(dtype, r.String("dtype"));
+  }
+  config.torch_dtype = dtype.value_or("");
+
+  std::optional<int64_t> window;
+  ASSIGN_OR_RETURN(window, r.Int("sliding_window"));
+  if (window.has_value() && *window < 0) {
+    return r.Error("sliding_window", absl::StrCat(*window, " is negative"));
+  }
+  // Qwen2 configs carry a sliding_window value that is switched off by use_sliding_window.
+  ASSIGN_OR_RETURN(flag, r.Bool("use_sliding_window"));
+  config.sliding_window = flag.value_or(true) ? window.value_or(0) : 0;
+
+  return config;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::path file = path;
+  if (std::filesystem::is_directory(path, ec)) file = path / "config.json";
+  if (!std::filesystem::exists(file, ec)) {
+    return absl::NotFoundError(absl::StrCat(file.string(), ": no such file"));
+  }
+  const std::uintmax_t size = std::filesystem::file_size(file, ec);
+  if (ec) return absl::InvalidArgumentError(absl::StrCat(file.string(), ": ", ec.message()));
+  if (size > kMaxConfigBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(file.string(), ": ", size, " bytes is too large for a config.json"));
+  }
+  std::ifstream in(file, std::ios::binary);
+  if (!in.is_open()) {
+    return absl::PermissionDeniedError(absl::StrCat(file.string(), ": cannot be opened"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return ParseModelConfig(text.str(), file.string());
+}
+
+#undef ASSIGN_OR_RETURN
+#undef KVGRID_CONCAT
+#undef KVGRID_CONCAT_INNER
+#undef KVGRID_ASSIGN_OR_RETURN_IMPL
+
+}  // namespace kvgrid::model

@@ -38,7 +38,9 @@ struct TensorView {
   int64_t NumElements() const;
 };
 
-// One memory-mapped .safetensors file. Non-copyable, movable.
+// One memory-mapped .safetensors file (MAP_PRIVATE, read-only), unmapped by the destructor.
+// Non-copyable and not movable: TensorViews point into the map, so it is held by unique_ptr.
+// Truncating the file while it is mapped is undefined (SIGBUS on access), as for any mmap.
 class SafetensorsFile {
  public:
   // Errors: NOT_FOUND (missing file), INVALID_ARGUMENT naming the file and the field or tensor
@@ -57,6 +59,9 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  // Validates the mapped header and fills tensors_ and metadata_.
+  absl::Status ParseHeader();
+
   std::filesystem::path path_;
   void* map_ = nullptr;
   size_t map_size_ = 0;
@@ -65,13 +70,17 @@ class SafetensorsFile {
 };
 
 // All tensors of a checkpoint directory: model.safetensors, or the shards listed in
-// model.safetensors.index.json (every shard must exist and hold exactly the tensors the index
-// assigns to it). Non-copyable.
+// model.safetensors.index.json (every shard must exist and hold every tensor the index assigns
+// to it; as in transformers, a tensor a shard holds but the index does not list is not
+// exposed). Non-copyable.
 class Checkpoint {
  public:
-  // `path` is a directory, a .safetensors file, or an index .json file.
+  // `path` is a directory (model.safetensors.index.json is preferred over model.safetensors),
+  // a .safetensors file, or an index .json file. Shard names in the index are resolved
+  // relative to the index's directory and may not leave it.
   // Errors: NOT_FOUND when no checkpoint is there; INVALID_ARGUMENT naming the file and field
-  // for malformed files or an index that disagrees with its shards.
+  // for malformed files or an index that disagrees with its shards (a missing shard file, a
+  // listed tensor the shard lacks); UNIMPLEMENTED as SafetensorsFile::Open.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::filesystem::path& path);
 
   bool Contains(const std::string& name) const;
@@ -80,16 +89,20 @@ class Checkpoint {
   std::vector<std::string> Names() const;
 
   // Converts a F32/F16/BF16 tensor to fp32 into `out` (resized). `expected_shape` is
-  // checked when non-empty. Errors: NOT_FOUND, INVALID_ARGUMENT (shape or dtype mismatch,
-  // naming the tensor, the expected and the actual shape).
+  // checked when non-empty (so a scalar's shape cannot be checked). Errors: NOT_FOUND,
+  // INVALID_ARGUMENT (shape or dtype mismatch, naming the tensor, the expected and the actual
+  // shape).
   absl::Status ReadF32(const std::string& name, std::span<const int64_t> expected_shape,
                        std::vector<float>* out) const;
 
  private:
   Checkpoint() = default;
+  absl::Status LoadIndex(const std::filesystem::path& index_path);
+  absl::Status LoadSingle(const std::filesystem::path& file_path);
+
   std::filesystem::path root_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
-  std::map<std::string, const TensorView*> index_;
+  std::map<std::string, const TensorView*> index_;  // points into files_' tensor maps
 };
 
 }  // namespace kvgrid::model
