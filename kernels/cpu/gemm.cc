@@ -4,6 +4,8 @@
 
 #include <limits>
 
+#include "kernels/cpu/vec.h"
+
 namespace kvgrid::kernels::cpu {
 
 absl::Status LinearParams::Validate() const {
@@ -18,7 +20,26 @@ absl::Status LinearParams::Validate() const {
   return absl::OkStatus();
 }
 
+absl::Status LinearSmallBatch(const LinearParams& p) {
+  if (absl::Status s = p.Validate(); !s.ok()) return s;
+  const VecOps& vec = Vec();
+  const int64_t m = p.num_tokens, n = p.out_features, k = p.in_features;
+  // Each weight row is streamed from memory once and stays in L1 for the m dot products.
+#pragma omp parallel for schedule(static) if (n * k > 32768)
+  for (int64_t j = 0; j < n; ++j) {
+    const float* w = p.weight + j * k;
+    const float b = p.bias ? p.bias[j] : 0.f;
+    for (int64_t t = 0; t < m; ++t) {
+      float* y = p.output + t * n + j;
+      const float dot = vec.dot(p.input + t * k, w, k) + b;
+      *y = p.accumulate ? *y + dot : dot;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Linear(const LinearParams& p) {
+  if (p.num_tokens <= kSmallBatchTokens) return LinearSmallBatch(p);
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   if (p.num_tokens == 0) return absl::OkStatus();
   const int m = static_cast<int>(p.num_tokens);
@@ -32,13 +53,8 @@ absl::Status Linear(const LinearParams& p) {
     }
     beta = 1.f;
   }
-  if (m == 1) {
-    cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.f, p.weight, k, p.input, 1, beta, p.output,
-                1);
-  } else {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, p.input, k, p.weight, k,
-                beta, p.output, n);
-  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, p.input, k, p.weight, k,
+              beta, p.output, n);
   return absl::OkStatus();
 }
 

@@ -22,8 +22,15 @@ struct LinearParams {
   absl::Status Validate() const;
 };
 
-// One token uses GEMV (bandwidth-bound decode), more use GEMM. OpenBLAS uses every core.
+// Up to this many tokens, Linear streams each weight row once through SIMD dot products
+// (decode is bound by reading the weights); above it, OpenBLAS SGEMM (compute-bound).
+inline constexpr int64_t kSmallBatchTokens = 4;
+
+// Dispatches on num_tokens as above. Parallel over every core.
 absl::Status Linear(const LinearParams& params);
+
+// The small-batch path on its own (any num_tokens; exposed for tests and benchmarks).
+absl::Status LinearSmallBatch(const LinearParams& params);
 
 }  // namespace kvgrid::kernels::cpu
 

@@ -188,3 +188,21 @@ TEST(VecTest, SimdMatchesPortable) {
 
 }  // namespace
 }  // namespace kvgrid::kernels::cpu
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+TEST(LinearTest, SmallBatchPathEqualsGemmPath) {
+  const int64_t m = 9, k = 64, n = 40;
+  std::vector<float> x = Random(m * k, 11), w = Random(n * k, 12), bias = Random(n, 13);
+  std::vector<float> a(m * n), b(m * n);
+  LinearParams p{.input = x.data(), .weight = w.data(), .bias = bias.data(), .output = a.data(),
+                 .num_tokens = m, .in_features = k, .out_features = n};
+  ASSERT_TRUE(Linear(p).ok());  // 9 tokens: SGEMM
+  p.output = b.data();
+  ASSERT_TRUE(LinearSmallBatch(p).ok());
+  for (int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(a[i], b[i], 1e-4);
+}
+
+}  // namespace
+}  // namespace kvgrid::kernels::cpu
