@@ -7,6 +7,7 @@
 #include <string>
 #include <system_error>
 
+#include "model/json_limits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -131,6 +132,7 @@ class Reader {
 
 absl::StatusOr<GenerationConfig> ParseGenerationConfig(std::string_view json_text,
                                                        std::string_view source) {
+  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
   Json root;
   try {
     root = Json::parse(json_text.begin(), json_text.end());

@@ -10,6 +10,7 @@
 #include <system_error>
 #include <utility>
 
+#include "model/json_limits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -243,6 +244,7 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
+  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
   Json root;
   try {
     root = Json::parse(json_text.begin(), json_text.end());
@@ -329,6 +331,32 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     config.max_position_embeddings = defaults->max_position_embeddings;
   }
   ASSIGN_OR_RETURN(config.rms_norm_eps, r.PositiveNumber("rms_norm_eps", 1e-6));
+  // The kernels compute in fp32; a smaller eps would become 0 there.
+  if (config.rms_norm_eps < std::numeric_limits<float>::min()) {
+    return r.Error("rms_norm_eps", absl::StrCat(config.rms_norm_eps, " is below the smallest "
+                                                                     "normal float"));
+  }
+  // Upper bounds keep every size product far from int64 overflow and refuse what no real
+  // model has (Llama-3-405B: hidden 16384, intermediate 53248, 126 layers, 128 heads).
+  struct Limit {
+    const char* key;
+    int64_t value;
+    int64_t max;
+  };
+  const Limit limits[] = {
+      {"vocab_size", config.vocab_size, int64_t{1} << 24},
+      {"hidden_size", config.hidden_size, int64_t{1} << 17},
+      {"intermediate_size", config.intermediate_size, int64_t{1} << 19},
+      {"num_hidden_layers", config.num_hidden_layers, 1024},
+      {"num_attention_heads", config.num_attention_heads, 1024},
+      {"head_dim", config.head_dim, 1024},
+      {"max_position_embeddings", config.max_position_embeddings, int64_t{1} << 24},
+  };
+  for (const Limit& l : limits) {
+    if (l.value > l.max) {
+      return r.Error(l.key, absl::StrCat(l.value, " exceeds the supported maximum of ", l.max));
+    }
+  }
 
   // transformers >= 5 folds rope_theta and the scaling into `rope_parameters`; it wins over
   // the legacy keys because a file that has it was written by the newer format.

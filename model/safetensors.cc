@@ -17,6 +17,7 @@
 #include <system_error>
 #include <utility>
 
+#include "model/json_limits.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -175,6 +176,11 @@ absl::Status SafetensorsFile::ParseHeader() {
   const uint64_t data_size = map_size_ - data_begin;
 
   const char* header_text = reinterpret_cast<const char*>(bytes + kHeaderLengthBytes);
+  if (absl::Status s = CheckJsonDepth(std::string_view(header_text, header_len),
+                                     path_.string() + " (header)");
+      !s.ok()) {
+    return s;
+  }
   Json header;
   try {
     header = Json::parse(header_text, header_text + header_len);
@@ -347,6 +353,7 @@ absl::Status Checkpoint::LoadSingle(const fs::path& file_path) {
 absl::Status Checkpoint::LoadIndex(const fs::path& index_path) {
   absl::StatusOr<std::string> text = ReadSmallFile(index_path, kMaxIndexBytes);
   if (!text.ok()) return text.status();
+  if (absl::Status s = CheckJsonDepth(*text, index_path.string()); !s.ok()) return s;
   Json index;
   try {
     index = Json::parse(*text);

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <utility>
 
+#include "model/json_limits.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -357,10 +358,10 @@ class FieldReader {
     return j->get<bool>();
   }
 
+  // Ids are bounded like vocab_size in config.json (2^24): tables are sized by the largest id.
   absl::StatusOr<int32_t> TokenId(const Json& j, absl::string_view path) const {
-    if (!j.is_number_integer() || j.get<int64_t>() < 0 ||
-        j.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-      return Error(path, absl::StrCat("expected a token id (integer in [0, 2^31)), got ",
+    if (!j.is_number_integer() || j.get<int64_t>() < 0 || j.get<int64_t>() >= (1 << 24)) {
+      return Error(path, absl::StrCat("expected a token id (integer in [0, 2^24)), got ",
                                       j.is_number() ? j.dump() : TypeName(j)));
     }
     return static_cast<int32_t>(j.get<int64_t>());
@@ -1108,6 +1109,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::filesy
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view json_text,
                                                                std::string_view source) {
   const FieldReader r(source);
+  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
   Json root;
   try {
     root = Json::parse(json_text);

@@ -97,3 +97,21 @@ def test_kv_cache_too_small_for_the_request(model_copy):
             "--max-new-tokens", "100", "--kv-cache-memory", "8KiB")
     assert_clean_failure(r)
     assert "KV" in r.stderr or "kv-cache-memory" in r.stderr, r.stderr
+
+
+def test_bad_block_size_is_an_error_not_a_crash(model_copy):
+    for cmd in (["logits", "--prompt-ids", "1,2"], ["run", "--prompt-ids", "1,2"]):
+        r = run(*cmd, "--model", model_copy, "--block-size", "0")
+        assert_clean_failure(r, "--block-size")
+
+
+def test_deeply_nested_json_on_tokenize_stdin(model_copy):
+    r = run("tokenize", "--tokenizer", model_copy / "tokenizer.json", "--decode",
+            stdin="[" * 300000 + "]" * 300000 + "\n")
+    assert_clean_failure(r)
+
+
+def test_huge_max_new_tokens_does_not_hang(model_copy):
+    r = run("run", "--model", model_copy, "--prompt-ids", ",".join(["5"] * 20),
+            "--max-new-tokens", "9223372036854775807", "--kv-cache-memory", "8KiB")
+    assert_clean_failure(r, "KV cache")

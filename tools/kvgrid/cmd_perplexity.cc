@@ -57,6 +57,13 @@ absl::Status Perplexity(Args& args) {
     tokens.resize(*max_tokens);
   }
   worker::LlamaModel& model = *loaded.model;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= model.config().vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          (dir / "tokenizer.json").string(), ": produced token id ", tokens[i],
+          " outside the model's vocabulary of ", model.config().vocab_size));
+    }
+  }
   const int64_t ctx = model.config().max_position_embeddings;
   const int64_t window = window_flag ? *window_flag : std::min<int64_t>(512, ctx);
   const int64_t chunk = chunk_flag ? *chunk_flag : 128;

@@ -107,9 +107,12 @@ absl::Status Run(Args& args) {
   request.stopping.ignore_eos = ignore_eos;
   if (stop_ids) request.stopping.stop_token_ids = *stop_ids;
 
-  for (int64_t id : gen.eos_token_ids) options.eos_token_ids.push_back(static_cast<int32_t>(id));
-  for (int64_t id : loaded.model->config().eos_token_ids) {
-    options.eos_token_ids.push_back(static_cast<int32_t>(id));
+  // EOS ids outside the vocabulary can never be sampled; dropping them avoids truncation.
+  const int64_t vocab = loaded.model->config().vocab_size;
+  for (const std::vector<int64_t>* ids : {&gen.eos_token_ids, &loaded.model->config().eos_token_ids}) {
+    for (int64_t id : *ids) {
+      if (id >= 0 && id < vocab) options.eos_token_ids.push_back(static_cast<int32_t>(id));
+    }
   }
 
   RunResult result;

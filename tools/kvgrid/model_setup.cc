@@ -73,7 +73,13 @@ absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
     KVGRID_ASSIGN_OR_RETURN(o.kv_cache_memory, ParseBytes(*m, "kv-cache-memory"));
   }
   KVGRID_ASSIGN_OR_RETURN(auto block_size, args.GetInt("block-size"));
-  if (block_size) o.block_size = *block_size;
+  if (block_size) {
+    if (*block_size != 8 && *block_size != 16 && *block_size != 32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--block-size: must be 8, 16 or 32, got ", *block_size));
+    }
+    o.block_size = *block_size;
+  }
   KVGRID_ASSIGN_OR_RETURN(auto max_num_seqs, args.GetInt("max-num-seqs"));
   if (max_num_seqs) o.max_num_seqs = *max_num_seqs;
   KVGRID_ASSIGN_OR_RETURN(auto max_batched, args.GetInt("max-num-batched-tokens"));

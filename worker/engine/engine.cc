@@ -84,7 +84,10 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be >= 1, got ",
                                                    request.stopping.max_new_tokens));
   }
-  const int64_t worst = std::min(prompt_len + request.stopping.max_new_tokens, max_model_len_);
+  // Written to avoid overflow: max_new_tokens may be anything up to INT64_MAX.
+  const int64_t worst = request.stopping.max_new_tokens >= max_model_len_ - prompt_len
+                            ? max_model_len_
+                            : prompt_len + request.stopping.max_new_tokens;
   if (blocks_.BlocksFor(worst) > blocks_.num_blocks()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt + max_new_tokens: the sequence may need ", worst, " tokens (",
@@ -113,18 +116,13 @@ void Engine::Abort(const std::string& request_id) {
   }
 }
 
-bool Engine::PreemptNewest(const Sequence* keep) {
-  for (auto it = running_.rbegin(); it != running_.rend(); ++it) {
-    if (it->get() == keep) continue;
-    std::unique_ptr<Sequence> victim = std::move(*it);
-    running_.erase(std::next(it).base());
-    blocks_.Free(victim->seq_id);
-    victim->num_computed = 0;
-    waiting_.push_front(std::move(victim));
-    ++num_preemptions_;
-    return true;
-  }
-  return false;
+void Engine::PreemptNewest() {
+  std::unique_ptr<Sequence> victim = std::move(running_.back());
+  running_.pop_back();
+  blocks_.Free(victim->seq_id);
+  victim->num_computed = 0;
+  waiting_.push_front(std::move(victim));
+  ++num_preemptions_;
 }
 
 FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
@@ -144,15 +142,18 @@ FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
 }
 
 absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
-  // 1. Every running sequence needs a slot for one more token; preempt the newest when the
-  //    pool is dry. A sequence alone always fits (AddRequest checked its worst case).
+  // 1. Every running sequence needs a slot for one more token. When the pool is dry the
+  //    newest running sequence is preempted — possibly the one asking, which then waits.
+  //    Victims are taken from the back, so `it` stays valid unless it is the victim.
   for (auto it = running_.begin(); it != running_.end();) {
     Sequence* seq = it->get();
-    absl::Status reserved;
-    while (!(reserved = blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())))
-                .ok()) {
-      if (!PreemptNewest(seq)) return reserved;  // unreachable given the AddRequest check
+    bool preempted_self = false;
+    while (!blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())).ok()) {
+      preempted_self = running_.back().get() == seq;
+      PreemptNewest();
+      if (preempted_self) break;
     }
+    if (preempted_self) break;  // it was the last running sequence
     ++it;
   }
 
@@ -168,7 +169,16 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
-  if (running_.empty()) return std::vector<TokenOutput>{};
+  if (running_.empty()) {
+    if (!waiting_.empty()) {
+      // Unreachable while AddRequest refuses what cannot fit; never spin if it happens.
+      const std::string id = waiting_.front()->request.id;
+      Abort(id);
+      return absl::InternalError(absl::StrCat("request '", id,
+                                              "' cannot be admitted into an empty KV pool"));
+    }
+    return std::vector<TokenOutput>{};
+  }
 
   // 3. Lay the batch out for the kernels.
   ForwardBatch& b = batch_;

@@ -4,8 +4,11 @@
 // Each Step() forms one batch: every running sequence decodes one token, and waiting requests
 // are admitted (FCFS) while their blocks fit, the sequence cap and the token budget allow;
 // their whole prompt is prefilled in the same forward pass. When a decode finds no free block,
-// the newest running sequence is preempted: its blocks are freed and it is recomputed later
-// (prompt + generated tokens prefilled again), so greedy output is unchanged.
+// the newest running sequence is preempted (possibly the one asking): its blocks are freed and
+// it is recomputed later (prompt + generated tokens prefilled again), continuing its own
+// random stream. Outputs are the same as an unpreempted, unbatched run up to floating-point
+// differences between batch shapes (GEMV vs GEMM summation order), which only matter at
+// near-ties of the logits.
 //
 // Thread-safety: none; one thread drives an engine.
 #ifndef KVGRID_WORKER_ENGINE_ENGINE_H_
@@ -97,7 +100,8 @@ class Engine {
   [[nodiscard]] bool HasWork() const { return !waiting_.empty() || !running_.empty(); }
 
   // Runs one batch; returns one output per sequence that produced a token. Errors from the
-  // forward pass are returned as they are (the step's sequences are left unchanged).
+  // forward pass are returned as they are; the step's sequences keep their tokens and blocks
+  // (admissions and preemptions made by this step stand) and are retried by the next Step.
   absl::StatusOr<std::vector<TokenOutput>> Step();
 
   [[nodiscard]] EngineStats Stats() const;
@@ -119,9 +123,9 @@ class Engine {
   Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
          std::unique_ptr<KvPool> pool, int64_t max_model_len);
 
-  // Frees the blocks of the newest running sequence other than `keep` and requeues it at the
-  // front of the waiting queue. Returns false when there is none.
-  bool PreemptNewest(const Sequence* keep);
+  // Frees the blocks of the newest running sequence and requeues it at the front of the
+  // waiting queue for recompute. `running_` must not be empty.
+  void PreemptNewest();
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
 
   std::unique_ptr<LlamaModel> model_;

@@ -65,6 +65,7 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w) {
     KVGRID_RETURN_IF_ERROR(CheckSize(l.input_norm, d.hidden, p + "input_layernorm"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv, d.qkv_dim * d.hidden, p + "qkv"));
     if (!l.qkv_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv_bias, d.qkv_dim, p + "qkv_bias"));
+    if (!l.o_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.o_bias, d.hidden, p + "o_proj.bias"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.o, d.hidden * d.q_dim, p + "o_proj"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.post_norm, d.hidden, p + "post_attention_layernorm"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.gate_up, 2 * d.inter * d.hidden, p + "gate_up"));
@@ -103,13 +104,18 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
     return absl::InvalidArgumentError(absl::StrCat(
         dir.string(), ": lm_head.weight is missing and tie_word_embeddings is false"));
   }
-  const bool bias = c.Contains("model.layers.0.self_attn.q_proj.bias");
+  if (config->mlp_bias) {
+    return absl::UnimplementedError(
+        absl::StrCat((dir / "config.json").string(), ": mlp_bias: MLP biases are not supported"));
+  }
+  // The config decides (Qwen2 always has q/k/v biases); a checkpoint that lacks them fails
+  // below naming the tensor instead of silently computing something else.
+  const bool bias = config->attention_bias;
   for (int64_t i = 0; i < config->num_hidden_layers; ++i) {
     LayerWeights l;
     const std::string p = absl::StrCat("model.layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "input_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.input_norm));
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "post_attention_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.post_norm));
-    l.qkv.reserve(d.qkv_dim * d.hidden);
     KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.q_proj.weight", {d.q_dim, d.hidden}, &l.qkv, &scratch));
     KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.k_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
     KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
@@ -119,7 +125,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
       KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.bias", {d.kv_dim}, &l.qkv_bias, &scratch));
     }
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, d.q_dim}, &l.o));
-    l.gate_up.reserve(2 * d.inter * d.hidden);
+    // Llama with attention_bias also biases o_proj; Qwen2 does not.
+    if (c.Contains(p + "self_attn.o_proj.bias")) {
+      KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
+    }
     KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.gate_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
     KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.up_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, d.inter}, &l.down));
@@ -176,7 +185,7 @@ LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t see
 int64_t LlamaModel::WeightBytes() const {
   int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
   for (const LayerWeights& l : w_.layers) {
-    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() +
+    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
          l.post_norm.size() + l.gate_up.size() + l.down.size();
   }
   return n * static_cast<int64_t>(sizeof(float));
@@ -296,6 +305,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)))}));
     KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = attn_.data(),
                                         .weight = l.o.data(),
+                                        .bias = l.o_bias.empty() ? nullptr : l.o_bias.data(),
                                         .output = x_.data(),
                                         .num_tokens = n,
                                         .in_features = d.q_dim,

@@ -24,6 +24,7 @@ struct LayerWeights {
   std::vector<float> qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
   std::vector<float> qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] or empty
   std::vector<float> o;           // [hidden, num_heads * head_dim]
+  std::vector<float> o_bias;      // [hidden] or empty
   std::vector<float> post_norm;   // [hidden]
   std::vector<float> gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
   std::vector<float> down;        // [hidden, intermediate]

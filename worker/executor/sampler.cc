@@ -34,6 +34,8 @@ absl::Status SamplingParams::Validate() const {
 
 namespace {
 
+constexpr double kMinTemperature = 1e-5;
+
 int32_t Argmax(std::span<const float> logits) {
   int32_t best = 0;
   for (int32_t i = 1; i < static_cast<int32_t>(logits.size()); ++i) {
@@ -60,7 +62,13 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
       logits[id] = logits[id] > 0 ? logits[id] / penalty : logits[id] * penalty;
     }
   }
-  if (p.temperature == 0.0) return Argmax(logits);
+  // NaN would break the orderings below; it can only come from a broken checkpoint or an
+  // overflowing cache, and such a token must never be picked.
+  for (float& x : logits) {
+    if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+  }
+  // Very low temperatures are greedy: exp((l - max) / T) would underflow or produce NaN.
+  if (p.temperature < kMinTemperature) return Argmax(logits);
 
   // Candidates sorted by logit (descending, ties by id); top-k cuts the list first so the
   // common case sorts only k entries.
@@ -76,6 +84,7 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
     ids.resize(keep);
   }
   std::sort(ids.begin(), ids.end(), by_logit);
+  if (!std::isfinite(logits[ids[0]])) return ids[0];  // +inf wins outright; all -inf: lowest id
 
   // Softmax over the candidates at the given temperature.
   const double inv_t = 1.0 / p.temperature;

@@ -14,7 +14,7 @@
 namespace kvgrid::worker {
 
 struct SamplingParams {
-  double temperature = 1.0;         // 0 = greedy
+  double temperature = 1.0;         // 0 (or below 1e-5) = greedy
   double top_p = 1.0;               // (0, 1]
   int64_t top_k = 0;                // 0 = off
   double min_p = 0.0;               // [0, 1]: drop tokens below min_p * p(top token)
@@ -27,7 +27,8 @@ struct SamplingParams {
 
 // Picks the next token. `logits` ([vocab]) is modified in place (penalties, scaling).
 // `context` holds the prompt and generated tokens the repetition penalty applies to.
-// Ties break toward the lower token id, so greedy decoding is reproducible.
+// Ties break toward the lower token id, so greedy decoding is reproducible. NaN logits are
+// treated as -inf.
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
                     std::span<const int32_t> context, std::mt19937_64& rng);
 

@@ -1,7 +1,8 @@
 #include "worker/kv/kv_pool.h"
 
-#include <cstdlib>
-#include <cstring>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -13,10 +14,14 @@ int64_t KvGeometry::BytesPerToken() const {
          static_cast<int64_t>(kernels::KvDTypeSize(k_dtype) + kernels::KvDTypeSize(v_dtype));
 }
 
-void KvPool::FreeDeleter::operator()(std::byte* p) const { std::free(p); }
-
 KvPool::KvPool(const KvGeometry& geometry, int32_t num_blocks)
     : geometry_(geometry), num_blocks_(num_blocks) {}
+
+KvPool::~KvPool() {
+  for (std::vector<Arena>* arenas : {&k_, &v_}) {
+    for (const Arena& a : *arenas) munmap(a.data, a.bytes);
+  }
+}
 
 absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvGeometry& g,
                                                        int64_t budget_bytes) {
@@ -37,19 +42,25 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvGeometry& g,
   if (blocks > std::numeric_limits<int32_t>::max()) {
     return absl::InvalidArgumentError("--kv-cache-memory: too many blocks for 32-bit block ids");
   }
+  const int64_t total = blocks * per_block;
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  if (physical > 0 && total > physical) {
+    return absl::ResourceExhaustedError(absl::StrCat("--kv-cache-memory: ", total,
+                                                     " bytes of KV blocks exceed the ", physical,
+                                                     " bytes of physical memory"));
+  }
   std::unique_ptr<KvPool> pool(new KvPool(g, static_cast<int32_t>(blocks)));
   const int64_t plane = blocks * g.num_kv_heads * g.block_size * g.head_dim;
   for (int64_t layer = 0; layer < g.num_layers; ++layer) {
-    for (auto [arena, dtype] : {std::pair{&pool->k_, g.k_dtype}, std::pair{&pool->v_, g.v_dtype}}) {
+    for (auto [arenas, dtype] : {std::pair{&pool->k_, g.k_dtype}, std::pair{&pool->v_, g.v_dtype}}) {
       const size_t bytes = static_cast<size_t>(plane) * kernels::KvDTypeSize(dtype);
-      // 64-byte alignment keeps rows aligned for SIMD loads.
-      void* mem = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-      if (!mem) {
+      // Page-aligned and zero-filled by the kernel, so rows are aligned for SIMD loads.
+      void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (mem == MAP_FAILED) {
         return absl::ResourceExhaustedError(
-            absl::StrCat("KV pool: could not allocate ", bytes, " bytes for layer ", layer));
+            absl::StrCat("KV pool: could not map ", bytes, " bytes for layer ", layer));
       }
-      std::memset(mem, 0, bytes);
-      arena->emplace_back(static_cast<std::byte*>(mem));
+      arenas->push_back({mem, bytes});
     }
   }
   return pool;

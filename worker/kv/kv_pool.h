@@ -1,6 +1,7 @@
 // The memory of one card's paged KV cache: for every layer, a K arena and a V arena laid out
 // [num_blocks][num_kv_heads][block_size][head_dim] (head-major, so one head's keys in a block
-// are contiguous). Sized from a byte budget. Owns the memory; non-copyable. Not thread-safe.
+// are contiguous). Sized from a byte budget. Owns the memory (anonymous mappings: zeroed, and
+// committed page by page as blocks are first written); non-copyable. Not thread-safe.
 #ifndef KVGRID_WORKER_KV_KV_POOL_H_
 #define KVGRID_WORKER_KV_KV_POOL_H_
 
@@ -30,9 +31,11 @@ struct KvGeometry {
 class KvPool {
  public:
   // Allocates as many blocks as `budget_bytes` holds (zero-filled).
-  // Errors: INVALID_ARGUMENT for a bad geometry or a budget below one block (with the numbers).
+  // Errors: INVALID_ARGUMENT for a bad geometry or a budget below one block (with the numbers);
+  // RESOURCE_EXHAUSTED when the budget exceeds physical memory or the mapping fails.
   static absl::StatusOr<std::unique_ptr<KvPool>> Create(const KvGeometry& geometry,
                                                         int64_t budget_bytes);
+  ~KvPool();
   KvPool(const KvPool&) = delete;
   KvPool& operator=(const KvPool&) = delete;
 
@@ -42,17 +45,18 @@ class KvPool {
   [[nodiscard]] int64_t bytes() const { return num_blocks_ * geometry_.BytesPerBlock(); }
 
   // Arena base pointers for `layer` (0 <= layer < num_layers).
-  [[nodiscard]] void* k(int64_t layer) { return k_[layer].get(); }
-  [[nodiscard]] void* v(int64_t layer) { return v_[layer].get(); }
+  [[nodiscard]] void* k(int64_t layer) { return k_[layer].data; }
+  [[nodiscard]] void* v(int64_t layer) { return v_[layer].data; }
 
  private:
-  KvPool(const KvGeometry& geometry, int32_t num_blocks);
-  struct FreeDeleter {
-    void operator()(std::byte* p) const;
+  struct Arena {
+    void* data = nullptr;
+    size_t bytes = 0;
   };
+  KvPool(const KvGeometry& geometry, int32_t num_blocks);
   KvGeometry geometry_;
   int32_t num_blocks_;
-  std::vector<std::unique_ptr<std::byte, FreeDeleter>> k_, v_;
+  std::vector<Arena> k_, v_;
 };
 
 }  // namespace kvgrid::worker

@@ -4,6 +4,7 @@
 #include "worker/engine/engine.h"
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -197,6 +198,12 @@ TEST_P(EngineFixtureTest, RefusesSequencesThatCanNeverFit) {
   EXPECT_NE(std::string(s.message()).find("holds 32 tokens"), std::string::npos) << s;
   EXPECT_TRUE(engine->AddRequest(Request("ok", std::vector<int32_t>(20, 3), 12, 0.0)).ok());
   Drain(*engine);
+  // A huge max_new_tokens is capped by the context window, never overflowing the arithmetic.
+  s = engine->AddRequest(
+      Request("huge", {1, 2, 3}, std::numeric_limits<int64_t>::max(), 0.0));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("holds 32 tokens"), std::string::npos) << s;
+  EXPECT_FALSE(engine->HasWork());
 }
 
 TEST_P(EngineFixtureTest, Fp16CacheStaysCloseToFp32) {

@@ -111,3 +111,34 @@ TEST(SamplerTest, ValidateNamesTheField) {
 
 }  // namespace
 }  // namespace kvgrid::worker
+
+namespace kvgrid::worker {
+namespace {
+
+TEST(SamplerTest, NanAndInfiniteLogitsNeverBreakSampling) {
+  std::mt19937_64 rng(8);
+  SamplingParams p;
+  p.temperature = 0.7;
+  p.top_p = 0.9;
+  for (int i = 0; i < 50; ++i) {
+    std::vector<float> logits = {NAN, 1.f, NAN, 2.f, -INFINITY};
+    const int32_t t = SampleToken(logits, p, {}, rng);
+    EXPECT_TRUE(t == 1 || t == 3) << t;
+  }
+  std::vector<float> inf = {0.f, INFINITY, 3.f};
+  EXPECT_EQ(SampleToken(inf, p, {}, rng), 1);
+  p.temperature = 0;
+  std::vector<float> nan_first = {NAN, 0.5f};
+  EXPECT_EQ(SampleToken(nan_first, p, {}, rng), 1);
+}
+
+TEST(SamplerTest, SubnormalTemperatureIsGreedy) {
+  std::mt19937_64 rng(9);
+  SamplingParams p;
+  p.temperature = 1e-310;
+  std::vector<float> logits = {0.f, 5.f, 4.9f};
+  EXPECT_EQ(SampleToken(logits, p, {}, rng), 1);
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
