@@ -1,6 +1,7 @@
 #include "tools/kvgrid/args.h"
 
 #include <charconv>
+#include <cstdio>
 #include <cmath>
 #include <cstdlib>
 
@@ -104,6 +105,18 @@ absl::Status Args::Finish() const {
   if (unknown.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("unknown flag(s): ", absl::StrJoin(unknown, ", ")));
+}
+
+int RunSubcommand(Args& args, const char* name, const char* help,
+                  absl::Status (*body)(Args& args)) {
+  if (args.Has("help")) {
+    std::fputs(help, stdout);
+    return 0;
+  }
+  const absl::Status status = body(args);
+  if (status.ok()) return 0;
+  std::fprintf(stderr, "kvgrid %s: %s\n", name, std::string(status.message()).c_str());
+  return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
 }
 
 }  // namespace kvgrid::cli

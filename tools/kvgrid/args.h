@@ -40,6 +40,12 @@ class Args {
   std::set<std::string> read_;
 };
 
+// The shared shell of a subcommand: prints `help` for --help, else runs `body` and maps its
+// Status to an exit code (0 ok, 2 INVALID_ARGUMENT, 1 otherwise) with the message on stderr
+// as "kvgrid <name>: <message>".
+int RunSubcommand(Args& args, const char* name, const char* help,
+                  absl::Status (*body)(Args& args));
+
 }  // namespace kvgrid::cli
 
 #endif  // KVGRID_TOOLS_KVGRID_ARGS_H_

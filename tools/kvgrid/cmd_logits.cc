@@ -79,17 +79,6 @@ absl::Status Logits(Args& args) {
 
 }  // namespace
 
-int LogitsCommand(Args& args) {
-  if (args.Has("help")) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
-  absl::Status status = Logits(args);
-  if (!status.ok()) {
-    std::fprintf(stderr, "kvgrid logits: %s\n", std::string(status.message()).c_str());
-    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
-}
+int LogitsCommand(Args& args) { return RunSubcommand(args, "logits", kHelp, &Logits); }
 
 }  // namespace kvgrid::cli

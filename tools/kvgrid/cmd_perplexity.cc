@@ -138,17 +138,6 @@ absl::Status Perplexity(Args& args) {
 
 }  // namespace
 
-int PerplexityCommand(Args& args) {
-  if (args.Has("help")) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
-  absl::Status status = Perplexity(args);
-  if (!status.ok()) {
-    std::fprintf(stderr, "kvgrid perplexity: %s\n", std::string(status.message()).c_str());
-    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
-}
+int PerplexityCommand(Args& args) { return RunSubcommand(args, "perplexity", kHelp, &Perplexity); }
 
 }  // namespace kvgrid::cli

@@ -175,17 +175,6 @@ absl::Status Run(Args& args) {
 
 }  // namespace
 
-int RunCommand(Args& args) {
-  if (args.Has("help")) {
-    std::fputs(kHelp, stdout);
-    return 0;
-  }
-  absl::Status status = Run(args);
-  if (!status.ok()) {
-    std::fprintf(stderr, "kvgrid run: %s\n", std::string(status.message()).c_str());
-    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-  }
-  return 0;
-}
+int RunCommand(Args& args) { return RunSubcommand(args, "run", kHelp, &Run); }
 
 }  // namespace kvgrid::cli
