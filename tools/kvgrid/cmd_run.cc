@@ -164,6 +164,7 @@ absl::Status Run(Args& args) {
       for (int32_t id : result.token_ids) std::printf("%d ", id);
     }
     std::printf("\n");
+    std::fflush(stdout);
     std::fprintf(stderr,
                  "[%zu prompt tokens, %zu generated, finish: %s, %.2f s, %.1f tokens/s decode]\n",
                  result.prompt_ids.size(), result.token_ids.size(), result.finish_reason.c_str(),
