@@ -2,7 +2,7 @@
 // model with random weights, against this machine's memory bandwidth (STREAM-style triad) and
 // the roofline it implies for decode (every weight byte is read once per token).
 //
-//   build/bin/decode_bench [--json] [--prompt-len 128] [--decode-tokens 32] [--repeats 3]
+//   build/bin/decode_bench [--json] [--prompt-len 128] [--decode-tokens 32] [--repeats 5]
 #include <omp.h>
 
 #include <algorithm>
@@ -71,7 +71,7 @@ kvgrid::model::ModelConfig Qwen2HalfB() {
 
 int main(int argc, char** argv) {
   bool json = false;
-  int64_t prompt_len = 128, decode_tokens = 32, repeats = 3;
+  int64_t prompt_len = 128, decode_tokens = 32, repeats = 5;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> int64_t {
@@ -96,7 +96,6 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const double bandwidth = TriadBandwidth(5);
   const kvgrid::model::ModelConfig config = Qwen2HalfB();
   auto model = kvgrid::worker::LlamaModel::FromWeights(
       config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
@@ -114,8 +113,15 @@ int main(int argc, char** argv) {
   }
   const int64_t kv_bytes_per_token = (*engine)->Stats().bytes_per_token;
 
-  double best_prefill = 0, best_decode = 0;
+  // The host is shared and its bandwidth drifts, so each repeat measures the triad right before
+  // its decode run and the ratio is taken within the repeat; the median ratio is reported.
+  const double context = prompt_len + decode_tokens / 2.0;
+  const double bytes_per_token = weight_bytes + context * kv_bytes_per_token;
+  double best_prefill = 0, best_decode = 0, best_bandwidth = 0;
+  std::vector<double> fractions;
   for (int64_t r = 0; r < repeats; ++r) {
+    const double bandwidth = TriadBandwidth(3);
+    best_bandwidth = std::max(best_bandwidth, bandwidth);
     kvgrid::worker::GenerationRequest req;
     req.id = "bench" + std::to_string(r);
     for (int64_t i = 0; i < prompt_len; ++i) req.prompt.push_back(static_cast<int32_t>((i * 7919 + r) % 150000));
@@ -141,13 +147,15 @@ int main(int argc, char** argv) {
     const auto t2 = Clock::now();
     if (!first.ok()) return 1;
     best_prefill = std::max(best_prefill, prompt_len / Seconds(t0, t1));
-    best_decode = std::max(best_decode, steps / Seconds(t1, t2));
+    const double decode = steps / Seconds(t1, t2);
+    best_decode = std::max(best_decode, decode);
+    fractions.push_back(decode / (bandwidth / bytes_per_token));
   }
+  std::sort(fractions.begin(), fractions.end());
+  const double median_fraction = fractions[fractions.size() / 2];
 
   // Per decode token: every weight once, plus the K/V of the context read by attention.
-  const double context = prompt_len + decode_tokens / 2.0;
-  const double bytes_per_token = weight_bytes + context * kv_bytes_per_token;
-  const double roofline = bandwidth / bytes_per_token;
+  const double roofline = best_bandwidth / bytes_per_token;
   nlohmann::json j = {
       {"model", "qwen2-0.5b-shape (random weights, fp32)"},
       {"threads", omp_get_max_threads()},
@@ -155,11 +163,12 @@ int main(int argc, char** argv) {
       {"decode_tokens", decode_tokens},
       {"weight_bytes", weight_bytes},
       {"kv_bytes_per_token", kv_bytes_per_token},
-      {"triad_bandwidth_gbs", bandwidth / 1e9},
+      {"triad_bandwidth_gbs", best_bandwidth / 1e9},
       {"prefill_tokens_per_s", best_prefill},
       {"decode_tokens_per_s", best_decode},
       {"decode_roofline_tokens_per_s", roofline},
-      {"decode_fraction_of_roofline", best_decode / roofline},
+      {"decode_fraction_of_roofline_best", best_decode / roofline},
+      {"decode_fraction_of_roofline_median", median_fraction},
   };
   if (json) {
     std::printf("%s\n", j.dump().c_str());
