@@ -1,4 +1,17 @@
-// Element types of KV-cache arenas, as the kernels see them.
+// Element types of KV-cache arenas, as the kernels see them, and how one row is stored.
+//
+// A row is one token of one KV head: head_dim channels. Float types store the values only.
+// Quantized types store packed values plus per-row metadata:
+//   int8: symmetric, q = round(x / s) in [-127, 127]; one fp16 scale s per row.
+//   int4: asymmetric, per group of 32 channels (the last group may be shorter):
+//         q = round(x / s) + z in [0, 15], x ~ s * (q - z); two values per byte (low nibble
+//         first). Each group's metadata is one 16-bit word: the scale s as an fp16 whose 4
+//         low mantissa bits are replaced by the integer zero point z (s is rounded up to a
+//         value with those bits clear), so a group costs 16 + 2 bytes and int4 holds 3.56x
+//         the tokens of fp16 at head_dim 64.
+// Arenas keep values and metadata in separate planes with the same block/head/slot order:
+//   values [num_blocks][num_kv_heads][block_size][value_bytes]
+//   meta   [num_blocks][num_kv_heads][block_size][meta_bytes]
 #ifndef KVGRID_KERNELS_KV_DTYPE_H_
 #define KVGRID_KERNELS_KV_DTYPE_H_
 
@@ -11,15 +24,28 @@
 namespace kvgrid::kernels {
 
 enum class KvDType : uint8_t {
-  kF32,  // reference precision
-  kF16,  // IEEE half
+  kF32,   // reference precision
+  kF16,   // IEEE half
+  kBF16,  // bfloat16
+  kInt8,  // see the file comment
+  kInt4,  // see the file comment
 };
 
-// Bytes per stored element.
-size_t KvDTypeSize(KvDType dtype);
+inline constexpr int64_t kInt4GroupSize = 32;
+
+struct KvRowLayout {
+  int64_t value_bytes = 0;  // packed values of one row
+  int64_t meta_bytes = 0;   // scales / zero points of one row; 0 for float types
+  [[nodiscard]] int64_t total() const { return value_bytes + meta_bytes; }
+};
+
+// Storage of one row of `head_dim` channels (head_dim > 0 and even).
+KvRowLayout KvRowLayoutFor(KvDType dtype, int64_t head_dim);
+
 std::string_view KvDTypeName(KvDType dtype);
-// Parses "fp32"/"float32"/"f32" and "fp16"/"float16"/"f16". Errors: INVALID_ARGUMENT listing
-// the accepted names.
+// Parses fp32/float32/f32, fp16/float16/f16/half, bf16/bfloat16, int8, int4. Errors:
+// INVALID_ARGUMENT listing the accepted names. ("auto" is resolved by the caller, which knows
+// the model's dtype.)
 absl::StatusOr<KvDType> ParseKvDType(std::string_view name);
 
 }  // namespace kvgrid::kernels

@@ -10,8 +10,9 @@
 namespace kvgrid::worker {
 
 int64_t KvGeometry::BytesPerToken() const {
-  return num_layers * num_kv_heads * head_dim *
-         static_cast<int64_t>(kernels::KvDTypeSize(k_dtype) + kernels::KvDTypeSize(v_dtype));
+  return num_layers * num_kv_heads *
+         (kernels::KvRowLayoutFor(k_dtype, head_dim).total() +
+          kernels::KvRowLayoutFor(v_dtype, head_dim).total());
 }
 
 KvPool::KvPool(const KvGeometry& geometry, int32_t num_blocks)
@@ -53,7 +54,8 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvGeometry& g,
   const int64_t plane = blocks * g.num_kv_heads * g.block_size * g.head_dim;
   for (int64_t layer = 0; layer < g.num_layers; ++layer) {
     for (auto [arenas, dtype] : {std::pair{&pool->k_, g.k_dtype}, std::pair{&pool->v_, g.v_dtype}}) {
-      const size_t bytes = static_cast<size_t>(plane) * kernels::KvDTypeSize(dtype);
+      const size_t bytes = static_cast<size_t>(plane / g.head_dim) *
+                           kernels::KvRowLayoutFor(dtype, g.head_dim).value_bytes;
       // Page-aligned and zero-filled by the kernel, so rows are aligned for SIMD loads.
       void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (mem == MAP_FAILED) {

@@ -46,8 +46,8 @@ void RunCase(const Case& c, uint64_t seed) {
   }
 
   const int64_t kv_row = c.kv_heads * c.head_dim;
-  const size_t esize = KvDTypeSize(c.dtype);
-  std::vector<std::byte> k_cache(num_blocks * c.kv_heads * c.block_size * c.head_dim * esize);
+  const int64_t row_bytes = KvRowLayoutFor(c.dtype, c.head_dim).value_bytes;
+  std::vector<std::byte> k_cache(num_blocks * c.kv_heads * c.block_size * row_bytes);
   std::vector<std::byte> v_cache(k_cache.size());
   std::vector<std::vector<float>> k_dense(num_seqs), v_dense(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
