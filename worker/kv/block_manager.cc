@@ -7,75 +7,409 @@
 
 namespace kvgrid::worker {
 
-BlockManager::BlockManager(int32_t num_blocks, int32_t block_size)
-    : num_blocks_(num_blocks), block_size_(block_size) {
-  ABSL_RAW_CHECK(num_blocks >= 1, "BlockManager needs at least one block");
-  ABSL_RAW_CHECK(block_size == 8 || block_size == 16 || block_size == 32,
+BlockManager::BlockManager(const Options& options)
+    : num_blocks_(options.num_blocks),
+      block_size_(options.block_size),
+      prefix_caching_(options.prefix_caching),
+      num_swap_slots_(options.num_swap_slots) {
+  ABSL_RAW_CHECK(num_blocks_ >= 1, "BlockManager needs at least one block");
+  ABSL_RAW_CHECK(block_size_ == 8 || block_size_ == 16 || block_size_ == 32,
                  "block_size must be 8, 16 or 32");
-  free_.reserve(num_blocks);
-  for (int32_t id = num_blocks - 1; id >= 0; --id) free_.push_back(id);
+  ABSL_RAW_CHECK(num_swap_slots_ >= 0, "num_swap_slots must be >= 0");
+  free_.reserve(num_blocks_);
+  for (int32_t id = num_blocks_ - 1; id >= 0; --id) free_.push_back(id);
+  refcount_.assign(num_blocks_, 0);
+  hash_.assign(num_blocks_, 0);
+  has_hash_.assign(num_blocks_, 0);
+  block_tokens_.resize(num_blocks_);
+  lru_prev_.assign(num_blocks_, kNone);
+  lru_next_.assign(num_blocks_, kNone);
+  for (int32_t slot = num_swap_slots_ - 1; slot >= 0; --slot) free_slots_.push_back(slot);
 }
 
 int64_t BlockManager::BlocksFor(int64_t num_tokens) const {
   return (num_tokens + block_size_ - 1) / block_size_;
 }
 
-absl::Status BlockManager::Reserve(SequenceId seq, int64_t num_tokens) {
-  std::vector<int32_t>& table = tables_[seq];
-  const int64_t needed = BlocksFor(num_tokens) - static_cast<int64_t>(table.size());
-  if (needed <= 0) return absl::OkStatus();
-  if (needed > static_cast<int64_t>(free_.size())) {
-    if (table.empty()) tables_.erase(seq);
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", needed,
-                                                     " more blocks needed, ", free_.size(),
+BlockManagerStats BlockManager::Stats() const {
+  BlockManagerStats s = counters_;
+  s.blocks_total = num_blocks_;
+  s.blocks_free = static_cast<int32_t>(free_.size());
+  s.blocks_cached = lru_size_;
+  s.blocks_used = num_blocks_ - s.blocks_free - s.blocks_cached;
+  s.swap_slots_total = num_swap_slots_;
+  s.swap_slots_used = num_swap_slots_ - static_cast<int32_t>(free_slots_.size());
+  return s;
+}
+
+uint64_t BlockManager::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
+  // splitmix64 finalizer over (parent, tokens...): stable across processes, unlike absl::Hash,
+  // so that hashes can later be compared between workers for prefix-affinity placement.
+  auto mix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  uint64_t h = mix(parent ^ 0x6b76677269645f31ull);
+  for (int32_t t : tokens) h = mix(h ^ static_cast<uint32_t>(t));
+  return h;
+}
+
+int32_t BlockManager::FindCached(uint64_t hash, std::span<const int32_t> tokens) const {
+  auto it = cache_.find(hash);
+  if (it == cache_.end()) return kNone;
+  const std::vector<int32_t>& stored = block_tokens_[it->second];
+  if (!std::equal(stored.begin(), stored.end(), tokens.begin(), tokens.end())) return kNone;
+  return it->second;
+}
+
+void BlockManager::LruRemove(int32_t b) {
+  const int32_t prev = lru_prev_[b], next = lru_next_[b];
+  (prev == kNone ? lru_head_ : lru_next_[prev]) = next;
+  (next == kNone ? lru_tail_ : lru_prev_[next]) = prev;
+  lru_prev_[b] = lru_next_[b] = kNone;
+  --lru_size_;
+}
+
+void BlockManager::LruPushBack(int32_t b) {
+  lru_prev_[b] = lru_tail_;
+  lru_next_[b] = kNone;
+  (lru_tail_ == kNone ? lru_head_ : lru_next_[lru_tail_]) = b;
+  lru_tail_ = b;
+  ++lru_size_;
+}
+
+int32_t BlockManager::AllocateBlock() {
+  int32_t b;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else {
+    ABSL_RAW_CHECK(lru_head_ != kNone, "AllocateBlock with no free or cached block");
+    b = lru_head_;
+    LruRemove(b);
+    cache_.erase(hash_[b]);
+    has_hash_[b] = 0;
+    block_tokens_[b].clear();
+    ++counters_.evictions;
+  }
+  refcount_[b] = 1;
+  return b;
+}
+
+void BlockManager::Release(int32_t b) {
+  if (--refcount_[b] > 0) return;
+  if (has_hash_[b]) {
+    LruPushBack(b);  // stays reusable by a prefix hit until evicted
+  } else {
+    free_.push_back(b);
+  }
+}
+
+absl::StatusOr<int64_t> BlockManager::Allocate(SequenceId seq, std::span<const int32_t> tokens,
+                                               int64_t reserve_tokens) {
+  if (seqs_.contains(seq)) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " already has blocks"));
+  }
+  std::vector<int32_t> hits;
+  uint64_t hash = 0;
+  int32_t hits_in_lru = 0;
+  if (prefix_caching_ && !tokens.empty()) {
+    const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
+    for (int64_t i = 0; i < max_hits; ++i) {
+      std::span<const int32_t> block_tokens = tokens.subspan(i * block_size_, block_size_);
+      const uint64_t h = ChainHash(hash, block_tokens);
+      const int32_t b = FindCached(h, block_tokens);
+      if (b == kNone) break;
+      hits.push_back(b);
+      hash = h;
+      if (refcount_[b] == 0) ++hits_in_lru;
+    }
+  }
+  const int64_t total_blocks = std::max<int64_t>(BlocksFor(reserve_tokens), hits.size());
+  const int64_t fresh = total_blocks - static_cast<int64_t>(hits.size());
+  if (fresh > num_free_blocks() - hits_in_lru) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", fresh, " more blocks needed, ",
+                                                     num_free_blocks() - hits_in_lru,
                                                      " free of ", num_blocks_));
   }
+  SeqState& state = seqs_[seq];
+  for (int32_t b : hits) {
+    if (refcount_[b] == 0) LruRemove(b);
+    ++refcount_[b];
+    state.blocks.push_back(b);
+  }
+  state.committed_blocks = static_cast<int64_t>(hits.size());
+  state.last_hash = hash;
+  for (int64_t i = 0; i < fresh; ++i) state.blocks.push_back(AllocateBlock());
+  state.on_host.assign(state.blocks.size(), 0);
+  const int64_t hit_tokens = static_cast<int64_t>(hits.size()) * block_size_;
+  if (prefix_caching_) {
+    counters_.prefix_query_tokens += static_cast<int64_t>(tokens.size());
+    counters_.prefix_hit_tokens += hit_tokens;
+  }
+  return hit_tokens;
+}
+
+absl::Status BlockManager::Reserve(SequenceId seq, int64_t num_tokens) {
+  auto it = seqs_.find(seq);
+  const int64_t have = it == seqs_.end() ? 0 : static_cast<int64_t>(it->second.blocks.size());
+  const int64_t needed = BlocksFor(num_tokens) - have;
+  if (needed <= 0) return absl::OkStatus();
+  if (it != seqs_.end() && it->second.swapped) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " is swapped out"));
+  }
+  if (needed > num_free_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", needed,
+                                                     " more blocks needed, ", num_free_blocks(),
+                                                     " free of ", num_blocks_));
+  }
+  SeqState& state = seqs_[seq];
   for (int64_t i = 0; i < needed; ++i) {
-    table.push_back(free_.back());
-    free_.pop_back();
+    state.blocks.push_back(AllocateBlock());
+    state.on_host.push_back(0);
   }
   return absl::OkStatus();
 }
 
+absl::Status BlockManager::PrepareWrite(SequenceId seq, int64_t begin, int64_t end,
+                                        std::vector<BlockCopy>* copies) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return Reserve(seq, end);
+  SeqState& state = it->second;
+  if (state.swapped) {
+    return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " is swapped out"));
+  }
+  const int64_t have = static_cast<int64_t>(state.blocks.size());
+  const int64_t grow = std::max<int64_t>(0, BlocksFor(end) - have);
+  std::vector<int64_t> shared;
+  for (int64_t i = begin / block_size_; i < std::min(have, BlocksFor(end)); ++i) {
+    if (refcount_[state.blocks[i]] > 1) shared.push_back(i);
+  }
+  const int64_t needed = grow + static_cast<int64_t>(shared.size());
+  if (needed > num_free_blocks()) {
+    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", needed,
+                                                     " more blocks needed, ", num_free_blocks(),
+                                                     " free of ", num_blocks_));
+  }
+  for (int64_t i : shared) {
+    const int32_t old = state.blocks[i];
+    const int32_t fresh = AllocateBlock();
+    copies->push_back({old, fresh});
+    Release(old);
+    state.blocks[i] = fresh;
+    ++counters_.cow_copies;
+  }
+  for (int64_t i = 0; i < grow; ++i) {
+    state.blocks.push_back(AllocateBlock());
+    state.on_host.push_back(0);
+  }
+  return absl::OkStatus();
+}
+
+void BlockManager::CommitFullBlocks(SequenceId seq, std::span<const int32_t> tokens,
+                                    int64_t num_computed) {
+  if (!prefix_caching_) return;
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || it->second.swapped) return;
+  SeqState& state = it->second;
+  const int64_t full = std::min<int64_t>(num_computed / block_size_,
+                                         static_cast<int64_t>(state.blocks.size()));
+  for (int64_t i = state.committed_blocks; i < full; ++i) {
+    std::span<const int32_t> block_tokens = tokens.subspan(i * block_size_, block_size_);
+    const uint64_t h = ChainHash(state.last_hash, block_tokens);
+    const int32_t b = state.blocks[i];
+    // Another block may already hold the same content (two identical prompts computed side
+    // by side); this one then stays unregistered and is freed normally.
+    if (!has_hash_[b] && !cache_.contains(h)) {
+      has_hash_[b] = 1;
+      hash_[b] = h;
+      block_tokens_[b].assign(block_tokens.begin(), block_tokens.end());
+      cache_[h] = b;
+    }
+    state.last_hash = h;
+    state.committed_blocks = i + 1;
+  }
+}
+
+void BlockManager::Fork(SequenceId parent, SequenceId child) {
+  auto it = seqs_.find(parent);
+  ABSL_RAW_CHECK(it != seqs_.end() && !it->second.swapped, "Fork of an unknown or swapped parent");
+  ABSL_RAW_CHECK(!seqs_.contains(child), "Fork into an existing sequence");
+  SeqState copy = it->second;
+  for (int32_t b : copy.blocks) ++refcount_[b];
+  seqs_.emplace(child, std::move(copy));
+}
+
 void BlockManager::Free(SequenceId seq) {
-  auto it = tables_.find(seq);
-  if (it == tables_.end()) return;
-  for (auto id = it->second.rbegin(); id != it->second.rend(); ++id) free_.push_back(*id);
-  tables_.erase(it);
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return;
+  const SeqState& state = it->second;
+  for (size_t i = state.blocks.size(); i-- > 0;) {
+    if (state.on_host[i]) {
+      free_slots_.push_back(state.blocks[i]);
+    } else {
+      Release(state.blocks[i]);
+    }
+  }
+  seqs_.erase(it);
+}
+
+int64_t BlockManager::ExclusiveBlocks(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < it->second.blocks.size(); ++i) {
+    if (!it->second.on_host[i] && refcount_[it->second.blocks[i]] == 1) ++n;
+  }
+  return n;
+}
+
+bool BlockManager::CanSwapOut(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  return it != seqs_.end() && !it->second.swapped &&
+         ExclusiveBlocks(seq) <= static_cast<int64_t>(free_slots_.size());
+}
+
+absl::Status BlockManager::SwapOut(SequenceId seq, std::vector<BlockCopy>* device_to_host) {
+  if (!CanSwapOut(seq)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "swap space: sequence ", seq, " needs ", ExclusiveBlocks(seq), " slots, ",
+        free_slots_.size(), " free of ", num_swap_slots_));
+  }
+  SeqState& state = seqs_[seq];
+  for (size_t i = 0; i < state.blocks.size(); ++i) {
+    const int32_t b = state.blocks[i];
+    if (refcount_[b] != 1) continue;  // shared: stays on the device, still referenced
+    const int32_t slot = free_slots_.back();
+    free_slots_.pop_back();
+    device_to_host->push_back({b, slot});
+    Release(b);
+    state.blocks[i] = slot;
+    state.on_host[i] = 1;
+    ++counters_.blocks_swapped_out;
+  }
+  state.swapped = true;
+  return absl::OkStatus();
+}
+
+bool BlockManager::CanSwapIn(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || !it->second.swapped) return false;
+  const int64_t on_host =
+      std::count(it->second.on_host.begin(), it->second.on_host.end(), uint8_t{1});
+  return on_host <= num_free_blocks();
+}
+
+absl::Status BlockManager::SwapIn(SequenceId seq, std::vector<BlockCopy>* host_to_device) {
+  if (!CanSwapIn(seq)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache: not enough free blocks to swap sequence ", seq, " back in"));
+  }
+  SeqState& state = seqs_[seq];
+  for (size_t i = 0; i < state.blocks.size(); ++i) {
+    if (!state.on_host[i]) continue;
+    const int32_t b = AllocateBlock();
+    host_to_device->push_back({state.blocks[i], b});
+    free_slots_.push_back(state.blocks[i]);
+    state.blocks[i] = b;
+    state.on_host[i] = 0;
+    ++counters_.blocks_swapped_in;
+  }
+  state.swapped = false;
+  return absl::OkStatus();
+}
+
+bool BlockManager::IsSwapped(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  return it != seqs_.end() && it->second.swapped;
 }
 
 const std::vector<int32_t>& BlockManager::BlockTable(SequenceId seq) const {
   static const std::vector<int32_t> kEmpty;
-  auto it = tables_.find(seq);
-  return it == tables_.end() ? kEmpty : it->second;
+  auto it = seqs_.find(seq);
+  return it == seqs_.end() ? kEmpty : it->second.blocks;
 }
 
 int64_t BlockManager::Slot(SequenceId seq, int64_t position) const {
-  const std::vector<int32_t>& table = BlockTable(seq);
+  auto it = seqs_.find(seq);
   const int64_t index = position / block_size_;
-  ABSL_RAW_CHECK(position >= 0 && index < static_cast<int64_t>(table.size()),
+  ABSL_RAW_CHECK(it != seqs_.end() && !it->second.swapped && position >= 0 &&
+                     index < static_cast<int64_t>(it->second.blocks.size()),
                  "position outside the reserved blocks of the sequence");
-  return static_cast<int64_t>(table[index]) * block_size_ + position % block_size_;
+  return static_cast<int64_t>(it->second.blocks[index]) * block_size_ + position % block_size_;
 }
 
 absl::Status BlockManager::CheckInvariants() const {
-  std::vector<int> owners(num_blocks_, 0);
-  for (int32_t id : free_) {
-    if (id < 0 || id >= num_blocks_) return absl::InternalError(absl::StrCat("bad free id ", id));
-    ++owners[id];
-  }
-  for (const auto& [seq, table] : tables_) {
-    for (int32_t id : table) {
-      if (id < 0 || id >= num_blocks_) {
-        return absl::InternalError(absl::StrCat("sequence ", seq, " holds bad id ", id));
+  std::vector<int32_t> refs(num_blocks_, 0);
+  std::vector<int> slot_owners(num_swap_slots_, 0);
+  for (const auto& [seq, state] : seqs_) {
+    if (state.on_host.size() != state.blocks.size()) {
+      return absl::InternalError(absl::StrCat("sequence ", seq, ": on_host size mismatch"));
+    }
+    for (size_t i = 0; i < state.blocks.size(); ++i) {
+      const int32_t id = state.blocks[i];
+      if (state.on_host[i]) {
+        if (!state.swapped || id < 0 || id >= num_swap_slots_) {
+          return absl::InternalError(absl::StrCat("sequence ", seq, ": bad host slot ", id));
+        }
+        ++slot_owners[id];
+      } else {
+        if (id < 0 || id >= num_blocks_) {
+          return absl::InternalError(absl::StrCat("sequence ", seq, " holds bad block ", id));
+        }
+        ++refs[id];
       }
-      ++owners[id];
     }
   }
-  for (int32_t id = 0; id < num_blocks_; ++id) {
-    if (owners[id] != 1) {
-      return absl::InternalError(
-          absl::StrCat("block ", id, " is owned ", owners[id], " times (free list + tables)"));
+  std::vector<int> on_free(num_blocks_, 0), on_lru(num_blocks_, 0);
+  for (int32_t b : free_) ++on_free[b];
+  int32_t walked = 0;
+  for (int32_t b = lru_head_, prev = kNone; b != kNone; prev = b, b = lru_next_[b]) {
+    if (lru_prev_[b] != prev || ++walked > num_blocks_) {
+      return absl::InternalError("LRU list is corrupt");
+    }
+    ++on_lru[b];
+    if (lru_next_[b] == kNone && lru_tail_ != b) return absl::InternalError("LRU tail mismatch");
+  }
+  if (walked != lru_size_) return absl::InternalError("LRU size mismatch");
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    if (refs[b] != refcount_[b]) {
+      return absl::InternalError(absl::StrCat("block ", b, ": refcount ", refcount_[b], " but ",
+                                              refs[b], " table references"));
+    }
+    const int states = (refcount_[b] > 0) + on_free[b] + on_lru[b];
+    if (states != 1) {
+      return absl::InternalError(absl::StrCat("block ", b, " is in ", states,
+                                              " states (used/free/cached)"));
+    }
+    if (on_free[b] && has_hash_[b]) {
+      return absl::InternalError(absl::StrCat("free block ", b, " still has a hash"));
+    }
+    if (on_lru[b] && !has_hash_[b]) {
+      return absl::InternalError(absl::StrCat("cached block ", b, " has no hash"));
+    }
+    if (has_hash_[b]) {
+      auto it = cache_.find(hash_[b]);
+      if (it == cache_.end() || it->second != b) {
+        return absl::InternalError(absl::StrCat("block ", b, " is hashed but not indexed"));
+      }
+      if (static_cast<int32_t>(block_tokens_[b].size()) != block_size_) {
+        return absl::InternalError(absl::StrCat("cached block ", b, " lacks its tokens"));
+      }
+    }
+  }
+  for (const auto& [h, b] : cache_) {
+    if (!has_hash_[b] || hash_[b] != h) {
+      return absl::InternalError(absl::StrCat("index entry for block ", b, " is stale"));
+    }
+  }
+  for (int32_t slot : free_slots_) ++slot_owners[slot];
+  for (int32_t slot = 0; slot < num_swap_slots_; ++slot) {
+    if (slot_owners[slot] != 1) {
+      return absl::InternalError(absl::StrCat("swap slot ", slot, " is owned ",
+                                              slot_owners[slot], " times"));
     }
   }
   return absl::OkStatus();

@@ -1,12 +1,23 @@
-// Bookkeeping of KV blocks for one pool: a free list and per-sequence block tables.
+// Bookkeeping of KV blocks for one pool: free list, reference counts, per-sequence block
+// tables, a prefix cache of full blocks, copy-on-write, forking, and swapping to a host space.
 //
 // Holds ids only — no memory, no dtype, no device — so it is tested without a device. A block
-// id indexes every layer's K and V arena at once. Not thread-safe: the engine that owns it
-// serializes calls. Non-copyable.
+// id indexes every layer's K and V arena at once. Operations that need data moved (copy-on-
+// write, swap out, swap in) return the copies for the caller to perform on the pools before
+// the next forward pass. Not thread-safe: the engine that owns it serializes calls.
+//
+// Every block is in exactly one state:
+//   free      refcount 0, no hash                  (on the free list)
+//   cached    refcount 0, hash of its full tokens  (evictable, LRU order; reusable by a hit)
+//   used      refcount >= 1                        (in one or more sequence tables)
+// Allocation takes a free block first, else evicts the least recently used cached block.
+// The prefix cache keys each full block by a chained hash of (previous block's hash, its
+// tokens) and stores the tokens too, so a hash collision can never share wrong data.
 #ifndef KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 #define KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -17,47 +28,143 @@ namespace kvgrid::worker {
 
 using SequenceId = uint64_t;
 
+// Move the K/V data of one block. For copy-on-write both ids are device blocks; for swap out
+// `src` is a device block and `dst` a host slot; for swap in the reverse.
+struct BlockCopy {
+  int32_t src = -1;
+  int32_t dst = -1;
+};
+
+struct BlockManagerStats {
+  int32_t blocks_total = 0;
+  int32_t blocks_free = 0;     // free list only
+  int32_t blocks_cached = 0;   // evictable prefix-cache blocks
+  int32_t blocks_used = 0;     // referenced by at least one sequence
+  int32_t swap_slots_total = 0;
+  int32_t swap_slots_used = 0;
+  int64_t prefix_query_tokens = 0;  // prompt tokens looked up in the prefix cache
+  int64_t prefix_hit_tokens = 0;    // of which found cached
+  int64_t cow_copies = 0;
+  int64_t blocks_swapped_out = 0;
+  int64_t blocks_swapped_in = 0;
+  int64_t evictions = 0;
+};
+
 class BlockManager {
  public:
-  // `num_blocks` >= 1, `block_size` in {8, 16, 32} (checked by ABSL_RAW_CHECK: a programmer error).
-  BlockManager(int32_t num_blocks, int32_t block_size);
+  struct Options {
+    int32_t num_blocks = 0;        // >= 1
+    int32_t block_size = 16;       // 8, 16 or 32
+    bool prefix_caching = false;
+    int32_t num_swap_slots = 0;    // host blocks for swapped-out sequences
+  };
+
+  // Invalid options are programmer errors (ABSL_RAW_CHECK).
+  explicit BlockManager(const Options& options);
+  BlockManager(int32_t num_blocks, int32_t block_size)
+      : BlockManager(Options{.num_blocks = num_blocks, .block_size = block_size}) {}
   BlockManager(const BlockManager&) = delete;
   BlockManager& operator=(const BlockManager&) = delete;
 
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
   [[nodiscard]] int32_t block_size() const { return block_size_; }
-  [[nodiscard]] int32_t num_free_blocks() const { return static_cast<int32_t>(free_.size()); }
+  // Blocks an allocation can take now: free plus evictable cached blocks.
+  [[nodiscard]] int32_t num_free_blocks() const {
+    return static_cast<int32_t>(free_.size()) + lru_size_;
+  }
   [[nodiscard]] int32_t num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
-
-  // Blocks needed to hold `num_tokens` tokens.
   [[nodiscard]] int64_t BlocksFor(int64_t num_tokens) const;
+  [[nodiscard]] bool HasSequence(SequenceId seq) const { return seqs_.contains(seq); }
+  [[nodiscard]] BlockManagerStats Stats() const;
 
-  [[nodiscard]] bool HasSequence(SequenceId seq) const { return tables_.contains(seq); }
+  // Starts `seq` (which must be new) with `tokens` (its prompt, or prompt + generated for a
+  // recompute): shares the longest run of cached full blocks matching the start of `tokens`,
+  // leaving at least one token to compute, then reserves blocks for `reserve_tokens` in all.
+  // Returns how many leading tokens are already in the cache. All-or-nothing:
+  // RESOURCE_EXHAUSTED, and no change, when the blocks do not fit.
+  absl::StatusOr<int64_t> Allocate(SequenceId seq, std::span<const int32_t> tokens,
+                                   int64_t reserve_tokens);
 
   // Grows (never shrinks) `seq`'s table so it holds `num_tokens` tokens, creating the table on
-  // first use. All-or-nothing: RESOURCE_EXHAUSTED with the numbers, and no change, when the
-  // free list is too short.
+  // first use (without prefix lookup). All-or-nothing: RESOURCE_EXHAUSTED with the numbers.
   absl::Status Reserve(SequenceId seq, int64_t num_tokens);
 
-  // Returns every block of `seq` to the free list. Unknown ids are fine (idempotent).
+  // Makes positions [begin, end) of `seq` writable: grows the table to `end` tokens and gives
+  // `seq` its own copy of any shared block in that range (copy-on-write), appending the data
+  // copies to `copies`. All-or-nothing: RESOURCE_EXHAUSTED, and no change.
+  absl::Status PrepareWrite(SequenceId seq, int64_t begin, int64_t end,
+                            std::vector<BlockCopy>* copies);
+
+  // Registers every full block among the first `num_computed` tokens of `seq` (whose K/V are
+  // now written) in the prefix cache. `tokens` are the sequence's tokens from position 0. A
+  // no-op without prefix caching.
+  void CommitFullBlocks(SequenceId seq, std::span<const int32_t> tokens, int64_t num_computed);
+
+  // `child` (new) shares every block of `parent` (not swapped). Writes into shared blocks go
+  // through PrepareWrite's copy-on-write.
+  void Fork(SequenceId parent, SequenceId child);
+
+  // Releases `seq`'s blocks and swap slots. Unknown ids are fine (idempotent).
   void Free(SequenceId seq);
 
-  // The block ids of `seq` in token order (empty for unknown ids).
+  // Swapping: blocks only `seq` references move to host slots; blocks it shares with others
+  // stay on the device, still referenced. CanSwapOut: enough free slots. SwapIn needs enough
+  // allocatable device blocks. Both all-or-nothing (RESOURCE_EXHAUSTED / FAILED_PRECONDITION).
+  [[nodiscard]] bool CanSwapOut(SequenceId seq) const;
+  absl::Status SwapOut(SequenceId seq, std::vector<BlockCopy>* device_to_host);
+  [[nodiscard]] bool CanSwapIn(SequenceId seq) const;
+  absl::Status SwapIn(SequenceId seq, std::vector<BlockCopy>* host_to_device);
+  [[nodiscard]] bool IsSwapped(SequenceId seq) const;
+  // Device blocks `seq` holds exclusively (what a swap out would move).
+  [[nodiscard]] int64_t ExclusiveBlocks(SequenceId seq) const;
+
+  // The device block ids of `seq` in token order (empty for unknown ids). Meaningless while
+  // the sequence is swapped out.
   [[nodiscard]] const std::vector<int32_t>& BlockTable(SequenceId seq) const;
 
   // Slot of token `position` of `seq`: block_id * block_size + position % block_size.
   // The position must be inside the reserved capacity (ABSL_RAW_CHECK).
   [[nodiscard]] int64_t Slot(SequenceId seq, int64_t position) const;
 
-  // Internal consistency (every block either free or owned by exactly one sequence).
+  // Every invariant: each block in exactly one state, refcounts equal to the number of table
+  // references, cached blocks hashed and indexed, LRU consistent, swap slots owned once.
   // INTERNAL describing the first violation; for tests.
   absl::Status CheckInvariants() const;
 
  private:
+  struct SeqState {
+    std::vector<int32_t> blocks;   // device ids, or host slot ids where on_host[i]
+    std::vector<uint8_t> on_host;  // parallel to blocks
+    int64_t committed_blocks = 0;  // leading full blocks registered in the prefix cache
+    uint64_t last_hash = 0;        // chained hash of block committed_blocks - 1
+    bool swapped = false;
+  };
+  static constexpr int32_t kNone = -1;
+
+  // Takes a free block (or evicts the LRU cached one) with refcount 1. Caller checked space.
+  int32_t AllocateBlock();
+  void Release(int32_t block);  // refcount--, to free list or LRU at 0
+  void LruRemove(int32_t block);
+  void LruPushBack(int32_t block);
+  static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
+  // The cached block holding exactly `tokens` after `parent_hash`, or kNone.
+  int32_t FindCached(uint64_t hash, std::span<const int32_t> tokens) const;
+
   int32_t num_blocks_;
   int32_t block_size_;
-  std::vector<int32_t> free_;  // LIFO: recently freed blocks are reused first (warm in cache)
-  absl::flat_hash_map<SequenceId, std::vector<int32_t>> tables_;
+  bool prefix_caching_;
+  std::vector<int32_t> free_;       // LIFO: recently freed blocks are reused first
+  std::vector<int32_t> refcount_;   // per block
+  std::vector<uint64_t> hash_;      // per block, meaningful when has_hash_
+  std::vector<uint8_t> has_hash_;
+  std::vector<std::vector<int32_t>> block_tokens_;  // tokens of cached blocks (collision check)
+  std::vector<int32_t> lru_prev_, lru_next_;        // intrusive LRU of cached blocks
+  int32_t lru_head_ = kNone, lru_tail_ = kNone, lru_size_ = 0;
+  absl::flat_hash_map<uint64_t, int32_t> cache_;    // hash -> block
+  std::vector<int32_t> free_slots_;                 // host swap slots
+  int32_t num_swap_slots_;
+  absl::flat_hash_map<SequenceId, SeqState> seqs_;
+  BlockManagerStats counters_;
 };
 
 }  // namespace kvgrid::worker

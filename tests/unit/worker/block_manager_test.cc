@@ -76,3 +76,213 @@ TEST(BlockManagerTest, RandomOperationsKeepInvariants) {
 
 }  // namespace
 }  // namespace kvgrid::worker
+
+namespace kvgrid::worker {
+namespace {
+
+std::vector<int32_t> Tokens(int64_t n, int32_t seed) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = (seed * 1000 + static_cast<int32_t>(i)) % 50000;
+  return t;
+}
+
+BlockManager::Options Caching(int32_t blocks, int32_t swap_slots = 0) {
+  return {.num_blocks = blocks, .block_size = 8, .prefix_caching = true,
+          .num_swap_slots = swap_slots};
+}
+
+TEST(PrefixCacheTest, SecondSequenceSharesCommittedFullBlocks) {
+  BlockManager m(Caching(16));
+  const std::vector<int32_t> prompt = Tokens(20, 1);  // 2 full blocks + 4 tokens
+  auto hit = m.Allocate(1, prompt, 21);
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(*hit, 0);
+  m.CommitFullBlocks(1, prompt, 20);
+  auto hit2 = m.Allocate(2, prompt, 21);
+  ASSERT_TRUE(hit2.ok());
+  EXPECT_EQ(*hit2, 16);
+  EXPECT_EQ(m.BlockTable(2)[0], m.BlockTable(1)[0]);
+  EXPECT_EQ(m.BlockTable(2)[1], m.BlockTable(1)[1]);
+  EXPECT_NE(m.BlockTable(2)[2], m.BlockTable(1)[2]);
+  EXPECT_EQ(m.Stats().prefix_hit_tokens, 16);
+  EXPECT_EQ(m.Stats().prefix_query_tokens, 40);
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(PrefixCacheTest, AlwaysLeavesOneTokenToCompute) {
+  BlockManager m(Caching(16));
+  const std::vector<int32_t> prompt = Tokens(16, 2);  // exactly 2 blocks
+  ASSERT_TRUE(m.Allocate(1, prompt, 17).ok());
+  m.CommitFullBlocks(1, prompt, 16);
+  auto hit = m.Allocate(2, prompt, 17);
+  ASSERT_TRUE(hit.ok());
+  EXPECT_EQ(*hit, 8);  // the last block is recomputed so the prompt yields logits
+}
+
+TEST(PrefixCacheTest, FreedBlocksStayCachedUntilEvictedLeastRecentlyUsedFirst) {
+  BlockManager m(Caching(4));
+  const std::vector<int32_t> a = Tokens(9, 3), b = Tokens(9, 4);
+  ASSERT_TRUE(m.Allocate(1, a, 9).ok());
+  m.CommitFullBlocks(1, a, 9);
+  m.Free(1);
+  ASSERT_TRUE(m.Allocate(2, b, 9).ok());
+  m.CommitFullBlocks(2, b, 9);
+  m.Free(2);
+  EXPECT_EQ(m.Stats().blocks_cached, 2);
+  EXPECT_EQ(m.num_free_blocks(), 4);
+  // Needs all 4 blocks: both cached blocks are evicted, `a`'s first (older).
+  ASSERT_TRUE(m.Reserve(3, 32).ok());
+  EXPECT_EQ(m.Stats().evictions, 2);
+  m.Free(3);
+  EXPECT_EQ(*m.Allocate(4, a, 9), 0);  // gone
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(PrefixCacheTest, HitRevivesACachedBlock) {
+  BlockManager m(Caching(4));
+  const std::vector<int32_t> a = Tokens(9, 5);
+  ASSERT_TRUE(m.Allocate(1, a, 9).ok());
+  m.CommitFullBlocks(1, a, 9);
+  m.Free(1);
+  EXPECT_EQ(m.Stats().blocks_cached, 1);
+  EXPECT_EQ(*m.Allocate(2, a, 9), 8);
+  EXPECT_EQ(m.Stats().blocks_cached, 0);
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(CopyOnWriteTest, ForkedSequencesCopyTheSharedPartialBlockOnWrite) {
+  BlockManager m(Caching(8));
+  const std::vector<int32_t> prompt = Tokens(12, 6);
+  ASSERT_TRUE(m.Allocate(1, prompt, 12).ok());
+  m.Fork(1, 2);
+  EXPECT_EQ(m.BlockTable(1), m.BlockTable(2));
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(m.PrepareWrite(2, 12, 13, &copies).ok());
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].src, m.BlockTable(1)[1]);
+  EXPECT_EQ(copies[0].dst, m.BlockTable(2)[1]);
+  EXPECT_EQ(m.BlockTable(1)[0], m.BlockTable(2)[0]);  // the full block stays shared
+  copies.clear();
+  ASSERT_TRUE(m.PrepareWrite(1, 12, 13, &copies).ok());
+  EXPECT_TRUE(copies.empty());  // now exclusive
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(SwapTest, ExclusiveBlocksRoundTripThroughHostSlots) {
+  BlockManager m(Caching(8, 4));
+  const std::vector<int32_t> prompt = Tokens(20, 7);
+  ASSERT_TRUE(m.Allocate(1, prompt, 20).ok());
+  m.Fork(1, 2);
+  std::vector<BlockCopy> w;
+  ASSERT_TRUE(m.PrepareWrite(2, 20, 30, &w).ok());  // 2 gets its own block 2 and a 4th
+  const std::vector<int32_t> before = m.BlockTable(2);
+  std::vector<BlockCopy> out, in;
+  ASSERT_TRUE(m.SwapOut(2, &out).ok());
+  EXPECT_TRUE(m.IsSwapped(2));
+  EXPECT_EQ(out.size(), 2u);  // blocks 0 and 1 are shared with sequence 1 and stay
+  EXPECT_EQ(m.Stats().swap_slots_used, 2);
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  ASSERT_TRUE(m.SwapIn(2, &in).ok());
+  ASSERT_EQ(in.size(), 2u);
+  EXPECT_EQ(in[0].src, out[0].dst);
+  EXPECT_EQ(m.BlockTable(2)[0], before[0]);
+  EXPECT_EQ(m.Stats().swap_slots_used, 0);
+  ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
+  std::mt19937_64 rng(1234);
+  for (int32_t block_size : {8, 16}) {
+    BlockManager m({.num_blocks = 48, .block_size = block_size, .prefix_caching = true,
+                    .num_swap_slots = 24});
+    struct Live {
+      std::vector<int32_t> tokens;
+      int64_t computed = 0;
+    };
+    absl::flat_hash_map<SequenceId, Live> live;
+    SequenceId next = 1;
+    for (int op = 0; op < 6000; ++op) {
+      const int kind = static_cast<int>(rng() % 7);
+      auto pick = [&]() -> SequenceId {
+        if (live.empty()) return 0;
+        auto it = live.begin();
+        std::advance(it, rng() % live.size());
+        return it->first;
+      };
+      if (kind == 0 || live.empty()) {  // allocate, prompts from a few shared prefixes
+        Live l;
+        l.tokens = Tokens(1 + rng() % 60, static_cast<int32_t>(rng() % 4));
+        for (int k = rng() % 3; k > 0; --k) l.tokens.push_back(static_cast<int32_t>(rng() % 9));
+        auto hit = m.Allocate(next, l.tokens, static_cast<int64_t>(l.tokens.size()));
+        if (hit.ok()) {
+          ASSERT_LT(*hit, static_cast<int64_t>(l.tokens.size()));
+          ASSERT_EQ(*hit % block_size, 0);
+          l.computed = static_cast<int64_t>(l.tokens.size());
+          m.CommitFullBlocks(next, l.tokens, l.computed);
+          live[next] = std::move(l);
+        }
+        ++next;
+      } else if (kind == 1) {  // append tokens (decode)
+        const SequenceId s = pick();
+        if (m.IsSwapped(s)) continue;
+        Live& l = live[s];
+        const int64_t add = 1 + rng() % 10;
+        std::vector<BlockCopy> copies;
+        const int32_t free_before = m.num_free_blocks();
+        if (m.PrepareWrite(s, l.computed, l.computed + add, &copies).ok()) {
+          for (int64_t i = 0; i < add; ++i) l.tokens.push_back(static_cast<int32_t>(rng() % 9));
+          l.computed += add;
+          m.CommitFullBlocks(s, l.tokens, l.computed);
+          for (const BlockCopy& c : copies) ASSERT_NE(c.src, c.dst);
+        } else {
+          ASSERT_EQ(m.num_free_blocks(), free_before);
+        }
+      } else if (kind == 2) {  // fork
+        const SequenceId s = pick();
+        if (m.IsSwapped(s)) continue;
+        m.Fork(s, next);
+        live[next] = live[s];
+        ++next;
+      } else if (kind == 3) {  // free
+        const SequenceId s = pick();
+        m.Free(s);
+        live.erase(s);
+      } else if (kind == 4) {  // swap out
+        const SequenceId s = pick();
+        std::vector<BlockCopy> copies;
+        if (m.CanSwapOut(s)) ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+      } else if (kind == 5) {  // swap in
+        const SequenceId s = pick();
+        std::vector<BlockCopy> copies;
+        if (m.CanSwapIn(s)) ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+      } else {  // pressure: a big reservation that may evict cached blocks
+        const int64_t want = static_cast<int64_t>(rng() % 200);
+        if (m.Reserve(next, want).ok() && m.HasSequence(next)) live[next] = Live{Tokens(want, 9), want};
+        ++next;
+      }
+      const BlockManagerStats st = m.Stats();
+      ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total);
+      ASSERT_TRUE(m.CheckInvariants().ok()) << "op " << op << ": " << m.CheckInvariants();
+      for (const auto& [s, l] : live) {
+        if (!m.IsSwapped(s)) {
+          ASSERT_GE(static_cast<int64_t>(m.BlockTable(s).size()) * block_size,
+                    static_cast<int64_t>(l.tokens.size()));
+        }
+      }
+    }
+    // The random walk really exercised every mechanism.
+    const BlockManagerStats st = m.Stats();
+    EXPECT_GT(st.prefix_hit_tokens, 0);
+    EXPECT_GT(st.cow_copies, 0);
+    EXPECT_GT(st.blocks_swapped_out, 0);
+    EXPECT_GT(st.blocks_swapped_in, 0);
+    EXPECT_GT(st.evictions, 0);
+    for (const auto& [s, l] : live) m.Free(s);
+    EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
+    EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
+    EXPECT_TRUE(m.CheckInvariants().ok());
+  }
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
