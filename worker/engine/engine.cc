@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
+#include "worker/kv/kv_block_copy.h"
 
 namespace kvgrid::worker {
 
@@ -41,20 +42,35 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
   }
-  KVGRID_ASSIGN_OR_RETURN(
-      std::unique_ptr<KvPool> pool,
-      KvPool::Create(model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype),
-                     options.kv_cache_memory));
-  return std::unique_ptr<Engine>(
-      new Engine(std::move(model), options, std::move(pool), max_model_len));
+  if (options.swap_space < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
+  }
+  const KvGeometry geometry =
+      model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<KvPool> pool,
+                          KvPool::Create(geometry, options.kv_cache_memory));
+  std::unique_ptr<KvPool> swap_pool;
+  if (options.swap_space > 0) {
+    // The host space has the device pool's layout, so a swap is a plain block copy.
+    KVGRID_ASSIGN_OR_RETURN(swap_pool, KvPool::Create(geometry, options.swap_space));
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(model), options, std::move(pool),
+                                            std::move(swap_pool), max_model_len));
 }
 
 Engine::Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
-               std::unique_ptr<KvPool> pool, int64_t max_model_len)
+               std::unique_ptr<KvPool> pool, std::unique_ptr<KvPool> swap_pool,
+               int64_t max_model_len)
     : model_(std::move(model)),
       options_(options),
       pool_(std::move(pool)),
-      blocks_(pool_->num_blocks(), static_cast<int32_t>(options.block_size)),
+      swap_pool_(std::move(swap_pool)),
+      blocks_(BlockManager::Options{
+          .num_blocks = pool_->num_blocks(),
+          .block_size = static_cast<int32_t>(options.block_size),
+          .prefix_caching = options.enable_prefix_caching,
+          .num_swap_slots = swap_pool_ ? swap_pool_->num_blocks() : 0}),
       max_model_len_(max_model_len) {}
 
 absl::Status Engine::AddRequest(GenerationRequest request) {
@@ -111,18 +127,52 @@ void Engine::Abort(const std::string& request_id) {
   Sequence* target = it->second;
   live_.erase(it);
   blocks_.Free(target->seq_id);
-  for (SeqList* list : {&waiting_, &running_}) {
+  for (SeqList* list : {&waiting_, &running_, &swapped_}) {
     list->remove_if([target](const std::unique_ptr<Sequence>& s) { return s.get() == target; });
   }
 }
 
-void Engine::PreemptNewest() {
+absl::Status Engine::PreemptNewest() {
   std::unique_ptr<Sequence> victim = std::move(running_.back());
   running_.pop_back();
-  blocks_.Free(victim->seq_id);
-  victim->num_computed = 0;
-  waiting_.push_front(std::move(victim));
-  ++num_preemptions_;
+  if (swap_pool_ && blocks_.CanSwapOut(victim->seq_id)) {
+    copies_.clear();
+    KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &copies_));
+    // Copy now: the freed device blocks may be reallocated and written in this very step.
+    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *swap_pool_, copies_));
+    swapped_.push_front(std::move(victim));
+    ++num_swap_outs_;
+  } else {
+    blocks_.Free(victim->seq_id);
+    victim->num_computed = 0;
+    waiting_.push_front(std::move(victim));
+    ++num_recomputes_;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Engine::SwapInReady() {
+  while (!swapped_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
+    Sequence* seq = swapped_.front().get();
+    if (!blocks_.CanSwapIn(seq->seq_id)) break;
+    copies_.clear();
+    KVGRID_RETURN_IF_ERROR(blocks_.SwapIn(seq->seq_id, &copies_));
+    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*swap_pool_, *pool_, copies_));
+    copies_.clear();
+    if (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
+                              static_cast<int64_t>(seq->tokens.size()), &copies_)
+             .ok()) {
+      // Back in, but no room for its next token: out again, and it waits for the next step.
+      std::vector<BlockCopy> out;
+      KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(seq->seq_id, &out));
+      KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *swap_pool_, out));
+      break;
+    }
+    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *pool_, copies_));
+    running_.push_back(std::move(swapped_.front()));
+    swapped_.pop_front();
+  }
+  return absl::OkStatus();
 }
 
 FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
@@ -142,30 +192,42 @@ FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
 }
 
 absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
-  // 1. Every running sequence needs a slot for one more token. When the pool is dry the
-  //    newest running sequence is preempted — possibly the one asking, which then waits.
-  //    Victims are taken from the back, so `it` stays valid unless it is the victim.
+  // 1. Every running sequence needs a writable slot for one more token (copy-on-write when
+  //    its last block is shared). When the pool is dry the newest running sequence is
+  //    preempted — possibly the one asking. Victims come from the back, so `it` stays valid
+  //    unless it is the victim, and then it was the last one.
   for (auto it = running_.begin(); it != running_.end();) {
     Sequence* seq = it->get();
     bool preempted_self = false;
-    while (!blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())).ok()) {
+    copies_.clear();
+    while (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
+                                 static_cast<int64_t>(seq->tokens.size()), &copies_)
+                .ok()) {
       preempted_self = running_.back().get() == seq;
-      PreemptNewest();
+      KVGRID_RETURN_IF_ERROR(PreemptNewest());
       if (preempted_self) break;
     }
-    if (preempted_self) break;  // it was the last running sequence
+    if (preempted_self) break;
+    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *pool_, copies_));
     ++it;
   }
 
-  // 2. Admit waiting sequences while blocks, the sequence cap and the token budget allow.
+  // 2. Swapped-out sequences come back before anything new is admitted (FCFS).
+  KVGRID_RETURN_IF_ERROR(SwapInReady());
+
+  // 3. Admit waiting sequences while blocks, the sequence cap and the token budget allow,
+  //    sharing whatever prefix of their tokens is already cached.
   int64_t budget = options_.max_num_batched_tokens - static_cast<int64_t>(running_.size());
-  while (!waiting_.empty() && static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
+  while (swapped_.empty() && !waiting_.empty() &&
+         static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence* seq = waiting_.front().get();
-    const int64_t need = static_cast<int64_t>(seq->tokens.size()) - seq->num_computed;
+    const int64_t len = static_cast<int64_t>(seq->tokens.size());
     // A prompt larger than the budget still runs when it would be alone (no chunking yet).
-    if (need > budget && !running_.empty()) break;
-    if (!blocks_.Reserve(seq->seq_id, static_cast<int64_t>(seq->tokens.size())).ok()) break;
-    budget -= need;
+    if (len > budget && !running_.empty()) break;
+    absl::StatusOr<int64_t> cached = blocks_.Allocate(seq->seq_id, seq->tokens, len);
+    if (!cached.ok()) break;
+    seq->num_computed = *cached;
+    budget -= len - *cached;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
@@ -180,7 +242,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     return std::vector<TokenOutput>{};
   }
 
-  // 3. Lay the batch out for the kernels.
+  // 4. Lay the batch out for the kernels.
   ForwardBatch& b = batch_;
   b.token_ids.clear();
   b.positions.clear();
@@ -212,7 +274,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
 
   KVGRID_RETURN_IF_ERROR(model_->Forward(b, *pool_, &logits_));
 
-  // 4. Sample, append, and retire finished sequences.
+  // 5. Sample, append, and retire finished sequences.
   const int64_t vocab = model_->config().vocab_size;
   std::vector<TokenOutput> outputs;
   outputs.reserve(running_.size());
@@ -220,6 +282,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   for (auto it = running_.begin(); it != running_.end(); ++s) {
     Sequence& seq = **it;
     seq.num_computed = static_cast<int64_t>(seq.tokens.size());
+    blocks_.CommitFullBlocks(seq.seq_id, seq.tokens, seq.num_computed);
     std::span<float> row(logits_.data() + s * vocab, vocab);
     const int32_t token = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
     seq.tokens.push_back(token);
@@ -238,13 +301,46 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
 }
 
 EngineStats Engine::Stats() const {
+  const BlockManagerStats bm = blocks_.Stats();
   EngineStats st;
-  st.blocks_total = blocks_.num_blocks();
+  st.blocks_total = bm.blocks_total;
   st.blocks_free = blocks_.num_free_blocks();
+  st.blocks_cached = bm.blocks_cached;
+  st.blocks_used = bm.blocks_used;
   st.bytes_per_token = pool_->geometry().BytesPerToken();
+  st.tokens_capacity = pool_->capacity_tokens();
+  // Distinct slots written: a block shared by several sequences counts once, at its fullest.
+  absl::flat_hash_map<int32_t, int64_t> fill;
+  const int64_t bs = blocks_.block_size();
+  for (const auto& seq : running_) {
+    const std::vector<int32_t>& table = blocks_.BlockTable(seq->seq_id);
+    for (size_t i = 0; i < table.size(); ++i) {
+      const int64_t n = std::clamp<int64_t>(seq->num_computed - static_cast<int64_t>(i) * bs, 0, bs);
+      int64_t& f = fill[table[i]];
+      f = std::max(f, n);
+    }
+  }
+  for (const auto& [block, n] : fill) st.tokens_stored += n;
+  if (st.blocks_used > 0) {
+    st.internal_waste =
+        1.0 - static_cast<double>(st.tokens_stored) / static_cast<double>(st.blocks_used * bs);
+  }
+  st.usage = static_cast<double>(st.blocks_used) / st.blocks_total;
   st.num_running = static_cast<int64_t>(running_.size());
   st.num_waiting = static_cast<int64_t>(waiting_.size());
-  st.num_preemptions = num_preemptions_;
+  st.num_swapped = static_cast<int64_t>(swapped_.size());
+  st.num_swap_outs = num_swap_outs_;
+  st.num_recomputes = num_recomputes_;
+  st.num_preemptions = num_swap_outs_ + num_recomputes_;
+  st.prefix_query_tokens = bm.prefix_query_tokens;
+  st.prefix_hit_tokens = bm.prefix_hit_tokens;
+  if (bm.prefix_query_tokens > 0) {
+    st.prefix_hit_rate =
+        static_cast<double>(bm.prefix_hit_tokens) / static_cast<double>(bm.prefix_query_tokens);
+  }
+  st.cow_copies = bm.cow_copies;
+  st.swap_blocks_total = bm.swap_slots_total;
+  st.swap_blocks_used = bm.swap_slots_used;
   return st;
 }
 

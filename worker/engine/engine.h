@@ -1,14 +1,20 @@
 // The generation engine of one worker: owns the model, the KV pool and its block manager, and
 // runs requests to completion step by step.
 //
-// Each Step() forms one batch: every running sequence decodes one token, and waiting requests
-// are admitted (FCFS) while their blocks fit, the sequence cap and the token budget allow;
-// their whole prompt is prefilled in the same forward pass. When a decode finds no free block,
-// the newest running sequence is preempted (possibly the one asking): its blocks are freed and
-// it is recomputed later (prompt + generated tokens prefilled again), continuing its own
-// random stream. Outputs are the same as an unpreempted, unbatched run up to floating-point
-// differences between batch shapes (GEMV vs GEMM summation order), which only matter at
-// near-ties of the logits.
+// Each Step() forms one batch: every running sequence decodes one token; swapped-out sequences
+// come back first when their blocks fit; then waiting requests are admitted (FCFS) while their
+// blocks fit, the sequence cap and the token budget allow. Admission looks the prompt up in the
+// prefix cache: leading full blocks already computed (by any earlier sequence) are shared and
+// only the rest is prefilled, in the same forward pass as the decodes.
+//
+// When a decode finds no free block, the newest running sequence is preempted (possibly the
+// one asking). It is swapped to the host swap space (--swap-space) when that has room for the
+// blocks it holds alone — a copy, far cheaper than recomputing on a CPU, and the only choice
+// that keeps its cache — otherwise its blocks are freed and it is recomputed later (prompt +
+// generated tokens prefilled again, usually mostly from the prefix cache). Either way it
+// continues its own random stream. Outputs equal an unpreempted, unbatched run up to
+// floating-point differences between batch shapes (GEMV vs GEMM summation order), which only
+// matter at near-ties of the logits.
 //
 // Thread-safety: none; one thread drives an engine.
 #ifndef KVGRID_WORKER_ENGINE_ENGINE_H_
@@ -68,16 +74,33 @@ struct EngineOptions {
   int64_t max_num_seqs = 64;
   int64_t max_num_batched_tokens = 8192;   // prefill admissions stop at this many tokens
   int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
+  bool enable_prefix_caching = true;
+  int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
   std::vector<int32_t> eos_token_ids;
 };
 
 struct EngineStats {
   int32_t blocks_total = 0;
-  int32_t blocks_free = 0;
+  int32_t blocks_free = 0;        // allocatable now: free plus evictable cached
+  int32_t blocks_cached = 0;      // evictable prefix-cache blocks (counted in blocks_free)
+  int32_t blocks_used = 0;        // held by live sequences
   int64_t bytes_per_token = 0;
+  int64_t tokens_capacity = 0;
+  int64_t tokens_stored = 0;      // distinct token slots written in used blocks
+  double internal_waste = 0;      // 1 - tokens_stored / (blocks_used * block_size)
+  double usage = 0;               // blocks_used / blocks_total
   int64_t num_running = 0;
   int64_t num_waiting = 0;
-  int64_t num_preemptions = 0;
+  int64_t num_swapped = 0;
+  int64_t num_preemptions = 0;    // swaps + recomputes
+  int64_t num_swap_outs = 0;
+  int64_t num_recomputes = 0;
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  double prefix_hit_rate = 0;     // hit / query tokens
+  int64_t cow_copies = 0;
+  int32_t swap_blocks_total = 0;
+  int32_t swap_blocks_used = 0;
 };
 
 class Engine {
@@ -97,7 +120,9 @@ class Engine {
   // Drops a request wherever it is and frees its blocks. Unknown or finished ids are fine.
   void Abort(const std::string& request_id);
 
-  [[nodiscard]] bool HasWork() const { return !waiting_.empty() || !running_.empty(); }
+  [[nodiscard]] bool HasWork() const {
+    return !waiting_.empty() || !running_.empty() || !swapped_.empty();
+  }
 
   // Runs one batch; returns one output per sequence that produced a token. Errors from the
   // forward pass are returned as they are; the step's sequences keep their tokens and blocks
@@ -121,23 +146,29 @@ class Engine {
   using SeqList = std::list<std::unique_ptr<Sequence>>;
 
   Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
-         std::unique_ptr<KvPool> pool, int64_t max_model_len);
+         std::unique_ptr<KvPool> pool, std::unique_ptr<KvPool> swap_pool, int64_t max_model_len);
 
-  // Frees the blocks of the newest running sequence and requeues it at the front of the
-  // waiting queue for recompute. `running_` must not be empty.
-  void PreemptNewest();
+  // Preempts the newest running sequence (`running_` must not be empty): swaps it out when the
+  // swap space has room, else frees its blocks and requeues it for recompute.
+  absl::Status PreemptNewest();
+  // Brings swapped-out sequences back, oldest first, while their blocks fit.
+  absl::Status SwapInReady();
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
 
   std::unique_ptr<LlamaModel> model_;
   EngineOptions options_;
   std::unique_ptr<KvPool> pool_;
+  std::unique_ptr<KvPool> swap_pool_;  // host space; null without --swap-space
   BlockManager blocks_;
   int64_t max_model_len_;
   SeqList waiting_;
   SeqList running_;  // admission order: front is oldest
+  SeqList swapped_;  // preemption order: front is oldest
   absl::flat_hash_map<std::string, Sequence*> live_;
   SequenceId next_seq_id_ = 1;
-  int64_t num_preemptions_ = 0;
+  int64_t num_swap_outs_ = 0;
+  int64_t num_recomputes_ = 0;
+  std::vector<BlockCopy> copies_;
   ForwardBatch batch_;
   std::vector<float> logits_;
 };

@@ -219,6 +219,92 @@ TEST_P(EngineFixtureTest, Fp16CacheStaysCloseToFp32) {
   EXPECT_EQ(Drain(*a), Drain(*b));
 }
 
+// Requests that share a long system-prompt-like prefix, submitted in two waves so the second
+// wave finds the first wave's blocks in the prefix cache.
+std::vector<std::vector<GenerationRequest>> SharedPrefixWaves() {
+  std::vector<int32_t> prefix;
+  for (int j = 0; j < 37; ++j) prefix.push_back(200 + (j * 13) % 3000);
+  std::vector<std::vector<GenerationRequest>> waves(2);
+  for (int i = 0; i < 6; ++i) {
+    std::vector<int32_t> prompt = prefix;
+    for (int j = 0; j <= i; ++j) prompt.push_back(4000 + i * 10 + j);
+    const bool sampled = i % 3 == 2;
+    waves[i % 2].push_back(Request("p" + std::to_string(i), prompt, 10, sampled ? 0.9 : 0.0,
+                                   sampled ? std::optional<uint64_t>(77 + i) : std::nullopt));
+  }
+  return waves;
+}
+
+std::map<std::string, std::vector<int32_t>> RunWaves(Engine& engine) {
+  std::map<std::string, std::vector<int32_t>> all;
+  for (std::vector<GenerationRequest>& wave : SharedPrefixWaves()) {
+    for (GenerationRequest& r : wave) EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
+    for (auto& [id, tokens] : Drain(engine)) all[id] = tokens;
+  }
+  return all;
+}
+
+TEST_P(EngineFixtureTest, PrefixCachingDoesNotChangeOutputs) {
+  EngineOptions off;
+  off.enable_prefix_caching = false;
+  auto plain = MakeEngine(GetParam(), off);
+  auto cached = MakeEngine(GetParam());
+  ASSERT_NE(plain, nullptr);
+  ASSERT_NE(cached, nullptr);
+  EXPECT_EQ(RunWaves(*cached), RunWaves(*plain));
+  const EngineStats st = cached->Stats();
+  // Wave 2 shares the 32 prefix tokens in full blocks of 16 with wave 1.
+  EXPECT_GE(st.prefix_hit_tokens, 3 * 32);
+  EXPECT_GT(st.prefix_hit_rate, 0.2);
+  EXPECT_EQ(plain->Stats().prefix_hit_tokens, 0);
+  EXPECT_GT(st.blocks_cached, 0);  // finished sequences leave their full blocks cached
+}
+
+TEST_P(EngineFixtureTest, PreemptionBySwapKeepsGreedyOutputsAndLeaksNothing) {
+  std::map<std::string, std::vector<int32_t>> expected;
+  {
+    auto engine = MakeEngine(GetParam());
+    ASSERT_NE(engine, nullptr);
+    for (GenerationRequest& r : MixedRequests()) {
+      r.sampling.temperature = 0;
+      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+    }
+    expected = Drain(*engine);
+  }
+  auto probe = MakeEngine(GetParam());
+  ASSERT_NE(probe, nullptr);
+  EngineOptions tight;
+  tight.block_size = 8;
+  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
+  tight.swap_space = 64 * 8 * probe->Stats().bytes_per_token;
+  auto engine = MakeEngine(GetParam(), tight);
+  ASSERT_NE(engine, nullptr);
+  for (GenerationRequest& r : MixedRequests()) {
+    r.sampling.temperature = 0;
+    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  }
+  EXPECT_EQ(Drain(*engine), expected);
+  const EngineStats st = engine->Stats();
+  EXPECT_GT(st.num_swap_outs, 0);
+  EXPECT_EQ(st.swap_blocks_used, 0);
+  EXPECT_EQ(st.num_swapped, 0);
+}
+
+TEST_P(EngineFixtureTest, AccountingReflectsStoredTokens) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("a", std::vector<int32_t>(20, 7), 30, 0.0)).ok());
+  ASSERT_TRUE(engine->Step().ok());  // prefill 20 tokens, sample the 21st
+  EngineStats st = engine->Stats();
+  EXPECT_EQ(st.blocks_used, 2);
+  EXPECT_EQ(st.tokens_stored, 20);
+  EXPECT_NEAR(st.internal_waste, 1.0 - 20.0 / 32.0, 1e-9);
+  EXPECT_NEAR(st.usage, 2.0 / st.blocks_total, 1e-9);
+  EXPECT_EQ(st.tokens_capacity, int64_t{st.blocks_total} * 16);
+  engine->Abort("a");
+  EXPECT_EQ(engine->Stats().blocks_used, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFixtureTest,
                          ::testing::Values("llama3-tiny", "qwen2-tiny"));
 
