@@ -100,6 +100,10 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be >= 1, got ",
                                                    request.stopping.max_new_tokens));
   }
+  if (request.n < 1 || request.n > options_.max_num_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("n: must be in [1, ", options_.max_num_seqs,
+                                                   "] (--max-num-seqs), got ", request.n));
+  }
   // Written to avoid overflow: max_new_tokens may be anything up to INT64_MAX.
   const int64_t worst = request.stopping.max_new_tokens >= max_model_len_ - prompt_len
                             ? max_model_len_
@@ -116,19 +120,19 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   seq->tokens = request.prompt;
   seq->rng.seed(request.sampling.seed ? *request.sampling.seed : std::random_device{}());
   seq->request = std::move(request);
-  live_[seq->request.id] = seq.get();
+  live_[seq->request.id] = 1;
   waiting_.push_back(std::move(seq));
   return absl::OkStatus();
 }
 
 void Engine::Abort(const std::string& request_id) {
-  auto it = live_.find(request_id);
-  if (it == live_.end()) return;
-  Sequence* target = it->second;
-  live_.erase(it);
-  blocks_.Free(target->seq_id);
+  if (live_.erase(request_id) == 0) return;
   for (SeqList* list : {&waiting_, &running_, &swapped_}) {
-    list->remove_if([target](const std::unique_ptr<Sequence>& s) { return s.get() == target; });
+    list->remove_if([&](const std::unique_ptr<Sequence>& s) {
+      if (s->request.id != request_id) return false;
+      blocks_.Free(s->seq_id);
+      return true;
+    });
   }
 }
 
@@ -278,25 +282,56 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   const int64_t vocab = model_->config().vocab_size;
   std::vector<TokenOutput> outputs;
   outputs.reserve(running_.size());
+  SeqList forks;  // siblings of n > 1 requests, created from their prompt's logits
   s = 0;
   for (auto it = running_.begin(); it != running_.end(); ++s) {
     Sequence& seq = **it;
     seq.num_computed = static_cast<int64_t>(seq.tokens.size());
     blocks_.CommitFullBlocks(seq.seq_id, seq.tokens, seq.num_computed);
     std::span<float> row(logits_.data() + s * vocab, vocab);
+    if (!seq.forked && seq.request.n > 1) {
+      seq.forked = true;
+      for (int64_t i = 1; i < seq.request.n; ++i) {
+        auto child = std::make_unique<Sequence>();
+        child->request = seq.request;
+        child->seq_id = next_seq_id_++;
+        child->tokens = seq.tokens;
+        child->num_computed = seq.num_computed;
+        child->index = i;
+        child->forked = true;
+        const std::optional<uint64_t> seed = seq.request.sampling.seed;
+        child->rng.seed(seed ? *seed + static_cast<uint64_t>(i) : std::random_device{}());
+        blocks_.Fork(seq.seq_id, child->seq_id);
+        ++live_[seq.request.id];
+        // Each sibling samples its first token from the prompt's logits on its own stream.
+        std::vector<float> own(row.begin(), row.end());
+        const int32_t token = SampleToken(own, child->request.sampling, child->tokens, child->rng);
+        child->tokens.push_back(token);
+        child->num_generated = 1;
+        const FinishReason finish = CheckStop(*child, token);
+        outputs.push_back({child->request.id, token, finish, i});
+        if (finish != FinishReason::kNone) {
+          blocks_.Free(child->seq_id);
+          if (--live_[child->request.id] == 0) live_.erase(child->request.id);
+        } else {
+          forks.push_back(std::move(child));
+        }
+      }
+    }
     const int32_t token = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
     seq.tokens.push_back(token);
     ++seq.num_generated;
     const FinishReason finish = CheckStop(seq, token);
-    outputs.push_back({seq.request.id, token, finish});
+    outputs.push_back({seq.request.id, token, finish, seq.index});
     if (finish != FinishReason::kNone) {
       blocks_.Free(seq.seq_id);
-      live_.erase(seq.request.id);
+      if (--live_[seq.request.id] == 0) live_.erase(seq.request.id);
       it = running_.erase(it);
     } else {
       ++it;
     }
   }
+  running_.splice(running_.end(), forks);
   return outputs;
 }
 

@@ -51,6 +51,10 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;        // token ids, non-empty
   SamplingParams sampling;
   StoppingParams stopping;
+  // Parallel sampling: n continuations of one prompt. The prompt is prefilled once and its
+  // blocks are shared by all n (copy-on-write); continuation i draws from its own random
+  // stream, seeded with seed + i when a seed is given.
+  int64_t n = 1;
 };
 
 enum class FinishReason : uint8_t {
@@ -64,6 +68,7 @@ struct TokenOutput {
   std::string request_id;
   int32_t token_id = -1;
   FinishReason finish = FinishReason::kNone;
+  int64_t index = 0;  // which of the request's n continuations
 };
 
 struct EngineOptions {
@@ -112,12 +117,14 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Queues a request. Errors: INVALID_ARGUMENT naming the field for an empty or duplicate id,
+  // n outside [1, max_num_seqs],
   // an empty prompt, a token outside the vocabulary, a prompt that leaves no room in the
   // context window (with both lengths), bad sampling or stopping parameters, or a sequence
   // that could never fit the KV pool even alone (with blocks needed and available).
   absl::Status AddRequest(GenerationRequest request);
 
-  // Drops a request wherever it is and frees its blocks. Unknown or finished ids are fine.
+  // Drops a request (all its continuations) wherever it is and frees its blocks. Unknown or
+  // finished ids are fine.
   void Abort(const std::string& request_id);
 
   [[nodiscard]] bool HasWork() const {
@@ -141,6 +148,8 @@ class Engine {
     std::vector<int32_t> tokens;     // prompt + generated
     int64_t num_computed = 0;        // tokens whose K/V are in the cache
     int64_t num_generated = 0;
+    int64_t index = 0;               // continuation index in [0, request.n)
+    bool forked = false;             // the n - 1 siblings exist (set on the first sample)
     std::mt19937_64 rng;
   };
   using SeqList = std::list<std::unique_ptr<Sequence>>;
@@ -164,7 +173,7 @@ class Engine {
   SeqList waiting_;
   SeqList running_;  // admission order: front is oldest
   SeqList swapped_;  // preemption order: front is oldest
-  absl::flat_hash_map<std::string, Sequence*> live_;
+  absl::flat_hash_map<std::string, int64_t> live_;  // request id -> live sequences
   SequenceId next_seq_id_ = 1;
   int64_t num_swap_outs_ = 0;
   int64_t num_recomputes_ = 0;

@@ -305,6 +305,53 @@ TEST_P(EngineFixtureTest, AccountingReflectsStoredTokens) {
   EXPECT_EQ(engine->Stats().blocks_used, 0);
 }
 
+TEST_P(EngineFixtureTest, ParallelSamplingSharesThePromptAndMatchesSeparateSeeds) {
+  std::vector<int32_t> prompt;
+  for (int j = 0; j < 29; ++j) prompt.push_back(300 + j * 7);
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  GenerationRequest r = Request("par", prompt, 12, 0.9, 500);
+  r.n = 4;
+  ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  std::map<int64_t, std::vector<int32_t>> by_index;
+  int64_t max_used = 0;
+  while (engine->HasWork()) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok()) << step.status();
+    for (const TokenOutput& t : *step) by_index[t.index].push_back(t.token_id);
+    max_used = std::max<int64_t>(max_used, engine->Stats().blocks_used);
+  }
+  ASSERT_EQ(by_index.size(), 4u);
+  EXPECT_GT(engine->Stats().cow_copies, 0);
+  // 29 prompt + 12 generated = 41 tokens: 3 blocks each alone; shared, the first full prompt
+  // block is held once.
+  EXPECT_LE(max_used, 4 * 3 - 3);
+  EXPECT_EQ(engine->Stats().blocks_used, 0);
+  for (int64_t i = 0; i < 4; ++i) {
+    auto alone = MakeEngine(GetParam());
+    ASSERT_NE(alone, nullptr);
+    ASSERT_TRUE(alone->AddRequest(Request("one", prompt, 12, 0.9, 500 + i)).ok());
+    EXPECT_EQ(by_index[i], Drain(*alone)["one"]) << "continuation " << i;
+  }
+  // n is validated.
+  GenerationRequest bad = Request("bad", prompt, 4, 0.9);
+  bad.n = 0;
+  EXPECT_EQ(engine->AddRequest(std::move(bad)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_P(EngineFixtureTest, AbortOfAParallelRequestFreesEveryContinuation) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  GenerationRequest r = Request("par", std::vector<int32_t>(21, 9), 40, 1.0, 1);
+  r.n = 3;
+  ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(engine->Step().ok());
+  EXPECT_EQ(engine->Stats().num_running, 3);
+  engine->Abort("par");
+  EXPECT_FALSE(engine->HasWork());
+  EXPECT_EQ(engine->Stats().blocks_used, 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFixtureTest,
                          ::testing::Values("llama3-tiny", "qwen2-tiny"));
 
