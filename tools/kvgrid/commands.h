@@ -15,6 +15,8 @@ int LogitsCommand(Args& args);
 int PerplexityCommand(Args& args);
 // tokenize: JSON lines in (strings), JSON lines out (ids), against a tokenizer.json.
 int TokenizeCommand(Args& args);
+// plan: KV bytes per token, max tokens and max sequences per dtype for a memory budget.
+int PlanCommand(Args& args);
 
 }  // namespace kvgrid::cli
 

@@ -16,6 +16,7 @@ constexpr char kUsage[] =
     "  logits     print last-position logits as JSON (for reference checks)\n"
     "  perplexity held-out perplexity of a text file\n"
     "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
+    "  plan       KV capacity per dtype for a model and a memory budget\n"
     "\n"
     "run 'kvgrid <command> --help' for the flags of a command.\n";
 
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   if (command == "logits") return kvgrid::cli::LogitsCommand(*args);
   if (command == "perplexity") return kvgrid::cli::PerplexityCommand(*args);
   if (command == "tokenize") return kvgrid::cli::TokenizeCommand(*args);
+  if (command == "plan") return kvgrid::cli::PlanCommand(*args);
   std::fprintf(stderr, "kvgrid: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -1,0 +1,119 @@
+"""`kvgrid plan` on bare config.json files: the JSON lines format, figures checked by hand
+arithmetic, and bad input giving a non-zero exit with a message naming the flag or file."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BIN = Path(os.environ["KVGRID_BIN"]) / "kvgrid"
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+}
+LLAMA3_8B_PARAMS = 8_030_261_248
+GIB = 1 << 30
+
+
+def run(*args):
+    return subprocess.run([str(BIN), "plan", *map(str, args)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def plan_json(*args):
+    r = run(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return {row["dtype"]: row for row in rows}, rows
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    d = tmp_path / "llama3-8b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA3_8B))
+    return d
+
+
+def test_json_lines_one_object_per_dtype(llama_dir):
+    by_dtype, rows = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
+    assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v"]
+    for row in rows:
+        for key in ("dtype", "bytes_per_token", "max_tokens", "max_sequences", "weight_bytes",
+                    "kv_budget_bytes", "blocks", "context"):
+            assert key in row, (key, row)
+    fp16 = by_dtype["fp16"]
+    assert fp16["bytes_per_token"] == 32 * 8 * 128 * 2 * 2 == 128 * 1024
+    assert fp16["weight_bytes"] == 2 * LLAMA3_8B_PARAMS
+    budget = 24 * GIB - 2 * LLAMA3_8B_PARAMS
+    assert fp16["kv_budget_bytes"] == budget
+    assert fp16["blocks"] == budget // (16 * 131072) == 4629
+    assert fp16["max_tokens"] == 4629 * 16
+    assert fp16["max_sequences"] == 4629 // (8192 // 16) == 9
+    assert by_dtype["int8"]["bytes_per_token"] == 32 * 8 * 2 * (128 + 2)
+    assert by_dtype["int4"]["bytes_per_token"] == 32 * 8 * 2 * (64 + 8)
+    assert by_dtype["int8k-int4v"]["bytes_per_token"] == 32 * 8 * (130 + 72)
+
+
+def test_bare_config_file_and_defaults(llama_dir):
+    # A config.json path works as well as its directory; the context defaults to
+    # max_position_embeddings; --weight-dtype fp32 doubles the weights.
+    by_dtype, _ = plan_json("--model", llama_dir / "config.json", "--memory", "80GB",
+                            "--weight-dtype", "fp32")
+    fp16 = by_dtype["fp16"]
+    assert fp16["context"] == 8192
+    assert fp16["weight_bytes"] == 4 * LLAMA3_8B_PARAMS
+    assert fp16["kv_budget_bytes"] == 80_000_000_000 - 4 * LLAMA3_8B_PARAMS
+
+
+def test_text_output_names_every_dtype(llama_dir):
+    r = run("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
+    assert r.returncode == 0, r.stderr
+    for dtype in ("fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v"):
+        assert dtype in r.stdout
+    assert "131072" in r.stdout
+
+
+def assert_clean_failure(result, *needles):
+    assert result.returncode > 0, (result.returncode, result.stderr)
+    for needle in needles:
+        assert needle in result.stderr, (needle, result.stderr)
+
+
+def test_missing_memory(llama_dir):
+    assert_clean_failure(run("--model", llama_dir), "--memory")
+
+
+def test_bad_memory_and_flags(llama_dir):
+    assert_clean_failure(run("--model", llama_dir, "--memory", "lots"), "--memory")
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--block-size", "12"),
+                         "--block-size")
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--context", "0"),
+                         "--context")
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--weight-dtype", "int3"),
+                         "--weight-dtype")
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--bogus", "1"),
+                         "--bogus")
+
+
+def test_memory_smaller_than_the_weights(llama_dir):
+    r = run("--model", llama_dir, "--memory", "8GiB")
+    # Both numbers: the weights' bytes and the budget's.
+    assert_clean_failure(r, "--memory", str(2 * LLAMA3_8B_PARAMS), str(8 * GIB))
+
+
+def test_malformed_and_missing_config(tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"hidden_size": 4096,')
+    assert_clean_failure(run("--model", bad, "--memory", "24GiB"), "config.json")
+    assert_clean_failure(run("--model", tmp_path / "nope", "--memory", "24GiB"), "--model", "nope")
+    cfg = dict(LLAMA3_8B, num_key_value_heads=3)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert_clean_failure(run("--model", bad, "--memory", "24GiB"), "num_key_value_heads")

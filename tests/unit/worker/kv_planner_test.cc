@@ -1,0 +1,196 @@
+// KV capacity planning against hand-computed figures for real model shapes.
+#include "worker/kv/kv_planner.h"
+
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/model_config.h"
+
+namespace kvgrid::worker {
+namespace {
+
+using kernels::KvDType;
+
+// The architecture fields of the published config.json files.
+constexpr char kLlama3_8B[] = R"({
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+  "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+  "tie_word_embeddings": false, "attention_bias": false, "hidden_act": "silu",
+  "torch_dtype": "bfloat16"})";
+
+constexpr char kQwen2_7B[] = R"({
+  "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+  "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+  "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+  "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+  "tie_word_embeddings": false, "hidden_act": "silu", "sliding_window": 131072,
+  "use_sliding_window": false, "torch_dtype": "bfloat16"})";
+
+constexpr char kLlama3_70B[] = R"({
+  "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+  "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+  "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+  "tie_word_embeddings": false, "hidden_act": "silu", "torch_dtype": "bfloat16"})";
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+model::ModelConfig Parse(const char* text) {
+  absl::StatusOr<model::ModelConfig> c = model::ParseModelConfig(text, "config.json");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+const KvPlanRow& Row(const std::vector<KvPlanRow>& rows, const std::string& dtype) {
+  for (const KvPlanRow& r : rows) {
+    if (r.dtype == dtype) return r;
+  }
+  ADD_FAILURE() << "no row " << dtype;
+  return rows.front();
+}
+
+TEST(KvPlannerTest, ParameterCountsMatchThePublishedModels) {
+  // Llama-3-8B: per layer q 4096^2 + k,v 2*4096*1024 + o 4096^2 + mlp 3*4096*14336 + norms
+  // 2*4096 = 218,112,000; x32 + final norm 4096 + embeddings and lm_head 2*128256*4096.
+  EXPECT_EQ(CountParameters(Parse(kLlama3_8B)), 8'030'261'248);
+  // Qwen2-7B: q/k/v biases 3584 + 2*512 per layer.
+  EXPECT_EQ(CountParameters(Parse(kQwen2_7B)), 7'615'616'512);
+  EXPECT_EQ(CountParameters(Parse(kLlama3_70B)), 70'553'706'496);
+}
+
+TEST(KvPlannerTest, BiasesAndTiedEmbeddingsChangeTheCount) {
+  model::ModelConfig c = Parse(kLlama3_8B);
+  const int64_t base = CountParameters(c);
+  c.tie_word_embeddings = true;
+  EXPECT_EQ(CountParameters(c), base - 128256LL * 4096);
+  c.tie_word_embeddings = false;
+  c.attention_bias = true;  // Llama: q, k, v and o biases
+  EXPECT_EQ(CountParameters(c), base + 32LL * (4096 + 2 * 1024 + 4096));
+  c.attention_bias = false;
+  c.mlp_bias = true;
+  EXPECT_EQ(CountParameters(c), base + 32LL * (2 * 14336 + 4096));
+}
+
+TEST(KvPlannerTest, BytesPerTokenOfLlama3_8B) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  // 32 layers x 8 KV heads x 128 channels x (K, V) x 2 bytes = 128 KiB.
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 131072);
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kBF16, KvDType::kBF16), 131072);
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kF32, KvDType::kF32), 262144);
+  // int8: 128 values + one fp16 scale per row.
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kInt8, KvDType::kInt8), 32 * 8 * 2 * 130);
+  // int4: 64 bytes of nibbles + 4 groups x 2 bytes of scale/zero per row.
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kInt4, KvDType::kInt4), 32 * 8 * 2 * 72);
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kInt8, KvDType::kInt4), 32 * 8 * (130 + 72));
+}
+
+TEST(KvPlannerTest, Llama3_8BOn24GiBAt8192) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8192, 16, 2);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  ASSERT_EQ(rows->size(), 6u);
+  EXPECT_EQ((*rows)[0].dtype, "fp32");
+  EXPECT_EQ(rows->back().dtype, "int8k-int4v");
+
+  const KvPlanRow& fp16 = Row(*rows, "fp16");
+  EXPECT_EQ(fp16.weight_bytes, 2 * 8'030'261'248);
+  const int64_t budget = 24 * kGiB - 2 * 8'030'261'248;  // 9,709,281,280 bytes
+  EXPECT_EQ(fp16.kv_budget_bytes, budget);
+  EXPECT_EQ(fp16.bytes_per_block, 16 * 131072);
+  EXPECT_EQ(fp16.blocks, 4629);  // 9,709,281,280 / 2 MiB = 4629.75
+  EXPECT_EQ(fp16.max_tokens, 4629 * 16);
+  EXPECT_EQ(fp16.blocks_per_sequence, 512);
+  EXPECT_EQ(fp16.max_sequences, 9);  // 4629 / 512
+
+  const KvPlanRow& fp32 = Row(*rows, "fp32");
+  EXPECT_EQ(fp32.blocks, budget / (16 * 262144));
+  EXPECT_EQ(fp32.max_sequences, 4);
+
+  const KvPlanRow& int4 = Row(*rows, "int4");
+  EXPECT_EQ(int4.bytes_per_token, 36864);
+  EXPECT_EQ(int4.blocks, 16461);      // budget / (16 * 36864)
+  EXPECT_EQ(int4.max_sequences, 32);  // 16461 / 512
+  // Whole blocks: max tokens never exceed the budget, and one more block would.
+  for (const KvPlanRow& r : *rows) {
+    EXPECT_LE(r.max_tokens * r.bytes_per_token, budget) << r.dtype;
+    EXPECT_GT((r.blocks + 1) * r.bytes_per_block, budget) << r.dtype;
+    EXPECT_EQ(r.max_tokens % 16, 0) << r.dtype;
+  }
+}
+
+TEST(KvPlannerTest, Qwen2_7BOn80GB) {
+  const model::ModelConfig c = Parse(kQwen2_7B);
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 28 * 4 * 128 * 2 * 2);  // 57344
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80'000'000'000, 32768, 16, 2);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  const KvPlanRow& bf16 = Row(*rows, "bf16");
+  const int64_t budget = 80'000'000'000 - 2 * 7'615'616'512;
+  EXPECT_EQ(bf16.kv_budget_bytes, budget);
+  EXPECT_EQ(bf16.blocks, budget / (16 * 57344));
+  EXPECT_EQ(bf16.blocks, 70592);
+  EXPECT_EQ(bf16.max_sequences, 34);  // 70592 / 2048
+}
+
+TEST(KvPlannerTest, Llama3_70BNeedsMoreThanOneCardInBf16) {
+  const model::ModelConfig c = Parse(kLlama3_70B);
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 80 * 8 * 128 * 4);  // 320 KiB
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80 * kGiB, 8192, 16, 2);
+  ASSERT_FALSE(rows.ok());
+  EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
+  // Both numbers are in the message.
+  EXPECT_NE(rows.status().message().find("141107412992"), std::string::npos) << rows.status();
+  EXPECT_NE(rows.status().message().find("85899345920"), std::string::npos) << rows.status();
+
+  rows = PlanKvCapacity(c, 160 * kGiB, 8192, 16, 2);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  const KvPlanRow& fp16 = Row(*rows, "fp16");
+  const int64_t budget = 160 * kGiB - 141'107'412'992;
+  EXPECT_EQ(fp16.blocks, budget / (16 * 327680));
+  EXPECT_EQ(fp16.max_sequences, fp16.blocks / 512);
+}
+
+TEST(KvPlannerTest, ContextRoundsUpToWholeBlocksAndMayNotFit) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8193, 32, 2);
+  ASSERT_TRUE(rows.ok());
+  EXPECT_EQ(Row(*rows, "fp16").blocks_per_sequence, 257);
+  // A context larger than the whole KV budget: zero sequences, not an error.
+  rows = PlanKvCapacity(c, 17 * kGiB, 1 << 20, 16, 2);
+  ASSERT_TRUE(rows.ok());
+  EXPECT_EQ(Row(*rows, "fp16").max_sequences, 0);
+  EXPECT_GT(Row(*rows, "fp16").max_tokens, 0);
+}
+
+TEST(KvPlannerTest, RejectsBadArguments) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  EXPECT_EQ(PlanKvCapacity(c, 0, 8192, 16, 2).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 0, 16, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 12, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 16, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Weights exactly filling memory leave nothing for KV.
+  EXPECT_EQ(PlanKvCapacity(c, 2 * 8'030'261'248, 8192, 16, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KvPlannerTest, WeightDTypeComesFromTheConfigForAuto) {
+  model::ModelConfig c = Parse(kLlama3_8B);
+  EXPECT_EQ(*WeightBytesPerParam("auto", c), 2);
+  EXPECT_EQ(*WeightBytesPerParam("fp32", c), 4);
+  EXPECT_EQ(*WeightBytesPerParam("fp16", c), 2);
+  c.torch_dtype = "";
+  EXPECT_EQ(*WeightBytesPerParam("auto", c), 4);
+  c.torch_dtype = "float32";
+  EXPECT_EQ(*WeightBytesPerParam("auto", c), 4);
+  c.torch_dtype = "float8_e4m3fn";
+  EXPECT_EQ(WeightBytesPerParam("auto", c).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(WeightBytesPerParam("int3", c).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvgrid::worker

@@ -1,0 +1,131 @@
+// kvgrid plan: for a model's config.json and a memory budget, what the KV cache holds per
+// dtype once the weights are in: bytes per token, max tokens, max concurrent sequences at a
+// context length. Reads config.json only, so it works without the weights.
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "model/model_config.h"
+#include "model/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "tools/kvgrid/commands.h"
+#include "tools/kvgrid/model_setup.h"
+#include "worker/kv/kv_planner.h"
+
+namespace kvgrid::cli {
+namespace {
+
+constexpr char kHelp[] =
+    "usage: kvgrid plan [--model DIR|config.json] --memory 24GiB [--context N]\n"
+    "                   [--weight-dtype auto|fp32|bf16|fp16] [--block-size 8|16|32] [--json]\n"
+    "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values): bytes per token,\n"
+    "max tokens and max concurrent sequences at --context (default: the model's\n"
+    "max_position_embeddings), in what --memory leaves after the weights.\n"
+    "Weights: parameters counted from config.json x bytes of --weight-dtype (auto: the\n"
+    "config's torch_dtype, fp32 when absent). --json: one JSON object per dtype per line.\n";
+
+std::string GiB(int64_t bytes) {
+  return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / static_cast<double>(1ll << 30));
+}
+
+absl::Status Plan(Args& args) {
+  const std::filesystem::path path = ResolveModelDir(args);
+  const std::optional<std::string> memory_flag = args.GetString("memory");
+  KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> context_flag, args.GetInt("context"));
+  const std::string weight_dtype = args.GetString("weight-dtype").value_or("auto");
+  KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> block_size_flag, args.GetInt("block-size"));
+  KVGRID_ASSIGN_OR_RETURN(const bool json, args.GetBool("json", false));
+  KVGRID_RETURN_IF_ERROR(args.Finish());
+
+  if (!memory_flag) {
+    return absl::InvalidArgumentError("--memory: required (the device memory budget, e.g. 24GiB)");
+  }
+  KVGRID_ASSIGN_OR_RETURN(const int64_t memory, ParseBytes(*memory_flag, "memory"));
+  const int64_t block_size = block_size_flag.value_or(16);
+  if (block_size != 8 && block_size != 16 && block_size != 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--block-size: must be 8, 16 or 32, got ", block_size));
+  }
+  absl::StatusOr<model::ModelConfig> loaded = model::LoadModelConfig(path);
+  if (absl::IsNotFound(loaded.status())) {
+    return absl::NotFoundError(absl::StrCat("--model: ", std::string(loaded.status().message()),
+                                            " (expected a model directory or its config.json)"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(const model::ModelConfig config, std::move(loaded));
+  const int64_t context = context_flag.value_or(config.max_position_embeddings);
+  if (context <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--context: must be positive, got ", context));
+  }
+  absl::StatusOr<int64_t> bytes_per_param = worker::WeightBytesPerParam(weight_dtype, config);
+  if (!bytes_per_param.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--weight-dtype: ", std::string(bytes_per_param.status().message())));
+  }
+  absl::StatusOr<std::vector<worker::KvPlanRow>> rows =
+      worker::PlanKvCapacity(config, memory, context, block_size, *bytes_per_param);
+  if (!rows.ok()) {
+    // Flags were validated above: what is left is weights that do not fit.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory ", *memory_flag, ": ", std::string(rows.status().message())));
+  }
+
+  if (json) {
+    for (const worker::KvPlanRow& r : *rows) {
+      nlohmann::json j;
+      j["dtype"] = r.dtype;
+      j["k_dtype"] = std::string(kernels::KvDTypeName(r.k_dtype));
+      j["v_dtype"] = std::string(kernels::KvDTypeName(r.v_dtype));
+      j["bytes_per_token"] = r.bytes_per_token;
+      j["bytes_per_block"] = r.bytes_per_block;
+      j["block_size"] = r.block_size;
+      j["blocks"] = r.blocks;
+      j["max_tokens"] = r.max_tokens;
+      j["context"] = r.context;
+      j["blocks_per_sequence"] = r.blocks_per_sequence;
+      j["max_sequences"] = r.max_sequences;
+      j["memory_bytes"] = r.memory_bytes;
+      j["weight_params"] = r.weight_params;
+      j["weight_bytes"] = r.weight_bytes;
+      j["kv_budget_bytes"] = r.kv_budget_bytes;
+      std::printf("%s\n", j.dump().c_str());
+    }
+    return absl::OkStatus();
+  }
+
+  const worker::KvPlanRow& first = rows->front();
+  std::printf("model: %s (%s, %lld layers, %lld KV heads x head_dim %lld)\n", path.string().c_str(),
+              config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
+              static_cast<long long>(config.num_key_value_heads),
+              static_cast<long long>(config.head_dim));
+  const std::string weight_name = weight_dtype == "auto" ? config.torch_dtype : weight_dtype;
+  std::printf("memory     %lld B (%s)\n", static_cast<long long>(memory), GiB(memory).c_str());
+  std::printf("weights    %lld B (%s) = %lld parameters x %lld B (%s)\n",
+              static_cast<long long>(first.weight_bytes), GiB(first.weight_bytes).c_str(),
+              static_cast<long long>(first.weight_params), static_cast<long long>(*bytes_per_param),
+              weight_name.empty() ? "fp32: no torch_dtype" : weight_name.c_str());
+  std::printf("KV budget  %lld B (%s)\n", static_cast<long long>(first.kv_budget_bytes),
+              GiB(first.kv_budget_bytes).c_str());
+  std::printf("context %lld tokens = %lld blocks of %lld per sequence%s\n\n",
+              static_cast<long long>(context), static_cast<long long>(first.blocks_per_sequence),
+              static_cast<long long>(block_size),
+              context > config.max_position_embeddings ? " (beyond max_position_embeddings)" : "");
+  std::printf("%-12s %14s %10s %12s %14s\n", "kv dtype", "bytes/token", "blocks", "max tokens",
+              "max sequences");
+  for (const worker::KvPlanRow& r : *rows) {
+    std::printf("%-12s %14lld %10lld %12lld %14lld\n", r.dtype.c_str(),
+                static_cast<long long>(r.bytes_per_token), static_cast<long long>(r.blocks),
+                static_cast<long long>(r.max_tokens), static_cast<long long>(r.max_sequences));
+  }
+  std::printf(
+      "\nint8k-int4v: int8 keys, int4 values (--k-cache-dtype int8 --v-cache-dtype int4)\n");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int PlanCommand(Args& args) { return RunSubcommand(args, "plan", kHelp, &Plan); }
+
+}  // namespace kvgrid::cli

@@ -1,0 +1,80 @@
+// KV capacity planning: how many tokens and sequences a memory budget holds for a model, per
+// KV dtype, after the weights — the arithmetic behind `kvgrid plan`.
+//
+// Pure functions of a ModelConfig and a few numbers: no device, no files, no allocation of
+// the pool itself. The figures are the ones the pool would produce: bytes per token from the
+// exact row storage of each dtype (kernels::KvRowLayoutFor, metadata included) and whole
+// blocks, since the pool allocates blocks. Thread-safe (no state).
+#ifndef KVGRID_WORKER_KV_KV_PLANNER_H_
+#define KVGRID_WORKER_KV_KV_PLANNER_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/kv_dtype.h"
+#include "model/model_config.h"
+
+namespace kvgrid::worker {
+
+// One KV dtype combination and what the budget holds with it.
+struct KvPlanRow {
+  std::string dtype;  // "fp16", ..., or "int8k-int4v" for int8 keys with int4 values
+  kernels::KvDType k_dtype = kernels::KvDType::kF16;
+  kernels::KvDType v_dtype = kernels::KvDType::kF16;
+  int64_t bytes_per_token = 0;  // K + V of one token across all layers and KV heads
+  int64_t bytes_per_block = 0;  // bytes_per_token * block_size
+  int64_t block_size = 0;
+  int64_t memory_bytes = 0;         // the whole budget
+  int64_t weight_params = 0;        // CountParameters(config)
+  int64_t weight_bytes = 0;         // weight_params * bytes per parameter
+  int64_t kv_budget_bytes = 0;      // memory_bytes - weight_bytes
+  int64_t blocks = 0;               // floor(kv_budget_bytes / bytes_per_block)
+  int64_t max_tokens = 0;           // blocks * block_size
+  int64_t context = 0;              // tokens one sequence may reach
+  int64_t blocks_per_sequence = 0;  // ceil(context / block_size)
+  int64_t max_sequences = 0;        // floor(blocks / blocks_per_sequence), each at full context
+};
+
+// The (K, V) dtype pairs the planner reports, in output order: fp32, fp16, bf16, int8, int4
+// and int8 keys with int4 values (keys are the more sensitive to quantization).
+struct KvDTypePair {
+  std::string_view name;
+  kernels::KvDType k;
+  kernels::KvDType v;
+};
+const std::vector<KvDTypePair>& PlannedKvDTypes();
+
+// Parameters of a Llama-family checkpoint as the config describes it: token embeddings,
+// lm_head unless tied, per layer q/k/v/o (+ q/k/v biases when attention_bias, + the o_proj
+// bias that Llama/Mistral add with attention_bias; Qwen2 has none), gate/up/down (+ their
+// biases when mlp_bias), the two RMSNorm weights, and the final norm.
+[[nodiscard]] int64_t CountParameters(const model::ModelConfig& config);
+
+// K + V bytes of one token across all layers: num_layers * num_kv_heads *
+// (KvRowLayoutFor(k, head_dim).total() + KvRowLayoutFor(v, head_dim).total()).
+[[nodiscard]] int64_t KvBytesPerToken(const model::ModelConfig& config, kernels::KvDType k,
+                                      kernels::KvDType v);
+
+// Bytes per weight parameter for `weight_dtype`: fp32/float32 4, fp16/float16/bf16/bfloat16 2;
+// "auto" takes the config's torch_dtype, fp32 when the config has none.
+// Errors: INVALID_ARGUMENT naming the unknown dtype (or the config's torch_dtype for auto).
+absl::StatusOr<int64_t> WeightBytesPerParam(std::string_view weight_dtype,
+                                            const model::ModelConfig& config);
+
+// One row per PlannedKvDTypes() entry for a budget of `memory_bytes` that must also hold the
+// weights (CountParameters * weight_bytes_per_param). A context larger than the KV budget
+// gives max_sequences 0, not an error.
+// Errors: INVALID_ARGUMENT when memory_bytes, context or weight_bytes_per_param is not
+// positive, block_size is not 8, 16 or 32, or the weights leave no room for the KV cache
+// (the message gives both numbers).
+absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& config,
+                                                      int64_t memory_bytes, int64_t context,
+                                                      int64_t block_size,
+                                                      int64_t weight_bytes_per_param);
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_KV_KV_PLANNER_H_
