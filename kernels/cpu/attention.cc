@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/vec.h"
+#include "kernels/cpu/kv_quant.h"
 
 namespace kvgrid::kernels::cpu {
 
@@ -16,8 +19,18 @@ absl::Status PagedAttentionParams::Validate() const {
     return absl::InvalidArgumentError("PagedAttentionParams: null pointer");
   }
   if (num_seqs < 0 || num_tokens < 0 || max_blocks_per_seq <= 0 || num_blocks <= 0 ||
-      num_heads <= 0 || num_kv_heads <= 0 || block_size <= 0 || head_dim <= 0) {
-    return absl::InvalidArgumentError("PagedAttentionParams: sizes out of range");
+      num_heads <= 0 || num_kv_heads <= 0 || block_size <= 0 || head_dim <= 0 ||
+      head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        "PagedAttentionParams: sizes out of range (head_dim must be even)");
+  }
+  for (auto [meta, dtype, name] : {std::tuple{k_meta, k_dtype, "k_meta"},
+                                   std::tuple{v_meta, v_dtype, "v_meta"}}) {
+    if (KvRowLayoutFor(dtype, head_dim).meta_bytes > 0 && !meta) {
+      return absl::InvalidArgumentError(absl::StrCat("PagedAttentionParams.", name,
+                                                     ": required for ",
+                                                     std::string(KvDTypeName(dtype))));
+    }
   }
   if (num_heads % num_kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("PagedAttentionParams: num_heads ", num_heads,
@@ -53,29 +66,19 @@ absl::Status PagedAttentionParams::Validate() const {
   return absl::OkStatus();
 }
 
-namespace {
-
-// Returns a pointer to `n` floats of the row at element offset `elem`: the row itself for fp32,
-// else `scratch` after conversion.
-inline const float* LoadRow(const void* cache, KvDType dtype, int64_t elem, int64_t n,
-                            float* scratch, const VecOps& vec) {
-  switch (dtype) {
-    case KvDType::kF32:
-      return static_cast<const float*>(cache) + elem;
-    case KvDType::kF16:
-      vec.f16_to_f32(static_cast<const uint16_t*>(cache) + elem, scratch, n);
-      return scratch;
-  }
-  return scratch;
-}
-
-}  // namespace
-
 absl::Status PagedAttention(const PagedAttentionParams& p) {
   if (absl::Status s = p.Validate(); !s.ok()) return s;
-  const VecOps& vec = Vec();
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t hd = p.head_dim;
+  const int64_t bs = p.block_size;
+  const KvRowLayout kl = KvRowLayoutFor(p.k_dtype, hd);
+  const KvRowLayout vl = KvRowLayoutFor(p.v_dtype, hd);
+  const KvRowKernels kk = KvRowKernelsFor(p.k_dtype);
+  const KvRowKernels vk = KvRowKernelsFor(p.v_dtype);
+  const auto* k_values = static_cast<const std::byte*>(p.k_cache);
+  const auto* v_values = static_cast<const std::byte*>(p.v_cache);
+  const auto* k_meta = static_cast<const std::byte*>(p.k_meta);
+  const auto* v_meta = static_cast<const std::byte*>(p.v_meta);
 
   // Map each query token to its sequence once.
   std::vector<int32_t> token_seq(p.num_tokens);
@@ -86,8 +89,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const int64_t work = p.num_tokens * p.num_kv_heads;
 #pragma omp parallel if (work > 1)
   {
-    std::vector<float> scores;
-    std::vector<float> k_scratch(hd), v_scratch(hd);
+    std::vector<float> scores;  // [group, ctx]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < work; ++item) {
       const int64_t t = item / p.num_kv_heads;
@@ -99,31 +101,32 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
       scores.resize(group * ctx);
 
+      // One block's rows of KV head g are consecutive in both planes.
+      auto first_row = [&](int64_t j) { return (table[j / bs] * p.num_kv_heads + g) * bs; };
       const float* q = p.query + (t * p.num_heads + g * group) * hd;
-      for (int64_t j = 0; j < ctx; ++j) {
-        const int64_t block = table[j / p.block_size];
-        const int64_t elem = ((block * p.num_kv_heads + g) * p.block_size + j % p.block_size) * hd;
-        const float* k = LoadRow(p.k_cache, p.k_dtype, elem, hd, k_scratch.data(), vec);
-        for (int64_t h = 0; h < group; ++h) scores[h * ctx + j] = vec.dot(q + h * hd, k, hd) * p.scale;
+      for (int64_t j = 0; j < ctx; j += bs) {
+        const int64_t row = first_row(j);
+        kk.dot(k_values + row * kl.value_bytes, k_meta ? k_meta + row * kl.meta_bytes : nullptr,
+               hd, std::min(bs, ctx - j), q, group, scores.data() + j, ctx);
       }
       for (int64_t h = 0; h < group; ++h) {
-        float* row = scores.data() + h * ctx;
-        const float max = *std::max_element(row, row + ctx);
+        float* w = scores.data() + h * ctx;
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < ctx; ++j) max = std::max(max, w[j] *= p.scale);
         float sum = 0.f;
         for (int64_t j = 0; j < ctx; ++j) {
-          row[j] = std::exp(row[j] - max);
-          sum += row[j];
+          w[j] = std::exp(w[j] - max);
+          sum += w[j];
         }
         const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) row[j] *= inv;
+        for (int64_t j = 0; j < ctx; ++j) w[j] *= inv;
       }
       float* out = p.output + (t * p.num_heads + g * group) * hd;
       std::memset(out, 0, sizeof(float) * group * hd);
-      for (int64_t j = 0; j < ctx; ++j) {
-        const int64_t block = table[j / p.block_size];
-        const int64_t elem = ((block * p.num_kv_heads + g) * p.block_size + j % p.block_size) * hd;
-        const float* v = LoadRow(p.v_cache, p.v_dtype, elem, hd, v_scratch.data(), vec);
-        for (int64_t h = 0; h < group; ++h) vec.axpy(scores[h * ctx + j], v, out + h * hd, hd);
+      for (int64_t j = 0; j < ctx; j += bs) {
+        const int64_t row = first_row(j);
+        vk.axpy(v_values + row * vl.value_bytes, v_meta ? v_meta + row * vl.meta_bytes : nullptr,
+                hd, std::min(bs, ctx - j), scores.data() + j, group, ctx, out);
       }
     }
   }

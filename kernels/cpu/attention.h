@@ -5,6 +5,10 @@
 // tokens, so query token i of s sits at position seq_lens[s] - q_len + i and attends to
 // positions 0..that position. The K/V of those tokens must already be written (KvWrite).
 // Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
+//
+// K and V may have different dtypes. Quantized rows are decoded inside the kernel's dot
+// products and weighted sums (kernels/cpu/kv_quant.h), a few channels at a time, so no
+// full-precision copy of the cache is made.
 #ifndef KVGRID_KERNELS_CPU_ATTENTION_H_
 #define KVGRID_KERNELS_CPU_ATTENTION_H_
 
@@ -18,8 +22,11 @@ namespace kvgrid::kernels::cpu {
 struct PagedAttentionParams {
   const float* query = nullptr;          // [num_tokens, num_heads, head_dim]
   float* output = nullptr;               // [num_tokens, num_heads, head_dim]
-  const void* k_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, head_dim]
-  const void* v_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, head_dim]
+  // Arena planes as KvWrite fills them, R = KvRowLayoutFor(dtype, head_dim):
+  const void* k_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, R.value_bytes]
+  const void* v_cache = nullptr;         // [num_blocks, num_kv_heads, block_size, R.value_bytes]
+  const void* k_meta = nullptr;          // [num_blocks, num_kv_heads, block_size, R.meta_bytes]
+  const void* v_meta = nullptr;          //   (null for float dtypes)
   KvDType k_dtype = KvDType::kF32;
   KvDType v_dtype = KvDType::kF32;
   const int32_t* block_tables = nullptr; // [num_seqs, max_blocks_per_seq]
@@ -35,14 +42,16 @@ struct PagedAttentionParams {
   int64_t head_dim = 0;
   float scale = 0.f;                     // usually 1 / sqrt(head_dim)
 
-  // INVALID_ARGUMENT naming the field: null pointers, heads not divisible by kv heads,
+  // INVALID_ARGUMENT naming the field: null pointers (a meta plane is required exactly when
+  // its dtype has metadata), an odd head_dim, heads not divisible by kv heads,
   // query_start not a prefix sum ending at num_tokens, a sequence with more queries than
   // context or more context than its block table, a block id outside the arena.
   absl::Status Validate() const;
 };
 
 // Parallel over (query token, KV head) pairs; the query heads of a group share each K/V row
-// read. Softmax in fp32 with the running maximum subtracted.
+// read, block by block. Softmax in fp32 with the maximum subtracted. Errors: those of
+// Validate().
 absl::Status PagedAttention(const PagedAttentionParams& params);
 
 }  // namespace kvgrid::kernels::cpu

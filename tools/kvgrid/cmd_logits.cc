@@ -18,7 +18,8 @@ namespace {
 
 constexpr char kHelp[] =
     "usage: kvgrid logits [--model DIR] --prompt-ids 1,2,3 [--decode-ids 4,5]\n"
-    "                     [--kv-cache-dtype fp32|fp16] [--block-size 16]\n"
+    "                     [--kv-cache-dtype fp32|fp16|bf16|int8|int4|auto] [--block-size 16]\n"
+    "                     (--k-cache-dtype / --v-cache-dtype choose separately)\n"
     "prints {\"logits\": [...], \"num_tokens\": N} for the last position\n";
 
 absl::Status Logits(Args& args) {
@@ -26,11 +27,13 @@ absl::Status Logits(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto prompt, args.GetIntList("prompt-ids"));
   KVGRID_ASSIGN_OR_RETURN(auto decode, args.GetIntList("decode-ids"));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!prompt || prompt->empty()) {
     return absl::InvalidArgumentError("--prompt-ids: required and non-empty");
   }
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::LlamaModel> model, worker::LlamaModel::Load(dir));
+  kv_dtypes.ApplyTo(model->config(), &options);
   const std::vector<int32_t> extra = decode.value_or(std::vector<int32_t>{});
   const int64_t total = static_cast<int64_t>(prompt->size() + extra.size());
   if (total > model->config().max_position_embeddings) {

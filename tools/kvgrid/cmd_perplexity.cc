@@ -29,7 +29,9 @@ constexpr char kHelp[] =
     "                         [--kv-cache-dtype D] [--block-size B] [--max-tokens N] [--json]\n"
     "  --window N      tokens per window (default min(512, max_position_embeddings))\n"
     "  --chunk N       tokens per forward pass inside a window (default 128)\n"
-    "  --max-tokens N  evaluate only the first N tokens of the file\n";
+    "  --max-tokens N  evaluate only the first N tokens of the file\n"
+    "  --kv-cache-dtype D  fp32 (default), fp16, bf16, int8, int4, or auto (the model's dtype);\n"
+    "                  --k-cache-dtype / --v-cache-dtype choose separately\n";
 
 absl::Status Perplexity(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
@@ -39,6 +41,7 @@ absl::Status Perplexity(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto max_tokens, args.GetInt("max-tokens"));
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!text_file) return absl::InvalidArgumentError("--text-file: required");
 
@@ -48,6 +51,7 @@ absl::Status Perplexity(Args& args) {
   buffer << in.rdbuf();
 
   KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
+  kv_dtypes.ApplyTo(loaded.model->config(), &options);
   if (!loaded.tokenizer) {
     return absl::FailedPreconditionError(
         absl::StrCat((dir / "tokenizer.json").string(), " is missing"));

@@ -26,7 +26,8 @@ constexpr char kHelp[] =
     "  --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
     "  --ignore-eos                keep generating past EOS\n"
     "  --stop-token-ids IDS        extra token ids that end the sequence\n"
-    "  --kv-cache-dtype fp32|fp16  (--k-cache-dtype / --v-cache-dtype to choose separately)\n"
+    "  --kv-cache-dtype D          fp32 (default), fp16, bf16, int8, int4, or auto (the model's\n"
+    "                              dtype); --k-cache-dtype / --v-cache-dtype choose separately\n"
     "  --kv-cache-memory BYTES     KV pool size, e.g. 256MiB (default 256MiB)\n"
     "  --block-size 8|16|32        tokens per KV block (default 16)\n"
     "  --max-model-len N           context window (default: max_position_embeddings)\n"
@@ -55,12 +56,14 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto seed, args.GetInt("seed"));
   KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (prompt_text.has_value() == prompt_ids_flag.has_value()) {
     return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
   }
 
   KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
+  kv_dtypes.ApplyTo(loaded.model->config(), &options);
   const model::GenerationConfig& gen = loaded.generation;
 
   worker::GenerationRequest request;

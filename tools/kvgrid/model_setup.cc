@@ -57,18 +57,48 @@ absl::StatusOr<int64_t> ParseBytes(std::string_view text, std::string_view flag)
   return static_cast<int64_t>(value * static_cast<double>(scale));
 }
 
-absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
-  worker::EngineOptions o;
+namespace {
+
+// nullopt for "auto".
+absl::StatusOr<std::optional<kernels::KvDType>> ParseKvDTypeFlag(const std::string& text,
+                                                                 std::string_view flag) {
+  if (text == "auto") return std::nullopt;
+  absl::StatusOr<kernels::KvDType> dtype = kernels::ParseKvDType(text);
+  if (!dtype.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", std::string(flag), ": ", std::string(dtype.status().message()), ", or auto"));
+  }
+  return *dtype;
+}
+
+}  // namespace
+
+absl::StatusOr<KvDTypeFlags> KvDTypesFromArgs(Args& args) {
+  KvDTypeFlags flags;
   if (auto d = args.GetString("kv-cache-dtype")) {
-    KVGRID_ASSIGN_OR_RETURN(o.k_dtype, kernels::ParseKvDType(*d));
-    o.v_dtype = o.k_dtype;
+    KVGRID_ASSIGN_OR_RETURN(flags.k, ParseKvDTypeFlag(*d, "kv-cache-dtype"));
+    flags.v = flags.k;
   }
   if (auto d = args.GetString("k-cache-dtype")) {
-    KVGRID_ASSIGN_OR_RETURN(o.k_dtype, kernels::ParseKvDType(*d));
+    KVGRID_ASSIGN_OR_RETURN(flags.k, ParseKvDTypeFlag(*d, "k-cache-dtype"));
   }
   if (auto d = args.GetString("v-cache-dtype")) {
-    KVGRID_ASSIGN_OR_RETURN(o.v_dtype, kernels::ParseKvDType(*d));
+    KVGRID_ASSIGN_OR_RETURN(flags.v, ParseKvDTypeFlag(*d, "v-cache-dtype"));
   }
+  return flags;
+}
+
+void KvDTypeFlags::ApplyTo(const model::ModelConfig& config,
+                           worker::EngineOptions* options) const {
+  kernels::KvDType model_dtype = kernels::KvDType::kF32;
+  if (config.torch_dtype == "bfloat16") model_dtype = kernels::KvDType::kBF16;
+  if (config.torch_dtype == "float16") model_dtype = kernels::KvDType::kF16;
+  options->k_dtype = k.value_or(model_dtype);
+  options->v_dtype = v.value_or(model_dtype);
+}
+
+absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
+  worker::EngineOptions o;
   if (auto m = args.GetString("kv-cache-memory")) {
     KVGRID_ASSIGN_OR_RETURN(o.kv_cache_memory, ParseBytes(*m, "kv-cache-memory"));
   }

@@ -5,9 +5,12 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 
 #include "absl/status/statusor.h"
+#include "kernels/kv_dtype.h"
 #include "model/generation_config.h"
+#include "model/model_config.h"
 #include "model/tokenizer.h"
 #include "tools/kvgrid/args.h"
 #include "worker/engine/engine.h"
@@ -28,10 +31,25 @@ struct LoadedModel {
 // Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir);
 
-// Reads --kv-cache-dtype (both K and V), --k-cache-dtype/--v-cache-dtype overrides,
-// --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
-// --max-num-seqs, --max-num-batched-tokens and --max-model-len.
+// Reads --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
+// --max-num-seqs, --max-num-batched-tokens and --max-model-len. The KV dtypes stay at their
+// defaults: they come from KvDTypesFromArgs, which may need the model's config.
 absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args);
+
+// The KV cache dtypes the flags ask for. nullopt is "auto": the model's torch_dtype
+// (bfloat16 -> bf16, float16 -> fp16, anything else -> fp32), known once the model is loaded.
+struct KvDTypeFlags {
+  std::optional<kernels::KvDType> k = kernels::KvDType::kF32;
+  std::optional<kernels::KvDType> v = kernels::KvDType::kF32;
+
+  // Sets options->k_dtype and v_dtype, resolving "auto" against `config`.
+  void ApplyTo(const model::ModelConfig& config, worker::EngineOptions* options) const;
+};
+
+// Reads --kv-cache-dtype (K and V), then --k-cache-dtype / --v-cache-dtype overrides; each
+// takes fp32, fp16, bf16, int8, int4 (or an alias ParseKvDType accepts) or auto. Default fp32.
+// Errors: INVALID_ARGUMENT naming the flag.
+absl::StatusOr<KvDTypeFlags> KvDTypesFromArgs(Args& args);
 
 // "512MiB" -> 536870912. Errors: INVALID_ARGUMENT naming `flag`.
 absl::StatusOr<int64_t> ParseBytes(std::string_view text, std::string_view flag);

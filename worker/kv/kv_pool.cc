@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -19,8 +20,10 @@ KvPool::KvPool(const KvGeometry& geometry, int32_t num_blocks)
     : geometry_(geometry), num_blocks_(num_blocks) {}
 
 KvPool::~KvPool() {
-  for (std::vector<Arena>* arenas : {&k_, &v_}) {
-    for (const Arena& a : *arenas) munmap(a.data, a.bytes);
+  for (std::vector<Arena>* arenas : {&k_, &v_, &k_meta_, &v_meta_}) {
+    for (const Arena& a : *arenas) {
+      if (a.data) munmap(a.data, a.bytes);
+    }
   }
 }
 
@@ -51,18 +54,30 @@ absl::StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const KvGeometry& g,
                                                      " bytes of physical memory"));
   }
   std::unique_ptr<KvPool> pool(new KvPool(g, static_cast<int32_t>(blocks)));
-  const int64_t plane = blocks * g.num_kv_heads * g.block_size * g.head_dim;
+  const int64_t rows = blocks * g.num_kv_heads * g.block_size;
+  // Page-aligned and zero-filled by the kernel, so rows are aligned for SIMD loads. A plane of
+  // zero bytes (the metadata of a float dtype) stays an empty Arena with a null pointer.
+  auto map = [&](int64_t row_bytes, int64_t layer, std::vector<Arena>* arenas) -> absl::Status {
+    const size_t bytes = static_cast<size_t>(rows * row_bytes);
+    if (bytes == 0) {
+      arenas->push_back({});
+      return absl::OkStatus();
+    }
+    void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mem == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("KV pool: could not map ", bytes, " bytes for layer ", layer));
+    }
+    arenas->push_back({mem, bytes});
+    return absl::OkStatus();
+  };
+  const kernels::KvRowLayout kl = kernels::KvRowLayoutFor(g.k_dtype, g.head_dim);
+  const kernels::KvRowLayout vl = kernels::KvRowLayoutFor(g.v_dtype, g.head_dim);
   for (int64_t layer = 0; layer < g.num_layers; ++layer) {
-    for (auto [arenas, dtype] : {std::pair{&pool->k_, g.k_dtype}, std::pair{&pool->v_, g.v_dtype}}) {
-      const size_t bytes = static_cast<size_t>(plane / g.head_dim) *
-                           kernels::KvRowLayoutFor(dtype, g.head_dim).value_bytes;
-      // Page-aligned and zero-filled by the kernel, so rows are aligned for SIMD loads.
-      void* mem = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (mem == MAP_FAILED) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("KV pool: could not map ", bytes, " bytes for layer ", layer));
-      }
-      arenas->push_back({mem, bytes});
+    for (auto [row_bytes, arenas] :
+         {std::pair{kl.value_bytes, &pool->k_}, std::pair{vl.value_bytes, &pool->v_},
+          std::pair{kl.meta_bytes, &pool->k_meta_}, std::pair{vl.meta_bytes, &pool->v_meta_}}) {
+      if (absl::Status s = map(row_bytes, layer, arenas); !s.ok()) return s;
     }
   }
   return pool;

@@ -1,6 +1,7 @@
 // The memory of one card's paged KV cache: for every layer, a K arena and a V arena laid out
 // [num_blocks][num_kv_heads][block_size][head_dim] (head-major, so one head's keys in a block
-// are contiguous). Sized from a byte budget. Owns the memory (anonymous mappings: zeroed, and
+// are contiguous). An arena of a quantized dtype is two planes in that order (formats in
+// kernels/kv_dtype.h): values [..][value_bytes] and per-row scales/zero points [..][meta_bytes]. Sized from a byte budget. Owns the memory (anonymous mappings: zeroed, and
 // committed page by page as blocks are first written); non-copyable. Not thread-safe.
 #ifndef KVGRID_WORKER_KV_KV_POOL_H_
 #define KVGRID_WORKER_KV_KV_POOL_H_
@@ -44,9 +45,12 @@ class KvPool {
   [[nodiscard]] int64_t capacity_tokens() const { return num_blocks_ * geometry_.block_size; }
   [[nodiscard]] int64_t bytes() const { return num_blocks_ * geometry_.BytesPerBlock(); }
 
-  // Arena base pointers for `layer` (0 <= layer < num_layers).
+  // Arena base pointers for `layer` (0 <= layer < num_layers): the values planes, and the
+  // metadata planes (nullptr for float dtypes, which have none).
   [[nodiscard]] void* k(int64_t layer) { return k_[layer].data; }
   [[nodiscard]] void* v(int64_t layer) { return v_[layer].data; }
+  [[nodiscard]] void* k_meta(int64_t layer) { return k_meta_[layer].data; }
+  [[nodiscard]] void* v_meta(int64_t layer) { return v_meta_[layer].data; }
 
  private:
   struct Arena {
@@ -56,7 +60,7 @@ class KvPool {
   KvPool(const KvGeometry& geometry, int32_t num_blocks);
   KvGeometry geometry_;
   int32_t num_blocks_;
-  std::vector<Arena> k_, v_;
+  std::vector<Arena> k_, v_, k_meta_, v_meta_;  // one per layer; empty Arenas for no meta
 };
 
 }  // namespace kvgrid::worker

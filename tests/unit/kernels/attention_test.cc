@@ -1,16 +1,20 @@
 // PagedAttention against a dense, contiguous reference on random batches that mix prefill,
-// chunked prefill and decode, with GQA, scattered block tables and fp32/fp16 arenas.
+// chunked prefill and decode, with GQA, scattered block tables and every KV dtype (K and V
+// chosen independently). The reference attends over the arena rows as DequantizeRow decodes
+// them, so what is checked is the kernel's arithmetic, not the formats' rounding (that is
+// kv_quant_test's).
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/kv_quant.h"
 #include "kernels/cpu/kv_write.h"
-#include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
 namespace {
@@ -19,7 +23,8 @@ struct Case {
   int64_t heads, kv_heads, head_dim, block_size;
   std::vector<int32_t> ctx_lens;  // per sequence, after this step
   std::vector<int32_t> q_lens;    // per sequence
-  KvDType dtype;
+  KvDType dtype;                     // K, and V unless v_dtype is set
+  std::optional<KvDType> v_dtype = std::nullopt;
 };
 
 // Dense reference: K/V per sequence as [ctx, kv_heads, head_dim] in fp64.
@@ -45,10 +50,18 @@ void RunCase(const Case& c, uint64_t seed) {
     for (int64_t i = 0; i < b; ++i) tables[s * max_blocks + i] = ids[next++];
   }
 
+  const KvDType k_dtype = c.dtype;
+  const KvDType v_dtype = c.v_dtype.value_or(c.dtype);
+  const KvRowLayout kl = KvRowLayoutFor(k_dtype, c.head_dim);
+  const KvRowLayout vl = KvRowLayoutFor(v_dtype, c.head_dim);
   const int64_t kv_row = c.kv_heads * c.head_dim;
-  const int64_t row_bytes = KvRowLayoutFor(c.dtype, c.head_dim).value_bytes;
-  std::vector<std::byte> k_cache(num_blocks * c.kv_heads * c.block_size * row_bytes);
-  std::vector<std::byte> v_cache(k_cache.size());
+  const int64_t arena_rows = num_blocks * c.kv_heads * c.block_size;
+  std::vector<std::byte> k_cache(arena_rows * kl.value_bytes);
+  std::vector<std::byte> v_cache(arena_rows * vl.value_bytes);
+  std::vector<std::byte> k_meta(arena_rows * kl.meta_bytes);
+  std::vector<std::byte> v_meta(arena_rows * vl.meta_bytes);
+  void* k_meta_ptr = k_meta.empty() ? nullptr : k_meta.data();
+  void* v_meta_ptr = v_meta.empty() ? nullptr : v_meta.data();
   std::vector<std::vector<float>> k_dense(num_seqs), v_dense(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = c.ctx_lens[s];
@@ -66,17 +79,28 @@ void RunCase(const Case& c, uint64_t seed) {
                          .slots = slots.data(),
                          .k_cache = k_cache.data(),
                          .v_cache = v_cache.data(),
-                         .k_dtype = c.dtype,
-                         .v_dtype = c.dtype,
+                         .k_meta = k_meta_ptr,
+                         .v_meta = v_meta_ptr,
+                         .k_dtype = k_dtype,
+                         .v_dtype = v_dtype,
                          .num_tokens = len,
                          .num_blocks = num_blocks,
                          .num_kv_heads = c.kv_heads,
                          .block_size = c.block_size,
                          .head_dim = c.head_dim})
                     .ok());
-    if (c.dtype == KvDType::kF16) {  // the reference sees what the arena holds
-      for (float& x : k_dense[s]) x = model::F16ToF32(model::F32ToF16(x));
-      for (float& x : v_dense[s]) x = model::F16ToF32(model::F32ToF16(x));
+    // The reference sees what the arena holds.
+    for (int64_t p = 0; p < len; ++p) {
+      const int64_t block = slots[p] / c.block_size;
+      for (int64_t g = 0; g < c.kv_heads; ++g) {
+        const int64_t row = (block * c.kv_heads + g) * c.block_size + slots[p] % c.block_size;
+        DequantizeRow(k_dtype, k_cache.data() + row * kl.value_bytes,
+                      k_meta.data() + row * kl.meta_bytes, c.head_dim,
+                      k_dense[s].data() + p * kv_row + g * c.head_dim);
+        DequantizeRow(v_dtype, v_cache.data() + row * vl.value_bytes,
+                      v_meta.data() + row * vl.meta_bytes, c.head_dim,
+                      v_dense[s].data() + p * kv_row + g * c.head_dim);
+      }
     }
   }
 
@@ -91,8 +115,10 @@ void RunCase(const Case& c, uint64_t seed) {
                               .output = out.data(),
                               .k_cache = k_cache.data(),
                               .v_cache = v_cache.data(),
-                              .k_dtype = c.dtype,
-                              .v_dtype = c.dtype,
+                              .k_meta = k_meta_ptr,
+                              .v_meta = v_meta_ptr,
+                              .k_dtype = k_dtype,
+                              .v_dtype = v_dtype,
                               .block_tables = tables.data(),
                               .seq_lens = c.ctx_lens.data(),
                               .query_start = query_start.data(),
@@ -139,7 +165,8 @@ void RunCase(const Case& c, uint64_t seed) {
       }
     }
   }
-  EXPECT_LT(max_err, 1e-5) << "seed " << seed;
+  EXPECT_LT(max_err, 1e-5) << "seed " << seed << " K " << KvDTypeName(k_dtype) << " V "
+                           << KvDTypeName(v_dtype);
 }
 
 TEST(PagedAttentionTest, DecodeBatchMatchesDenseReference) {
@@ -156,12 +183,28 @@ TEST(PagedAttentionTest, Fp16ArenaMatchesReferenceOnRoundedValues) {
   RunCase({8, 2, 32, 16, {5, 31, 70}, {5, 2, 1}, KvDType::kF16}, 4);
 }
 
+TEST(PagedAttentionTest, QuantizedArenasMatchReferenceOnDecodedValues) {
+  for (KvDType dtype : {KvDType::kBF16, KvDType::kInt8, KvDType::kInt4}) {
+    // Llama-3-like GQA decode, a prefill with a chunk, and head dims off the SIMD width
+    // (34: a 2-channel tail; 80: a short last int4 group).
+    RunCase({8, 2, 128, 16, {5, 31, 70}, {5, 2, 1}, dtype}, 5);
+    RunCase({6, 3, 80, 8, {23, 50}, {23, 13}, dtype}, 6);
+    RunCase({4, 1, 34, 32, {40, 1}, {1, 1}, dtype}, 7);
+  }
+}
+
+TEST(PagedAttentionTest, MixedKAndVDTypes) {
+  RunCase({8, 2, 64, 16, {33, 70, 3}, {1, 5, 3}, KvDType::kInt8, KvDType::kInt4}, 8);
+  RunCase({8, 4, 48, 8, {19, 64}, {19, 1}, KvDType::kF16, KvDType::kInt8}, 9);
+  RunCase({4, 2, 32, 16, {50}, {7}, KvDType::kInt4, KvDType::kBF16}, 10);
+}
+
 TEST(PagedAttentionTest, RandomShapes) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 20; ++trial) {
     const int64_t kv_heads = 1 + rng() % 3;
     const int64_t heads = kv_heads * (1 + rng() % 4);
-    const int64_t head_dim = 8 * (1 + rng() % 8);
+    const int64_t head_dim = 2 * (1 + rng() % 40);
     const int64_t block_size = int64_t{8} << (rng() % 3);
     const int64_t num_seqs = 1 + rng() % 4;
     std::vector<int32_t> ctx, ql;
@@ -169,10 +212,41 @@ TEST(PagedAttentionTest, RandomShapes) {
       ctx.push_back(1 + rng() % 70);
       ql.push_back(1 + rng() % ctx.back());
     }
-    RunCase({heads, kv_heads, head_dim, block_size, ctx, ql,
-             trial % 2 ? KvDType::kF16 : KvDType::kF32},
+    constexpr KvDType kDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
+                                   KvDType::kInt4};
+    RunCase({heads, kv_heads, head_dim, block_size, ctx, ql, kDTypes[rng() % 5],
+             kDTypes[rng() % 5]},
             100 + trial);
   }
+}
+
+TEST(PagedAttentionTest, RejectsQuantizedArenaWithoutMeta) {
+  std::vector<float> q(16), out(16);
+  std::vector<std::byte> cache(16 * 16);
+  const int32_t table[] = {0};
+  const int32_t lens[] = {1};
+  const int32_t starts[] = {0, 1};
+  absl::Status s = PagedAttention({.query = q.data(),
+                                   .output = out.data(),
+                                   .k_cache = cache.data(),
+                                   .v_cache = cache.data(),
+                                   .k_meta = cache.data(),
+                                   .k_dtype = KvDType::kInt8,
+                                   .v_dtype = KvDType::kInt4,
+                                   .block_tables = table,
+                                   .seq_lens = lens,
+                                   .query_start = starts,
+                                   .num_seqs = 1,
+                                   .num_tokens = 1,
+                                   .max_blocks_per_seq = 1,
+                                   .num_blocks = 1,
+                                   .num_heads = 1,
+                                   .num_kv_heads = 1,
+                                   .block_size = 16,
+                                   .head_dim = 16,
+                                   .scale = 0.25f});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("v_meta"), std::string::npos) << s;
 }
 
 TEST(PagedAttentionTest, RejectsBlockOutsideArena) {

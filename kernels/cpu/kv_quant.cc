@@ -1,0 +1,428 @@
+#include "kernels/cpu/kv_quant.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string_view>
+
+#include "kernels/cpu/vec.h"
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+constexpr uint16_t kF16MinSubnormal = 0x0001;
+constexpr uint16_t kF16MaxFinite = 0x7bff;
+constexpr uint16_t kInt4MaxScale = 0x7bf0;  // largest finite fp16 with the 4 low bits clear
+
+inline uint16_t Load16(const uint8_t* p) {
+  uint16_t w;
+  std::memcpy(&w, p, sizeof(w));
+  return w;
+}
+
+inline void Store16(uint8_t* p, uint16_t w) { std::memcpy(p, &w, sizeof(w)); }
+
+inline float Int4Scale(uint16_t word) { return model::F16ToF32(word & 0xfff0u); }
+inline int Int4Zero(uint16_t word) { return word & 0xf; }
+
+// round-half-to-even, clamped into [lo, hi]; clamping first keeps lrint in range, and fmax
+// sends NaN to lo.
+inline int RoundClamp(float v, int lo, int hi) {
+  return static_cast<int>(
+      std::lrint(std::fmin(std::fmax(v, static_cast<float>(lo)), static_cast<float>(hi))));
+}
+
+// The smallest fp16 with its 4 low mantissa bits clear that is >= s (s > 0), capped at the
+// largest such finite value.
+uint16_t Int4ScaleRoundedUp(float s) {
+  uint32_t h = model::F32ToF16(s);
+  if (h < 0x7c00u && model::F16ToF32(static_cast<uint16_t>(h)) < s) ++h;  // nearest -> up
+  h = (h + 0xfu) & ~0xfu;  // a mantissa carry moves into the exponent: still monotonic
+  return static_cast<uint16_t>(std::min<uint32_t>(h, kInt4MaxScale));
+}
+
+void QuantizeInt8(const float* x, int64_t n, int8_t* q, uint8_t* meta) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));  // NaNs are skipped
+  uint16_t s16 = model::F32ToF16(amax / 127.f);
+  if (s16 == 0 && amax > 0.f) s16 = kF16MinSubnormal;
+  // A subnormal scale has few bits: step up where nearest rounding would clip the largest
+  // value (normal scales are within 2^-11, so amax / s <= 127.07 there).
+  if (s16 < kF16MaxFinite && amax / model::F16ToF32(s16) > 127.5f) ++s16;
+  if (s16 > kF16MaxFinite) s16 = kF16MaxFinite;  // amax overflowed fp16 (or is infinite)
+  Store16(meta, s16);
+  const float s = model::F16ToF32(s16);
+  for (int64_t i = 0; i < n; ++i) {
+    q[i] = static_cast<int8_t>(s > 0.f ? RoundClamp(x[i] / s, -127, 127) : 0);
+  }
+}
+
+void QuantizeInt4(const float* x, int64_t n, uint8_t* packed, uint8_t* meta) {
+  std::memset(packed, 0, static_cast<size_t>((n + 1) / 2));
+  for (int64_t g0 = 0, g = 0; g0 < n; g0 += kInt4GroupSize, ++g) {
+    const int64_t end = std::min(n, g0 + kInt4GroupSize);
+    float lo = 0.f, hi = 0.f;
+    for (int64_t i = g0; i < end; ++i) {
+      lo = std::min(lo, x[i]);
+      hi = std::max(hi, x[i]);
+    }
+    const float range = (hi - lo) / 15.f;
+    const uint16_t s16 = range > 0.f ? Int4ScaleRoundedUp(range) : 0;
+    const float s = model::F16ToF32(s16);
+    const int z = s > 0.f ? RoundClamp(-lo / s, 0, 15) : 0;
+    Store16(meta + 2 * g, Int4MetaWord(s16, z));
+    for (int64_t i = g0; i < end; ++i) {
+      const int q = s > 0.f ? std::clamp(RoundClamp(x[i] / s, -15, 30) + z, 0, 15) : 0;
+      packed[i / 2] |= static_cast<uint8_t>(q << (4 * (i & 1)));
+    }
+  }
+}
+
+// Portable decode of channels [begin, begin + count) of one row into out[0, count).
+template <KvDType D>
+void DecodeRange(const uint8_t* v, const uint8_t* m, int64_t begin, int64_t count, float* out) {
+  if constexpr (D == KvDType::kF32) {
+    std::memcpy(out, reinterpret_cast<const float*>(v) + begin, sizeof(float) * count);
+  } else if constexpr (D == KvDType::kF16) {
+    for (int64_t i = 0; i < count; ++i) out[i] = model::F16ToF32(Load16(v + 2 * (begin + i)));
+  } else if constexpr (D == KvDType::kBF16) {
+    for (int64_t i = 0; i < count; ++i) out[i] = model::BF16ToF32(Load16(v + 2 * (begin + i)));
+  } else if constexpr (D == KvDType::kInt8) {
+    const float s = model::F16ToF32(Load16(m));
+    const int8_t* q = reinterpret_cast<const int8_t*>(v);
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(q[begin + i]) * s;
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t c = begin + i;
+      const uint16_t w = Load16(m + 2 * (c / kInt4GroupSize));
+      const int q = (v[c / 2] >> (4 * (c & 1))) & 0xf;
+      out[i] = Int4Scale(w) * static_cast<float>(q - Int4Zero(w));
+    }
+  }
+}
+
+inline const uint8_t* Bytes(const void* p) { return static_cast<const uint8_t*>(p); }
+
+// --- portable kernels: decode 64 channels at a time into a stack buffer ---
+
+constexpr int64_t kChunk = 64;
+
+template <KvDType D>
+void DotPortable(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
+                 int64_t num_q, float* scores, int64_t score_stride) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  const VecOps& vec = PortableVec();
+  float buf[kChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* v = Bytes(values) + r * l.value_bytes;
+    const uint8_t* m = meta ? Bytes(meta) + r * l.meta_bytes : nullptr;
+    for (int64_t h = 0; h < num_q; ++h) scores[h * score_stride + r] = 0.f;
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t count = std::min(kChunk, n - c);
+      DecodeRange<D>(v, m, c, count, buf);
+      for (int64_t h = 0; h < num_q; ++h) {
+        scores[h * score_stride + r] += vec.dot(q + h * n + c, buf, count);
+      }
+    }
+  }
+}
+
+template <KvDType D>
+void AxpyPortable(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,
+                  int64_t num_q, int64_t p_stride, float* out) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  const VecOps& vec = PortableVec();
+  float buf[kChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* v = Bytes(values) + r * l.value_bytes;
+    const uint8_t* m = meta ? Bytes(meta) + r * l.meta_bytes : nullptr;
+    for (int64_t c = 0; c < n; c += kChunk) {
+      const int64_t count = std::min(kChunk, n - c);
+      DecodeRange<D>(v, m, c, count, buf);
+      for (int64_t h = 0; h < num_q; ++h) vec.axpy(p[h * p_stride + r], buf, out + h * n + c, count);
+    }
+  }
+}
+
+template <KvDType D>
+void DequantizePortable(const void* values, const void* meta, int64_t n, int64_t rows,
+                        float* out) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  for (int64_t r = 0; r < rows; ++r) {
+    DecodeRange<D>(Bytes(values) + r * l.value_bytes,
+                   meta ? Bytes(meta) + r * l.meta_bytes : nullptr, 0, n, out + r * n);
+  }
+}
+
+template <KvDType D>
+constexpr KvRowKernels kPortableKernels = {DotPortable<D>, AxpyPortable<D>, DequantizePortable<D>,
+                                           "portable"};
+
+// --- AVX2/FMA/F16C kernels ---
+//
+// Load8<D> decodes 8 channels starting at a multiple of 8 (so an int4 load never straddles a
+// group). For int8 it returns q unscaled: the row's scale is applied once per row (dot) or
+// folded into the weights (axpy), so int8 costs two conversions per 8 channels.
+
+#if defined(__x86_64__)
+#define KVGRID_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KVGRID_AVX2 inline float F16ToF32Avx2(uint16_t h) { return _cvtsh_ss(h); }
+
+template <KvDType D>
+KVGRID_AVX2 inline __m256 Load8(const uint8_t* v, const uint8_t* m, int64_t i) {
+  if constexpr (D == KvDType::kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(v) + i);
+  } else if constexpr (D == KvDType::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 2 * i)));
+  } else if constexpr (D == KvDType::kBF16) {
+    const __m256i w =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 2 * i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  } else if constexpr (D == KvDType::kInt8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  } else {
+    const uint16_t w = Load16(m + 2 * (i / kInt4GroupSize));
+    int32_t packed;
+    std::memcpy(&packed, v + i / 2, sizeof(packed));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(packed), shifts),
+                                       _mm256_set1_epi32(0xf));
+    const __m256 centered = _mm256_sub_ps(_mm256_cvtepi32_ps(q),
+                                          _mm256_set1_ps(static_cast<float>(Int4Zero(w))));
+    return _mm256_mul_ps(centered, _mm256_set1_ps(F16ToF32Avx2(w & 0xfff0u)));
+  }
+}
+
+// The factor Load8 leaves out of row `m`'s values (int8's scale), else 1.
+template <KvDType D>
+KVGRID_AVX2 inline float RowScale(const uint8_t* m) {
+  if constexpr (D == KvDType::kInt8) {
+    return F16ToF32Avx2(Load16(m));
+  } else {
+    return 1.f;
+  }
+}
+
+KVGRID_AVX2 inline float HSum(__m256 a) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// res[h] = sum_{i < n8} q[h * q_stride + i] * Load8 values, for H query heads.
+template <KvDType D, int H>
+KVGRID_AVX2 inline void DotHeads(const uint8_t* v, const uint8_t* m, int64_t n8, const float* q,
+                                 int64_t q_stride, float* res) {
+  __m256 a0[H], a1[H];
+  for (int h = 0; h < H; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n8; i += 16) {
+    const __m256 x0 = Load8<D>(v, m, i);
+    const __m256 x1 = Load8<D>(v, m, i + 8);
+    for (int h = 0; h < H; ++h) {
+      a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), x0, a0[h]);
+      a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i + 8), x1, a1[h]);
+    }
+  }
+  if (i < n8) {
+    const __m256 x0 = Load8<D>(v, m, i);
+    for (int h = 0; h < H; ++h) {
+      a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), x0, a0[h]);
+    }
+  }
+  for (int h = 0; h < H; ++h) res[h] = HSum(_mm256_add_ps(a0[h], a1[h]));
+}
+
+template <KvDType D>
+KVGRID_AVX2 void DotAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
+                         const float* q, int64_t num_q, float* scores, int64_t score_stride) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  const int64_t n8 = n & ~int64_t{7};
+  float tail[8];
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* v = Bytes(values) + r * l.value_bytes;
+    const uint8_t* m = meta ? Bytes(meta) + r * l.meta_bytes : nullptr;
+    const float s = RowScale<D>(m);
+    if (n8 < n) DecodeRange<D>(v, m, n8, n - n8, tail);
+    for (int64_t h0 = 0; h0 < num_q; h0 += 4) {
+      const float* qh = q + h0 * n;
+      float res[4];
+      switch (std::min<int64_t>(4, num_q - h0)) {
+        case 1: DotHeads<D, 1>(v, m, n8, qh, n, res); break;
+        case 2: DotHeads<D, 2>(v, m, n8, qh, n, res); break;
+        case 3: DotHeads<D, 3>(v, m, n8, qh, n, res); break;
+        default: DotHeads<D, 4>(v, m, n8, qh, n, res); break;
+      }
+      for (int64_t h = 0; h < std::min<int64_t>(4, num_q - h0); ++h) {
+        float acc = D == KvDType::kInt8 ? res[h] * s : res[h];
+        for (int64_t i = n8; i < n; ++i) acc += qh[h * n + i] * tail[i - n8];
+        scores[(h0 + h) * score_stride + r] = acc;
+      }
+    }
+  }
+}
+
+// out[h * n + i] += sum_r alpha[h * alpha_stride + r] * Load8 values of row r, i < n8.
+template <KvDType D, int H>
+KVGRID_AVX2 inline void AxpyHeads(const uint8_t* v, const uint8_t* m, const KvRowLayout& l,
+                                  int64_t n8, int64_t rows, const float* alpha,
+                                  int64_t alpha_stride, float* out, int64_t n) {
+  for (int64_t i = 0; i < n8; i += 8) {
+    __m256 a0[H], a1[H];
+    for (int h = 0; h < H; ++h) {
+      a0[h] = _mm256_loadu_ps(out + h * n + i);
+      a1[h] = _mm256_setzero_ps();
+    }
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) {
+      const __m256 x0 = Load8<D>(v + r * l.value_bytes, m + r * l.meta_bytes, i);
+      const __m256 x1 = Load8<D>(v + (r + 1) * l.value_bytes, m + (r + 1) * l.meta_bytes, i);
+      for (int h = 0; h < H; ++h) {
+        a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * alpha_stride + r), x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * alpha_stride + r + 1), x1, a1[h]);
+      }
+    }
+    if (r < rows) {
+      const __m256 x0 = Load8<D>(v + r * l.value_bytes, m + r * l.meta_bytes, i);
+      for (int h = 0; h < H; ++h) {
+        a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * alpha_stride + r), x0, a0[h]);
+      }
+    }
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + h * n + i, _mm256_add_ps(a0[h], a1[h]));
+  }
+}
+
+template <KvDType D>
+KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
+                          const float* p, int64_t num_q, int64_t p_stride, float* out) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  const int64_t n8 = n & ~int64_t{7};
+  // Rows in tiles, so each tile's weights (times int8's row scales) sit in a small array.
+  constexpr int64_t kTile = 32;
+  float alpha[4 * kTile];
+  float tail[8];
+  // A null `meta` (float dtypes) is never dereferenced; offset a dummy base instead of null.
+  const uint8_t* meta_base = meta ? Bytes(meta) : Bytes(values);
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t tile = std::min(kTile, rows - r0);
+    const uint8_t* v = Bytes(values) + r0 * l.value_bytes;
+    const uint8_t* m = meta_base + r0 * l.meta_bytes;
+    for (int64_t h0 = 0; h0 < num_q; h0 += 4) {
+      const int64_t hn = std::min<int64_t>(4, num_q - h0);
+      for (int64_t h = 0; h < hn; ++h) {
+        for (int64_t r = 0; r < tile; ++r) {
+          alpha[h * kTile + r] = p[(h0 + h) * p_stride + r0 + r] *
+                                 RowScale<D>(m + r * l.meta_bytes);
+        }
+      }
+      float* oh = out + h0 * n;
+      switch (hn) {
+        case 1: AxpyHeads<D, 1>(v, m, l, n8, tile, alpha, kTile, oh, n); break;
+        case 2: AxpyHeads<D, 2>(v, m, l, n8, tile, alpha, kTile, oh, n); break;
+        case 3: AxpyHeads<D, 3>(v, m, l, n8, tile, alpha, kTile, oh, n); break;
+        default: AxpyHeads<D, 4>(v, m, l, n8, tile, alpha, kTile, oh, n); break;
+      }
+    }
+    if (n8 < n) {
+      for (int64_t r = 0; r < tile; ++r) {
+        DecodeRange<D>(v + r * l.value_bytes, meta ? m + r * l.meta_bytes : nullptr, n8, n - n8,
+                       tail);
+        for (int64_t h = 0; h < num_q; ++h) {
+          const float w = p[h * p_stride + r0 + r];
+          for (int64_t i = n8; i < n; ++i) out[h * n + i] += w * tail[i - n8];
+        }
+      }
+    }
+  }
+}
+
+template <KvDType D>
+KVGRID_AVX2 void DequantizeAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
+                                float* out) {
+  const KvRowLayout l = KvRowLayoutFor(D, n);
+  const int64_t n8 = n & ~int64_t{7};
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* v = Bytes(values) + r * l.value_bytes;
+    const uint8_t* m = meta ? Bytes(meta) + r * l.meta_bytes : nullptr;
+    const __m256 s = _mm256_set1_ps(RowScale<D>(m));
+    float* o = out + r * n;
+    for (int64_t i = 0; i < n8; i += 8) {
+      __m256 x = Load8<D>(v, m, i);
+      if constexpr (D == KvDType::kInt8) x = _mm256_mul_ps(x, s);  // same product as DecodeRange
+      _mm256_storeu_ps(o + i, x);
+    }
+    if (n8 < n) DecodeRange<D>(v, m, n8, n - n8, o + n8);
+  }
+}
+
+template <KvDType D>
+constexpr KvRowKernels kAvx2Kernels = {DotAvx2<D>, AxpyAvx2<D>, DequantizeAvx2<D>, "avx2"};
+
+#endif  // __x86_64__
+
+template <KvDType D>
+KvRowKernels Best() {
+#if defined(__x86_64__)
+  static const bool avx2 = std::string_view(Vec().name) == "avx2";
+  if (avx2) return kAvx2Kernels<D>;
+#endif
+  return kPortableKernels<D>;
+}
+
+}  // namespace
+
+void QuantizeRow(KvDType dtype, const float* x, int64_t n, void* values, void* meta) {
+  uint8_t* v = static_cast<uint8_t*>(values);
+  switch (dtype) {
+    case KvDType::kF32:
+      std::memcpy(v, x, sizeof(float) * n);
+      return;
+    case KvDType::kF16:
+      // Bit-identical to model::F32ToF16, and F16C-fast where available.
+      Vec().f32_to_f16(x, reinterpret_cast<uint16_t*>(v), n);
+      return;
+    case KvDType::kBF16:
+      for (int64_t i = 0; i < n; ++i) Store16(v + 2 * i, model::F32ToBF16(x[i]));
+      return;
+    case KvDType::kInt8:
+      QuantizeInt8(x, n, reinterpret_cast<int8_t*>(v), static_cast<uint8_t*>(meta));
+      return;
+    case KvDType::kInt4:
+      QuantizeInt4(x, n, v, static_cast<uint8_t*>(meta));
+      return;
+  }
+}
+
+void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out) {
+  PortableKvRowKernelsFor(dtype).dequantize(values, meta, n, 1, out);
+}
+
+KvRowKernels PortableKvRowKernelsFor(KvDType dtype) {
+  switch (dtype) {
+    case KvDType::kF32: return kPortableKernels<KvDType::kF32>;
+    case KvDType::kF16: return kPortableKernels<KvDType::kF16>;
+    case KvDType::kBF16: return kPortableKernels<KvDType::kBF16>;
+    case KvDType::kInt8: return kPortableKernels<KvDType::kInt8>;
+    case KvDType::kInt4: return kPortableKernels<KvDType::kInt4>;
+  }
+  return kPortableKernels<KvDType::kF32>;
+}
+
+KvRowKernels KvRowKernelsFor(KvDType dtype) {
+  switch (dtype) {
+    case KvDType::kF32: return Best<KvDType::kF32>();
+    case KvDType::kF16: return Best<KvDType::kF16>();
+    case KvDType::kBF16: return Best<KvDType::kBF16>();
+    case KvDType::kInt8: return Best<KvDType::kInt8>();
+    case KvDType::kInt4: return Best<KvDType::kInt4>();
+  }
+  return Best<KvDType::kF32>();
+}
+
+}  // namespace kvgrid::kernels::cpu

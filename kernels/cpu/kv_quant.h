@@ -1,0 +1,66 @@
+// Row codecs of the KV-cache dtypes (formats in kernels/kv_dtype.h) and the fused row kernels
+// attention reads the cache through, so that no full-precision copy of the cache is made.
+//
+// QuantizeRow / DequantizeRow are the reference definition of each format; the row kernels
+// come in a portable version and an AVX2/FMA/F16C version chosen at run time (as in
+// kernels/cpu/vec.h). Both versions decode every element to the same float as DequantizeRow,
+// so they differ from each other, and from fp32 math on DequantizeRow's output, only in the
+// order of the sums. All functions are pure and thread-safe.
+#ifndef KVGRID_KERNELS_CPU_KV_QUANT_H_
+#define KVGRID_KERNELS_CPU_KV_QUANT_H_
+
+#include <cstdint>
+
+#include "kernels/kv_dtype.h"
+
+namespace kvgrid::kernels::cpu {
+
+// Encodes one row of `n` channels (n > 0 and even): `values` receives
+// KvRowLayoutFor(dtype, n).value_bytes bytes and `meta` .meta_bytes bytes (`meta` is not
+// touched, and may be null, for float dtypes).
+//   int8: s = max|x| / 127 rounded to the nearest fp16 (up instead where a subnormal s would
+//         clip max|x|; at least the smallest subnormal when some x != 0, at most the largest
+//         finite fp16); q = clamp(round(x / s), -127, 127) with the rounded s, so
+//         |x - s q| <= s / 2 unless max|x| overflows the fp16 scale.
+//   int4: per group, the range [min(0, min x), max(0, max x)] (it must hold 0 because the
+//         zero point is an integer in [0, 15]); s = range / 15 rounded up to an fp16 with its
+//         4 low mantissa bits clear; z = clamp(round(-min / s), 0, 15);
+//         q = clamp(round(x / s) + z, 0, 15), so |x - s (q - z)| <= s / 2. An all-zero group
+//         stores s = 0 and decodes exactly.
+// round() is round-half-to-even. Non-finite inputs give unspecified (but valid) codes.
+void QuantizeRow(KvDType dtype, const float* x, int64_t n, void* values, void* meta);
+
+// Decodes one row written by QuantizeRow: out[i] = x̂[i] (int8: s * q; int4: s * (q - z)).
+void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out);
+
+// Kernels over `rows` consecutive rows of one arena plane (row r's values at
+// values + r * value_bytes, its metadata at meta + r * meta_bytes), each row `n` channels
+// (n > 0 and even); x̂_r is row r as DequantizeRow decodes it. `meta` may be null for float
+// dtypes.
+struct KvRowKernels {
+  // scores[h * score_stride + r] = sum_i q[h * n + i] * x̂_r[i]     for h < num_q, r < rows
+  //   q: [num_q, n]
+  void (*dot)(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
+              int64_t num_q, float* scores, int64_t score_stride);
+  // out[h * n + i] += sum_r p[h * p_stride + r] * x̂_r[i]          for h < num_q, i < n
+  //   out: [num_q, n]
+  void (*axpy)(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,
+               int64_t num_q, int64_t p_stride, float* out);
+  // out[r * n + i] = x̂_r[i]; bit-identical to DequantizeRow row by row.
+  void (*dequantize)(const void* values, const void* meta, int64_t n, int64_t rows, float* out);
+  const char* name;  // "avx2" or "portable"
+};
+
+// The best kernels for `dtype` on this CPU.
+KvRowKernels KvRowKernelsFor(KvDType dtype);
+// The portable kernels (for tests comparing the two).
+KvRowKernels PortableKvRowKernelsFor(KvDType dtype);
+
+// The int4 group metadata word: fp16 scale with the zero point in its 4 low mantissa bits.
+inline uint16_t Int4MetaWord(uint16_t scale_f16, int zero) {
+  return static_cast<uint16_t>((scale_f16 & 0xfff0u) | (static_cast<unsigned>(zero) & 0xfu));
+}
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_KV_QUANT_H_

@@ -1,0 +1,297 @@
+// KV row codecs: round-trip error bounds per dtype, edge rows (zero, constant, extreme, tiny),
+// the bit layout of the formats, and the AVX2 row kernels against the portable ones.
+#include "kernels/cpu/kv_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+constexpr KvDType kAllDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
+                                  KvDType::kInt4};
+constexpr int64_t kHeadDims[] = {2, 6, 16, 34, 48, 80, 128, 256};
+
+struct Encoded {
+  std::vector<uint8_t> values, meta;
+};
+
+Encoded Encode(KvDType dtype, const std::vector<float>& x) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const KvRowLayout l = KvRowLayoutFor(dtype, n);
+  // Poisoned, so a byte the encoder forgets to write shows up.
+  Encoded e{std::vector<uint8_t>(l.value_bytes, 0xa5), std::vector<uint8_t>(l.meta_bytes, 0xa5)};
+  QuantizeRow(dtype, x.data(), n, e.values.data(), e.meta.data());
+  return e;
+}
+
+std::vector<float> Decode(KvDType dtype, const Encoded& e, int64_t n) {
+  std::vector<float> out(n);
+  DequantizeRow(dtype, e.values.data(), e.meta.data(), n, out.data());
+  return out;
+}
+
+uint16_t MetaWord(const Encoded& e, int64_t i) {
+  uint16_t w;
+  std::memcpy(&w, e.meta.data() + 2 * i, 2);
+  return w;
+}
+
+// Checks |x - x̂| against the per-element bound the format promises.
+void ExpectWithinBound(KvDType dtype, const std::vector<float>& x, const char* what) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  const Encoded e = Encode(dtype, x);
+  const std::vector<float> y = Decode(dtype, e, n);
+  for (int64_t i = 0; i < n; ++i) {
+    double bound = 0;
+    switch (dtype) {
+      case KvDType::kF32:
+        bound = 0;
+        break;
+      case KvDType::kF16:  // half an ulp at 11 bits, or half the subnormal step
+        bound = std::max(std::abs(x[i]) * std::ldexp(1.0, -11), std::ldexp(1.0, -25));
+        break;
+      case KvDType::kBF16:
+        bound = std::abs(x[i]) * std::ldexp(1.0, -8);
+        break;
+      case KvDType::kInt8:  // half a step of the stored (fp16-rounded) scale
+        bound = 0.5 * model::F16ToF32(MetaWord(e, 0));
+        break;
+      case KvDType::kInt4:
+        bound = 0.5 * model::F16ToF32(MetaWord(e, i / kInt4GroupSize) & 0xfff0);
+        break;
+    }
+    ASSERT_LE(std::abs(static_cast<double>(x[i]) - y[i]), bound * (1 + 1e-6))
+        << KvDTypeName(dtype) << " " << what << " n=" << n << " i=" << i << " x=" << x[i]
+        << " x̂=" << y[i];
+  }
+}
+
+TEST(KvQuantTest, RoundTripWithinFormatBounds) {
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> uniform(-3.f, 7.f);
+  for (KvDType dtype : kAllDTypes) {
+    for (int64_t n : kHeadDims) {
+      for (int trial = 0; trial < 20; ++trial) {
+        std::vector<float> x(n);
+        const float spread = std::ldexp(1.f, static_cast<int>(rng() % 24) - 12);
+        for (float& v : x) v = (trial % 2 ? normal(rng) : uniform(rng)) * spread;
+        ExpectWithinBound(dtype, x, "random");
+      }
+    }
+  }
+}
+
+TEST(KvQuantTest, EdgeRows) {
+  for (KvDType dtype : kAllDTypes) {
+    for (int64_t n : {int64_t{16}, int64_t{48}, int64_t{80}, int64_t{128}}) {
+      ExpectWithinBound(dtype, std::vector<float>(n, 0.f), "zeros");
+      ExpectWithinBound(dtype, std::vector<float>(n, 2.5f), "constant");
+      ExpectWithinBound(dtype, std::vector<float>(n, -0.37f), "negative constant");
+      ExpectWithinBound(dtype, std::vector<float>(n, 1e-7f), "tiny constant");
+      std::vector<float> x(n, 0.f);
+      x[n / 3] = 1000.f;  // one outlier
+      ExpectWithinBound(dtype, x, "outlier");
+      for (int64_t i = 0; i < n; ++i) x[i] = 5.f + 0.01f * i;  // far from zero, narrow
+      ExpectWithinBound(dtype, x, "offset");
+      for (int64_t i = 0; i < n; ++i) x[i] = (i % 2 ? 1.f : -1.f) * std::ldexp(1.f, i % 30 - 15);
+      ExpectWithinBound(dtype, x, "wide dynamic range");
+    }
+  }
+}
+
+TEST(KvQuantTest, ZeroRowsDecodeExactly) {
+  for (KvDType dtype : kAllDTypes) {
+    const std::vector<float> x(80, 0.f);
+    for (float y : Decode(dtype, Encode(dtype, x), 80)) EXPECT_EQ(y, 0.f) << KvDTypeName(dtype);
+  }
+}
+
+TEST(KvQuantTest, Int8Format) {
+  std::vector<float> x(16, 0.f);
+  x[0] = 127.f;
+  x[1] = -63.6f;
+  x[2] = 0.49f;
+  const Encoded e = Encode(KvDType::kInt8, x);
+  EXPECT_EQ(MetaWord(e, 0), model::F32ToF16(1.f));  // s = 127 / 127
+  EXPECT_EQ(static_cast<int8_t>(e.values[0]), 127);
+  EXPECT_EQ(static_cast<int8_t>(e.values[1]), -64);
+  EXPECT_EQ(static_cast<int8_t>(e.values[2]), 0);
+  // The scale saturates at the largest finite fp16 instead of becoming infinite.
+  x[0] = 1e30f;
+  const Encoded big = Encode(KvDType::kInt8, x);
+  EXPECT_EQ(MetaWord(big, 0), 0x7bff);
+  EXPECT_EQ(static_cast<int8_t>(big.values[0]), 127);
+  // Values whose scale underflows fp16 still get a nonzero scale.
+  std::vector<float> tiny(16, 1e-9f);
+  const Encoded t = Encode(KvDType::kInt8, tiny);
+  EXPECT_GT(MetaWord(t, 0), 0);
+}
+
+TEST(KvQuantTest, Int4Format) {
+  // Group 0: [-1, 2] -> s = 3 / 15 = 0.2 rounded up to 4 clear low bits, z = round(1 / s) = 5.
+  // Group 1 (16 channels, the short last group of a 48-channel row): all zero.
+  std::vector<float> x(48, 0.f);
+  for (int i = 0; i < 32; ++i) x[i] = -1.f + 3.f * i / 31.f;
+  const Encoded e = Encode(KvDType::kInt4, x);
+  ASSERT_EQ(e.values.size(), 24u);
+  ASSERT_EQ(e.meta.size(), 4u);
+  const uint16_t w0 = MetaWord(e, 0);
+  const float s = model::F16ToF32(w0 & 0xfff0);
+  EXPECT_GE(s, 0.2f);
+  EXPECT_LT(s, 0.2f * (1 + 1.f / 32));
+  EXPECT_EQ(w0 & 0xf, static_cast<int>(std::lrint(1.f / s)));
+  // Low nibble first: channel 0 is the minimum (q = 0), channel 31 the maximum (q = 15).
+  EXPECT_EQ(e.values[0] & 0xf, 0);
+  EXPECT_EQ(e.values[15] >> 4, static_cast<int>(std::lrint(2.f / s)) + (w0 & 0xf));
+  EXPECT_EQ(MetaWord(e, 1), 0);
+  for (int i = 16; i < 24; ++i) EXPECT_EQ(e.values[i], 0) << i;
+  // Scale words are rounded up and keep the zero point in bits they never use.
+  std::mt19937_64 rng(2);
+  std::uniform_real_distribution<float> u(-50.f, 50.f);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<float> y(32);
+    for (float& v : y) v = u(rng) * std::ldexp(1.f, trial % 20 - 10);
+    const float lo = std::min(0.f, *std::min_element(y.begin(), y.end()));
+    const float hi = std::max(0.f, *std::max_element(y.begin(), y.end()));
+    const uint16_t w = MetaWord(Encode(KvDType::kInt4, y), 0);
+    EXPECT_GE(model::F16ToF32(w & 0xfff0), (hi - lo) / 15.f) << trial;
+  }
+}
+
+TEST(KvQuantTest, NonFiniteInputsStayInRange) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (KvDType dtype : {KvDType::kInt8, KvDType::kInt4}) {
+    std::vector<float> x(32, 1.f);
+    x[3] = inf;
+    x[7] = nan;
+    x[9] = -inf;
+    const Encoded e = Encode(dtype, x);
+    for (float y : Decode(dtype, e, 32)) EXPECT_TRUE(std::isfinite(y)) << KvDTypeName(dtype);
+  }
+}
+
+// Rows of random data for every dtype, laid out as an arena plane of `rows` rows.
+struct Plane {
+  std::vector<uint8_t> values, meta;
+  std::vector<float> decoded;  // [rows, n], by DequantizeRow
+};
+
+Plane MakePlane(KvDType dtype, int64_t n, int64_t rows, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const KvRowLayout l = KvRowLayoutFor(dtype, n);
+  Plane p{std::vector<uint8_t>(rows * l.value_bytes), std::vector<uint8_t>(rows * l.meta_bytes),
+          std::vector<float>(rows * n)};
+  std::vector<float> x(n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float bias = r % 3 == 0 ? 2.f : 0.f;
+    for (float& v : x) v = normal(rng) + bias;
+    QuantizeRow(dtype, x.data(), n, p.values.data() + r * l.value_bytes,
+                p.meta.data() + r * l.meta_bytes);
+    DequantizeRow(dtype, p.values.data() + r * l.value_bytes, p.meta.data() + r * l.meta_bytes, n,
+                  p.decoded.data() + r * n);
+  }
+  return p;
+}
+
+void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows, int64_t num_q,
+                  uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const Plane p = MakePlane(dtype, n, rows, rng);
+  const void* meta = p.meta.empty() ? nullptr : p.meta.data();
+  SCOPED_TRACE(testing::Message() << k.name << " " << KvDTypeName(dtype) << " n=" << n
+                                  << " rows=" << rows << " num_q=" << num_q);
+
+  std::vector<float> dq(rows * n, -1.f);
+  k.dequantize(p.values.data(), meta, n, rows, dq.data());
+  ASSERT_EQ(std::memcmp(dq.data(), p.decoded.data(), sizeof(float) * dq.size()), 0);
+
+  std::vector<float> q(num_q * n);
+  for (float& v : q) v = normal(rng);
+  const int64_t stride = rows + 3;
+  std::vector<float> scores(num_q * stride, 0.f);
+  k.dot(p.values.data(), meta, n, rows, q.data(), num_q, scores.data(), stride);
+  for (int64_t h = 0; h < num_q; ++h) {
+    for (int64_t r = 0; r < rows; ++r) {
+      double want = 0, mag = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        want += static_cast<double>(q[h * n + i]) * p.decoded[r * n + i];
+        mag += std::abs(static_cast<double>(q[h * n + i]) * p.decoded[r * n + i]);
+      }
+      ASSERT_NEAR(scores[h * stride + r], want, 1e-5 * mag + 1e-6) << "h=" << h << " r=" << r;
+    }
+  }
+
+  std::vector<float> w(num_q * stride);
+  for (float& v : w) v = normal(rng);
+  std::vector<float> out(num_q * n), init(num_q * n);
+  for (float& v : init) v = normal(rng);
+  out = init;
+  k.axpy(p.values.data(), meta, n, rows, w.data(), num_q, stride, out.data());
+  for (int64_t h = 0; h < num_q; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      double want = init[h * n + i], mag = std::abs(want);
+      for (int64_t r = 0; r < rows; ++r) {
+        want += static_cast<double>(w[h * stride + r]) * p.decoded[r * n + i];
+        mag += std::abs(static_cast<double>(w[h * stride + r]) * p.decoded[r * n + i]);
+      }
+      ASSERT_NEAR(out[h * n + i], want, 1e-5 * mag + 1e-6) << "h=" << h << " i=" << i;
+    }
+  }
+}
+
+TEST(KvQuantTest, RowKernelsMatchDecodedRows) {
+  uint64_t seed = 10;
+  for (KvDType dtype : kAllDTypes) {
+    for (int64_t n : {int64_t{6}, int64_t{16}, int64_t{34}, int64_t{48}, int64_t{80},
+                      int64_t{128}}) {
+      for (int64_t rows : {int64_t{1}, int64_t{7}, int64_t{16}, int64_t{45}}) {
+        for (int64_t num_q : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{7}}) {
+          CheckKernels(PortableKvRowKernelsFor(dtype), dtype, n, rows, num_q, seed);
+          CheckKernels(KvRowKernelsFor(dtype), dtype, n, rows, num_q, seed);
+          ++seed;
+        }
+      }
+    }
+  }
+}
+
+TEST(KvQuantTest, BestKernelsAgreeWithPortable) {
+  // Same inputs through both: dequantize is bit-identical, dot/axpy differ in sum order only.
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (KvDType dtype : kAllDTypes) {
+    const int64_t n = 128, rows = 16, num_q = 4;
+    const Plane p = MakePlane(dtype, n, rows, rng);
+    const void* meta = p.meta.empty() ? nullptr : p.meta.data();
+    const KvRowKernels best = KvRowKernelsFor(dtype);
+    const KvRowKernels portable = PortableKvRowKernelsFor(dtype);
+    std::vector<float> a(rows * n), b(rows * n);
+    best.dequantize(p.values.data(), meta, n, rows, a.data());
+    portable.dequantize(p.values.data(), meta, n, rows, b.data());
+    EXPECT_EQ(a, b) << KvDTypeName(dtype);
+    std::vector<float> q(num_q * n);
+    for (float& v : q) v = normal(rng);
+    std::vector<float> sa(num_q * rows), sb(num_q * rows);
+    best.dot(p.values.data(), meta, n, rows, q.data(), num_q, sa.data(), rows);
+    portable.dot(p.values.data(), meta, n, rows, q.data(), num_q, sb.data(), rows);
+    for (size_t i = 0; i < sa.size(); ++i) EXPECT_NEAR(sa[i], sb[i], 1e-4) << KvDTypeName(dtype);
+    std::vector<float> oa(num_q * n, 0.f), ob(num_q * n, 0.f);
+    best.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, oa.data());
+    portable.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, ob.data());
+    for (size_t i = 0; i < oa.size(); ++i) EXPECT_NEAR(oa[i], ob[i], 1e-3) << KvDTypeName(dtype);
+  }
+}
+
+}  // namespace
+}  // namespace kvgrid::kernels::cpu
