@@ -36,8 +36,10 @@ absl::Status CopyKvBlocks(KvPool& from, KvPool& to, std::span<const BlockCopy> c
     for (int64_t layer = 0; layer < g.num_layers; ++layer) {
       CopyPlane(is_k ? from.k(layer) : from.v(layer), is_k ? to.k(layer) : to.v(layer),
                 rows_per_block * row.value_bytes, copies);
-      if (row.meta_bytes > 0) {
-        return absl::UnimplementedError("CopyKvBlocks: quantized KV planes are not wired yet");
+      if (row.meta_bytes > 0) {  // quantized rows: their scales and zero points travel too
+        CopyPlane(is_k ? from.k_meta(layer) : from.v_meta(layer),
+                  is_k ? to.k_meta(layer) : to.v_meta(layer), rows_per_block * row.meta_bytes,
+                  copies);
       }
     }
   }

@@ -290,6 +290,38 @@ TEST_P(EngineFixtureTest, PreemptionBySwapKeepsGreedyOutputsAndLeaksNothing) {
   EXPECT_EQ(st.num_swapped, 0);
 }
 
+TEST_P(EngineFixtureTest, SwapKeepsQuantizedCachesIntact) {
+  // int8 K / int4 V rows carry scales in separate planes; a swap must move them with the
+  // values, so a run with swaps equals an unconstrained one.
+  EngineOptions q;
+  q.k_dtype = kernels::KvDType::kInt8;
+  q.v_dtype = kernels::KvDType::kInt4;
+  std::map<std::string, std::vector<int32_t>> expected;
+  {
+    auto engine = MakeEngine(GetParam(), q);
+    ASSERT_NE(engine, nullptr);
+    for (GenerationRequest& r : MixedRequests()) {
+      r.sampling.temperature = 0;
+      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+    }
+    expected = Drain(*engine);
+  }
+  EngineOptions tight = q;
+  tight.block_size = 8;
+  auto probe = MakeEngine(GetParam(), q);
+  ASSERT_NE(probe, nullptr);
+  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
+  tight.swap_space = 64 * 8 * probe->Stats().bytes_per_token;
+  auto engine = MakeEngine(GetParam(), tight);
+  ASSERT_NE(engine, nullptr);
+  for (GenerationRequest& r : MixedRequests()) {
+    r.sampling.temperature = 0;
+    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  }
+  EXPECT_EQ(Drain(*engine), expected);
+  EXPECT_GT(engine->Stats().num_swap_outs, 0);
+}
+
 TEST_P(EngineFixtureTest, AccountingReflectsStoredTokens) {
   auto engine = MakeEngine(GetParam());
   ASSERT_NE(engine, nullptr);
