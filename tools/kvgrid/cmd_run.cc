@@ -31,6 +31,9 @@ constexpr char kHelp[] =
     "  --kv-cache-memory BYTES     KV pool size, e.g. 256MiB (default 256MiB)\n"
     "  --block-size 8|16|32        tokens per KV block (default 16)\n"
     "  --max-model-len N           context window (default: max_position_embeddings)\n"
+    "  --swap-space BYTES          host space for preempted sequences' blocks (default 0:\n"
+    "                              preempted sequences are recomputed)\n"
+    "  --enable-prefix-caching B   share cached prompt blocks (default true)\n"
     "  --json                      print one JSON object at the end instead of streaming\n";
 
 struct RunResult {

@@ -114,6 +114,10 @@ absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
   if (max_num_seqs) o.max_num_seqs = *max_num_seqs;
   KVGRID_ASSIGN_OR_RETURN(auto max_batched, args.GetInt("max-num-batched-tokens"));
   if (max_batched) o.max_num_batched_tokens = *max_batched;
+  if (auto m = args.GetString("swap-space")) {
+    KVGRID_ASSIGN_OR_RETURN(o.swap_space, ParseBytes(*m, "swap-space"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(o.enable_prefix_caching, args.GetBool("enable-prefix-caching", true));
   KVGRID_ASSIGN_OR_RETURN(auto max_model_len, args.GetInt("max-model-len"));
   if (max_model_len) o.max_model_len = *max_model_len;
   return o;

@@ -32,7 +32,8 @@ struct LoadedModel {
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir);
 
 // Reads --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
-// --max-num-seqs, --max-num-batched-tokens and --max-model-len. The KV dtypes stay at their
+// --max-num-seqs, --max-num-batched-tokens, --max-model-len, --swap-space (bytes) and
+// --enable-prefix-caching (true/false). The KV dtypes stay at their
 // defaults: they come from KvDTypesFromArgs, which may need the model's config.
 absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args);
 
