@@ -6,7 +6,6 @@
 // token is context only, and every later token is predicted from the tokens before it in the
 // window. perplexity = exp(mean negative log-likelihood over all predicted tokens). Windows are
 // fed in chunks of --chunk tokens, each chunk attending to the earlier ones in the cache.
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -18,8 +17,7 @@
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
-#include "worker/kv/block_manager.h"
-#include "worker/kv/kv_pool.h"
+#include "worker/executor/perplexity.h"
 
 namespace kvgrid::cli {
 namespace {
@@ -68,64 +66,25 @@ absl::Status Perplexity(Args& args) {
           " outside the model's vocabulary of ", model.config().vocab_size));
     }
   }
-  const int64_t ctx = model.config().max_position_embeddings;
-  const int64_t window = window_flag ? *window_flag : std::min<int64_t>(512, ctx);
-  const int64_t chunk = chunk_flag ? *chunk_flag : 128;
-  if (window < 2 || window > ctx) {
-    return absl::InvalidArgumentError(absl::StrCat("--window: must be in [2, ", ctx, "], got ",
-                                                   window));
-  }
-  if (chunk < 1) return absl::InvalidArgumentError("--chunk: must be >= 1");
   if (tokens.size() < 2) {
     return absl::InvalidArgumentError(
         absl::StrCat("--text-file: ", *text_file, " has fewer than 2 tokens"));
   }
-
-  const worker::KvGeometry geometry =
-      model.KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
-  const int64_t blocks = (window + options.block_size - 1) / options.block_size;
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::KvPool> pool,
-                          worker::KvPool::Create(geometry, blocks * geometry.BytesPerBlock()));
-  const int64_t vocab = model.config().vocab_size;
-
-  double nll = 0.0;
-  int64_t predicted = 0;
-  std::vector<float> logits;
-  worker::SequenceId seq = 0;
-  for (int64_t start = 0; start + 1 < static_cast<int64_t>(tokens.size()); start += window) {
-    const int64_t len = std::min<int64_t>(window, static_cast<int64_t>(tokens.size()) - start);
-    if (len < 2) break;
-    worker::BlockManager manager(pool->num_blocks(), static_cast<int32_t>(options.block_size));
-    ++seq;
-    KVGRID_RETURN_IF_ERROR(manager.Reserve(seq, len));
-    for (int64_t c0 = 0; c0 < len; c0 += chunk) {
-      const int64_t c1 = std::min(len, c0 + chunk);
-      worker::ForwardBatch b;
-      for (int64_t pos = c0; pos < c1; ++pos) {
-        b.token_ids.push_back(tokens[start + pos]);
-        b.positions.push_back(static_cast<int32_t>(pos));
-        b.slots.push_back(manager.Slot(seq, pos));
-        b.logit_rows.push_back(static_cast<int32_t>(pos - c0));
-      }
-      b.query_start = {0, static_cast<int32_t>(c1 - c0)};
-      b.seq_lens = {static_cast<int32_t>(c1)};
-      b.block_tables = manager.BlockTable(seq);
-      b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
-      KVGRID_RETURN_IF_ERROR(model.Forward(b, *pool, &logits));
-      for (int64_t pos = c0; pos < c1; ++pos) {
-        if (pos + 1 >= len) break;  // the window's last token predicts nothing inside it
-        const float* row = logits.data() + (pos - c0) * vocab;
-        double max = row[0];
-        for (int64_t v = 1; v < vocab; ++v) max = std::max(max, static_cast<double>(row[v]));
-        double sum = 0.0;
-        for (int64_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - max);
-        const int32_t target = tokens[start + pos + 1];
-        nll += (max + std::log(sum)) - row[target];
-        ++predicted;
-      }
-    }
+  worker::EvaluationOptions eval;
+  eval.window = window_flag ? *window_flag
+                            : std::min<int64_t>(512, model.config().max_position_embeddings);
+  eval.chunk = chunk_flag ? *chunk_flag : 128;
+  eval.block_size = options.block_size;
+  eval.k_dtype = options.k_dtype;
+  eval.v_dtype = options.v_dtype;
+  absl::StatusOr<worker::EvaluationResult> result = worker::EvaluateTokens(model, tokens, eval);
+  if (!result.ok()) {
+    // Name the flag a bad window or chunk came from.
+    return absl::Status(result.status().code(), absl::StrCat("--", result.status().message()));
   }
-  const double ppl = std::exp(nll / static_cast<double>(predicted));
+  const double ppl = result->perplexity;
+  const int64_t predicted = result->predicted;
+  const int64_t window = eval.window;
   if (json) {
     nlohmann::json j = {{"perplexity", ppl},
                         {"tokens", predicted},
