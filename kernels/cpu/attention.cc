@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/kv_quant.h"
+#include "kernels/cpu/vec.h"
 
 namespace kvgrid::kernels::cpu {
 
@@ -66,8 +67,21 @@ absl::Status PagedAttentionParams::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary
+// and each block would start with a DRAM round trip; ask for the block after next early.
+constexpr int64_t kPrefetchBlocks = 2;
+
+inline void Prefetch(const std::byte* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+}  // namespace
+
 absl::Status PagedAttention(const PagedAttentionParams& p) {
   if (absl::Status s = p.Validate(); !s.ok()) return s;
+  const VecOps& vec = Vec();
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t hd = p.head_dim;
   const int64_t bs = p.block_size;
@@ -89,7 +103,8 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const int64_t work = p.num_tokens * p.num_kv_heads;
 #pragma omp parallel if (work > 1)
   {
-    std::vector<float> scores;  // [group, ctx]
+    std::vector<float> scores;   // [group, ctx]
+    std::vector<float> inv_sum;  // [group]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < work; ++item) {
       const int64_t t = item / p.num_kv_heads;
@@ -103,30 +118,40 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
 
       // One block's rows of KV head g are consecutive in both planes.
       auto first_row = [&](int64_t j) { return (table[j / bs] * p.num_kv_heads + g) * bs; };
+      auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
+                          int64_t j) {
+        const int64_t ahead = j + kPrefetchBlocks * bs;
+        if (ahead >= ctx) return;
+        const int64_t row = first_row(ahead);
+        const int64_t rows = std::min(bs, ctx - ahead);
+        Prefetch(values + row * l.value_bytes, rows * l.value_bytes);
+        if (meta) Prefetch(meta + row * l.meta_bytes, rows * l.meta_bytes);
+      };
       const float* q = p.query + (t * p.num_heads + g * group) * hd;
       for (int64_t j = 0; j < ctx; j += bs) {
+        prefetch(k_values, k_meta, kl, j);
         const int64_t row = first_row(j);
         kk.dot(k_values + row * kl.value_bytes, k_meta ? k_meta + row * kl.meta_bytes : nullptr,
                hd, std::min(bs, ctx - j), q, group, scores.data() + j, ctx);
       }
+      // Unnormalized softmax weights; the output is divided by their sum at the end.
+      inv_sum.resize(group);
       for (int64_t h = 0; h < group; ++h) {
         float* w = scores.data() + h * ctx;
         float max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) max = std::max(max, w[j] *= p.scale);
-        float sum = 0.f;
-        for (int64_t j = 0; j < ctx; ++j) {
-          w[j] = std::exp(w[j] - max);
-          sum += w[j];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < ctx; ++j) w[j] *= inv;
+        for (int64_t j = 0; j < ctx; ++j) max = std::max(max, w[j]);
+        inv_sum[h] = 1.f / vec.exp_sum(w, ctx, p.scale, p.scale * max);
       }
       float* out = p.output + (t * p.num_heads + g * group) * hd;
       std::memset(out, 0, sizeof(float) * group * hd);
       for (int64_t j = 0; j < ctx; j += bs) {
+        prefetch(v_values, v_meta, vl, j);
         const int64_t row = first_row(j);
         vk.axpy(v_values + row * vl.value_bytes, v_meta ? v_meta + row * vl.meta_bytes : nullptr,
                 hd, std::min(bs, ctx - j), scores.data() + j, group, ctx, out);
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t i = 0; i < hd; ++i) out[h * hd + i] *= inv_sum[h];
       }
     }
   }

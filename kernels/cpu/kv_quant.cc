@@ -172,6 +172,24 @@ constexpr KvRowKernels kPortableKernels = {DotPortable<D>, AxpyPortable<D>, Dequ
 
 KVGRID_AVX2 inline float F16ToF32Avx2(uint16_t h) { return _cvtsh_ss(h); }
 
+// Int4 channels i..i+7 (i a multiple of 8) as floats in [0, 15]: zero point and scale not
+// applied.
+KVGRID_AVX2 inline __m256 Nibbles8(const uint8_t* v, int64_t i) {
+  int32_t packed;
+  std::memcpy(&packed, v + i / 2, sizeof(packed));
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(packed), shifts),
+                                     _mm256_set1_epi32(0xf));
+  return _mm256_cvtepi32_ps(q);
+}
+
+// The scale and zero point of the int4 group holding channel i, broadcast.
+KVGRID_AVX2 inline void Int4Group(const uint8_t* m, int64_t i, __m256* scale, __m256* zero) {
+  const uint16_t w = Load16(m + 2 * (i / kInt4GroupSize));
+  *scale = _mm256_set1_ps(F16ToF32Avx2(w & 0xfff0u));
+  *zero = _mm256_set1_ps(static_cast<float>(Int4Zero(w)));
+}
+
 template <KvDType D>
 KVGRID_AVX2 inline __m256 Load8(const uint8_t* v, const uint8_t* m, int64_t i) {
   if constexpr (D == KvDType::kF32) {
@@ -186,15 +204,9 @@ KVGRID_AVX2 inline __m256 Load8(const uint8_t* v, const uint8_t* m, int64_t i) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + i));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
   } else {
-    const uint16_t w = Load16(m + 2 * (i / kInt4GroupSize));
-    int32_t packed;
-    std::memcpy(&packed, v + i / 2, sizeof(packed));
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(packed), shifts),
-                                       _mm256_set1_epi32(0xf));
-    const __m256 centered = _mm256_sub_ps(_mm256_cvtepi32_ps(q),
-                                          _mm256_set1_ps(static_cast<float>(Int4Zero(w))));
-    return _mm256_mul_ps(centered, _mm256_set1_ps(F16ToF32Avx2(w & 0xfff0u)));
+    __m256 scale, zero;
+    Int4Group(m, i, &scale, &zero);
+    return _mm256_mul_ps(_mm256_sub_ps(Nibbles8(v, i), zero), scale);  // as DecodeRange
   }
 }
 
@@ -215,28 +227,56 @@ KVGRID_AVX2 inline float HSum(__m256 a) {
   return _mm_cvtss_f32(lo);
 }
 
-// res[h] = sum_{i < n8} q[h * q_stride + i] * Load8 values, for H query heads.
+// res[h * res_stride] = scale * sum_{i < n8} q[h * q_stride + i] * Load8 values, for H query
+// heads.
 template <KvDType D, int H>
 KVGRID_AVX2 inline void DotHeads(const uint8_t* v, const uint8_t* m, int64_t n8, const float* q,
-                                 int64_t q_stride, float* res) {
+                                 int64_t q_stride, float scale, float* res, int64_t res_stride) {
   __m256 a0[H], a1[H];
   for (int h = 0; h < H; ++h) a0[h] = a1[h] = _mm256_setzero_ps();
+  // int4: the current group's scale and zero point, read once per group of 32 channels (a
+  // 16-channel step never crosses a group boundary).
+  __m256 gs = _mm256_setzero_ps(), gz = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n8; i += 16) {
-    const __m256 x0 = Load8<D>(v, m, i);
-    const __m256 x1 = Load8<D>(v, m, i + 8);
+    __m256 x0, x1;
+    if constexpr (D == KvDType::kInt4) {
+      if (i % kInt4GroupSize == 0) Int4Group(m, i, &gs, &gz);
+      x0 = _mm256_mul_ps(_mm256_sub_ps(Nibbles8(v, i), gz), gs);
+      x1 = _mm256_mul_ps(_mm256_sub_ps(Nibbles8(v, i + 8), gz), gs);
+    } else {
+      x0 = Load8<D>(v, m, i);
+      x1 = Load8<D>(v, m, i + 8);
+    }
     for (int h = 0; h < H; ++h) {
       a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), x0, a0[h]);
       a1[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i + 8), x1, a1[h]);
     }
   }
   if (i < n8) {
-    const __m256 x0 = Load8<D>(v, m, i);
+    __m256 x0;
+    if constexpr (D == KvDType::kInt4) {
+      if (i % kInt4GroupSize == 0) Int4Group(m, i, &gs, &gz);
+      x0 = _mm256_mul_ps(_mm256_sub_ps(Nibbles8(v, i), gz), gs);
+    } else {
+      x0 = Load8<D>(v, m, i);
+    }
     for (int h = 0; h < H; ++h) {
       a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), x0, a0[h]);
     }
   }
-  for (int h = 0; h < H; ++h) res[h] = HSum(_mm256_add_ps(a0[h], a1[h]));
+  if constexpr (H == 4) {  // the four horizontal sums at once
+    const __m256 t01 = _mm256_hadd_ps(_mm256_add_ps(a0[0], a1[0]), _mm256_add_ps(a0[1], a1[1]));
+    const __m256 t23 = _mm256_hadd_ps(_mm256_add_ps(a0[2], a1[2]), _mm256_add_ps(a0[3], a1[3]));
+    const __m256 t = _mm256_hadd_ps(t01, t23);
+    const __m128 sums = _mm_mul_ps(
+        _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)), _mm_set1_ps(scale));
+    alignas(16) float out[4];
+    _mm_store_ps(out, sums);
+    for (int h = 0; h < 4; ++h) res[h * res_stride] = out[h];
+  } else {
+    for (int h = 0; h < H; ++h) res[h * res_stride] = HSum(_mm256_add_ps(a0[h], a1[h])) * scale;
+  }
 }
 
 template <KvDType D>
@@ -252,17 +292,17 @@ KVGRID_AVX2 void DotAvx2(const void* values, const void* meta, int64_t n, int64_
     if (n8 < n) DecodeRange<D>(v, m, n8, n - n8, tail);
     for (int64_t h0 = 0; h0 < num_q; h0 += 4) {
       const float* qh = q + h0 * n;
-      float res[4];
+      float* res = scores + h0 * score_stride + r;
       switch (std::min<int64_t>(4, num_q - h0)) {
-        case 1: DotHeads<D, 1>(v, m, n8, qh, n, res); break;
-        case 2: DotHeads<D, 2>(v, m, n8, qh, n, res); break;
-        case 3: DotHeads<D, 3>(v, m, n8, qh, n, res); break;
-        default: DotHeads<D, 4>(v, m, n8, qh, n, res); break;
+        case 1: DotHeads<D, 1>(v, m, n8, qh, n, s, res, score_stride); break;
+        case 2: DotHeads<D, 2>(v, m, n8, qh, n, s, res, score_stride); break;
+        case 3: DotHeads<D, 3>(v, m, n8, qh, n, s, res, score_stride); break;
+        default: DotHeads<D, 4>(v, m, n8, qh, n, s, res, score_stride); break;
       }
-      for (int64_t h = 0; h < std::min<int64_t>(4, num_q - h0); ++h) {
-        float acc = D == KvDType::kInt8 ? res[h] * s : res[h];
-        for (int64_t i = n8; i < n; ++i) acc += qh[h * n + i] * tail[i - n8];
-        scores[(h0 + h) * score_stride + r] = acc;
+      if (n8 < n) {
+        for (int64_t h = 0; h < std::min<int64_t>(4, num_q - h0); ++h) {
+          for (int64_t i = n8; i < n; ++i) res[h * score_stride] += qh[h * n + i] * tail[i - n8];
+        }
       }
     }
   }
@@ -298,13 +338,63 @@ KVGRID_AVX2 inline void AxpyHeads(const uint8_t* v, const uint8_t* m, const KvRo
   }
 }
 
+// The int4 form of AxpyHeads, group by group: with alpha = p * s per row,
+// out += sum_r alpha_r (q_r - z_r) = sum_r alpha_r q_r - sum_r alpha_r z_r, so the inner loop
+// converts nibbles only and the zero points cost one subtraction per 8 channels.
+// rows <= kAxpyTile.
+constexpr int64_t kAxpyTile = 32;
+
+template <int H>
+KVGRID_AVX2 inline void AxpyHeadsInt4(const uint8_t* v, const uint8_t* m, const KvRowLayout& l,
+                                      int64_t n8, int64_t rows, const float* p,
+                                      int64_t p_stride, float* out, int64_t n) {
+  float alpha[H * kAxpyTile];
+  float corr[H];
+  for (int64_t g0 = 0; g0 < n8; g0 += kInt4GroupSize) {
+    for (int h = 0; h < H; ++h) corr[h] = 0.f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t w = Load16(m + r * l.meta_bytes + 2 * (g0 / kInt4GroupSize));
+      const float s = F16ToF32Avx2(w & 0xfff0u);
+      const float z = static_cast<float>(Int4Zero(w));
+      for (int h = 0; h < H; ++h) {
+        alpha[h * kAxpyTile + r] = p[h * p_stride + r] * s;
+        corr[h] += alpha[h * kAxpyTile + r] * z;
+      }
+    }
+    const int64_t end = std::min(n8, g0 + kInt4GroupSize);
+    for (int64_t i = g0; i < end; i += 8) {
+      __m256 a0[H], a1[H];
+      for (int h = 0; h < H; ++h) {
+        a0[h] = _mm256_sub_ps(_mm256_loadu_ps(out + h * n + i), _mm256_set1_ps(corr[h]));
+        a1[h] = _mm256_setzero_ps();
+      }
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) {
+        const __m256 x0 = Nibbles8(v + r * l.value_bytes, i);
+        const __m256 x1 = Nibbles8(v + (r + 1) * l.value_bytes, i);
+        for (int h = 0; h < H; ++h) {
+          a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * kAxpyTile + r), x0, a0[h]);
+          a1[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * kAxpyTile + r + 1), x1, a1[h]);
+        }
+      }
+      if (r < rows) {
+        const __m256 x0 = Nibbles8(v + r * l.value_bytes, i);
+        for (int h = 0; h < H; ++h) {
+          a0[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(alpha + h * kAxpyTile + r), x0, a0[h]);
+        }
+      }
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + h * n + i, _mm256_add_ps(a0[h], a1[h]));
+    }
+  }
+}
+
 template <KvDType D>
 KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
                           const float* p, int64_t num_q, int64_t p_stride, float* out) {
   const KvRowLayout l = KvRowLayoutFor(D, n);
   const int64_t n8 = n & ~int64_t{7};
   // Rows in tiles, so each tile's weights (times int8's row scales) sit in a small array.
-  constexpr int64_t kTile = 32;
+  constexpr int64_t kTile = kAxpyTile;
   float alpha[4 * kTile];
   float tail[8];
   // A null `meta` (float dtypes) is never dereferenced; offset a dummy base instead of null.
@@ -315,6 +405,17 @@ KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64
     const uint8_t* m = meta_base + r0 * l.meta_bytes;
     for (int64_t h0 = 0; h0 < num_q; h0 += 4) {
       const int64_t hn = std::min<int64_t>(4, num_q - h0);
+      if constexpr (D == KvDType::kInt4) {
+        const float* ph = p + h0 * p_stride + r0;
+        float* oh = out + h0 * n;
+        switch (hn) {
+          case 1: AxpyHeadsInt4<1>(v, m, l, n8, tile, ph, p_stride, oh, n); break;
+          case 2: AxpyHeadsInt4<2>(v, m, l, n8, tile, ph, p_stride, oh, n); break;
+          case 3: AxpyHeadsInt4<3>(v, m, l, n8, tile, ph, p_stride, oh, n); break;
+          default: AxpyHeadsInt4<4>(v, m, l, n8, tile, ph, p_stride, oh, n); break;
+        }
+        continue;
+      }
       for (int64_t h = 0; h < hn; ++h) {
         for (int64_t r = 0; r < tile; ++r) {
           alpha[h * kTile + r] = p[(h0 + h) * p_stride + r0 + r] *

@@ -2,6 +2,9 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstring>
+
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -31,6 +34,12 @@ void F16ToF32Portable(const uint16_t* src, float* dst, int64_t n) {
 
 void F32ToF16Portable(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = model::F32ToF16(src[i]);
+}
+
+float ExpSumPortable(float* x, int64_t n, float scale, float shift) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] = std::exp(x[i] * scale - shift));
+  return sum;
 }
 
 #if defined(__x86_64__)
@@ -90,6 +99,53 @@ KVGRID_AVX2 void F32ToF16Avx2(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = model::F32ToF16(src[i]);
 }
 
+// exp(x) = 2^k * e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, e^r by a degree-6
+// polynomial (minimax coefficients, relative error about 1e-7).
+KVGRID_AVX2 inline __m256 ExpAvx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln 2, split in two
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256 vshift = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = ExpAvx2(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vs, vshift));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (i < n) {  // the tail through the same polynomial, so every element is computed alike
+    alignas(32) float tail[8] = {};
+    std::memcpy(tail, x + i, sizeof(float) * (n - i));
+    const __m256 e = ExpAvx2(_mm256_fmsub_ps(_mm256_load_ps(tail), vs, vshift));
+    _mm256_store_ps(tail, e);
+    for (int64_t j = 0; j < n - i; ++j) x[i + j] = tail[j];
+    const __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32(static_cast<int>(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    acc = _mm256_add_ps(acc, _mm256_and_ps(e, mask));
+  }
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
 bool HasAvx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -97,8 +153,8 @@ bool HasAvx2() {
 }
 #endif
 
-constexpr VecOps kPortable = {DotPortable, AxpyPortable, F16ToF32Portable, F32ToF16Portable,
-                              "portable"};
+constexpr VecOps kPortable = {DotPortable,      AxpyPortable,   F16ToF32Portable,
+                              F32ToF16Portable, ExpSumPortable, "portable"};
 
 }  // namespace
 
@@ -107,7 +163,7 @@ const VecOps& PortableVec() { return kPortable; }
 const VecOps& Vec() {
 #if defined(__x86_64__)
   static const VecOps ops = HasAvx2() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
-                                               "avx2"}
+                                               ExpSumAvx2, "avx2"}
                                       : kPortable;
   return ops;
 #else

@@ -16,6 +16,10 @@ struct VecOps {
   void (*f16_to_f32)(const uint16_t* src, float* dst, int64_t n);
   // dst[i] = half(src[i]), round to nearest even
   void (*f32_to_f16)(const float* src, uint16_t* dst, int64_t n);
+  // x[i] = exp(x[i] * scale - shift); returns the sum of the new x[i]. For softmax, so that
+  // arguments are <= 0 (shift = scale * max): the AVX2 version is within 2 ulp of expf for
+  // arguments down to -87 and flushes smaller ones to about 1e-38.
+  float (*exp_sum)(float* x, int64_t n, float scale, float shift);
   const char* name;  // "avx2" or "portable"
 };
 

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/kv_quant.h"
 #include "kernels/cpu/kv_write.h"
+#include "kernels/cpu/vec.h"
 
 namespace kvgrid::kernels::cpu {
 namespace {
@@ -217,6 +218,29 @@ TEST(PagedAttentionTest, RandomShapes) {
     RunCase({heads, kv_heads, head_dim, block_size, ctx, ql, kDTypes[rng() % 5],
              kDTypes[rng() % 5]},
             100 + trial);
+  }
+}
+
+// The softmax exponentials, fast and portable, against std::exp over the range softmax uses.
+TEST(PagedAttentionTest, ExpSumMatchesStdExp) {
+  for (const VecOps* vec : {&Vec(), &PortableVec()}) {
+    for (int64_t n : {1, 7, 8, 29, 1000}) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) x[i] = -100.f * static_cast<float>(i) / n + 3.f;
+      std::vector<float> y = x;
+      const float shift = 1.5f * 3.f;
+      const float sum = vec->exp_sum(y.data(), n, 1.5f, shift);
+      double want_sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double arg = static_cast<double>(x[i]) * 1.5 - shift;
+        const double want = std::exp(arg);
+        want_sum += want;
+        // A few ulp, plus the rounding of the argument to float (relative |arg| * 2^-23).
+        EXPECT_NEAR(y[i], want, want * (3e-7 + 1.2e-7 * std::abs(arg)) + 1e-37)
+            << vec->name << " x=" << x[i];
+      }
+      EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum) << vec->name << " n=" << n;
+    }
   }
 }
 

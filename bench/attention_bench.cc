@@ -1,0 +1,304 @@
+// attention_bench: decode attention (one query token per sequence) over the paged KV cache, per
+// KV dtype, in the shape of Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128,
+// 16-token blocks), at several context lengths.
+//
+// Each measurement decodes a batch of sequences whose caches together hold --total-tokens
+// tokens (scattered blocks), so the cache is read from memory rather than from the last-level
+// cache. A "call" is one sequence's attention for one new token in one layer; GB/s counts the
+// K and V bytes (values and metadata) those calls read.
+//
+//   build/bin/attention_bench [--json] [--contexts 1024,4096,8192] [--total-tokens 32768]
+//                             [--min-seconds 0.3] [--dtypes fp16,int8,int8/int4]
+// (--dtypes: K dtype, or K/V; default fp32, fp16, bf16, int8, int4 and int8/int4)
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/kv_write.h"
+#include "kernels/kv_dtype.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+using kvgrid::kernels::KvDType;
+using kvgrid::kernels::KvRowLayout;
+using kvgrid::kernels::KvRowLayoutFor;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kHeads = 32;
+constexpr int64_t kKvHeads = 8;
+constexpr int64_t kHeadDim = 128;
+constexpr int64_t kBlockSize = 16;
+
+// An arena plane allocated as KvPool allocates it: an anonymous mapping, zero-filled.
+class Plane {
+ public:
+  Plane(int64_t bytes, bool huge) : bytes_(static_cast<size_t>(bytes)) {
+    if (bytes_ == 0) return;
+    data_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data_ == MAP_FAILED) {
+      std::fprintf(stderr, "mmap of %zu bytes failed\n", bytes_);
+      std::exit(1);
+    }
+    if (huge) madvise(data_, bytes_, MADV_HUGEPAGE);
+  }
+  ~Plane() {
+    if (data_) munmap(data_, bytes_);
+  }
+  Plane(const Plane&) = delete;
+  Plane& operator=(const Plane&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  size_t bytes_;
+  void* data_ = nullptr;
+};
+
+bool g_huge_pages = true;
+
+struct Result {
+  std::string k_dtype, v_dtype;
+  int64_t context = 0;
+  int64_t seqs = 0;
+  double seconds_per_call = 0;
+  double calls_per_s = 0;
+  double gb_per_s = 0;
+};
+
+Result Measure(KvDType k_dtype, KvDType v_dtype, int64_t context, int64_t total_tokens,
+               double min_seconds) {
+  const int64_t seqs = std::max<int64_t>(1, total_tokens / context);
+  const int64_t blocks_per_seq = (context + kBlockSize - 1) / kBlockSize;
+  const int64_t num_blocks = seqs * blocks_per_seq;
+  const KvRowLayout kl = KvRowLayoutFor(k_dtype, kHeadDim);
+  const KvRowLayout vl = KvRowLayoutFor(v_dtype, kHeadDim);
+  const int64_t rows = num_blocks * kKvHeads * kBlockSize;
+  const Plane k(rows * kl.value_bytes, g_huge_pages), v(rows * vl.value_bytes, g_huge_pages);
+  const Plane k_meta(rows * kl.meta_bytes, g_huge_pages), v_meta(rows * vl.meta_bytes, g_huge_pages);
+  void* k_meta_ptr = k_meta.data();
+  void* v_meta_ptr = v_meta.data();
+
+  std::mt19937_64 rng(1);
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(ids);  // [seqs, blocks_per_seq]
+
+  // Fill every slot with random rows, one sequence at a time.
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> kv(context * kKvHeads * kHeadDim);
+  std::vector<int64_t> slots(context);
+  for (int64_t s = 0; s < seqs; ++s) {
+    for (float& x : kv) x = normal(rng);
+    for (int64_t p = 0; p < context; ++p) {
+      slots[p] = static_cast<int64_t>(tables[s * blocks_per_seq + p / kBlockSize]) * kBlockSize +
+                 p % kBlockSize;
+    }
+    absl::Status st = kvgrid::kernels::cpu::KvWrite({.key = kv.data(),
+                                                     .value = kv.data(),
+                                                     .slots = slots.data(),
+                                                     .k_cache = k.data(),
+                                                     .v_cache = v.data(),
+                                                     .k_meta = k_meta_ptr,
+                                                     .v_meta = v_meta_ptr,
+                                                     .k_dtype = k_dtype,
+                                                     .v_dtype = v_dtype,
+                                                     .num_tokens = context,
+                                                     .num_blocks = num_blocks,
+                                                     .num_kv_heads = kKvHeads,
+                                                     .block_size = kBlockSize,
+                                                     .head_dim = kHeadDim});
+    if (!st.ok()) {
+      std::fprintf(stderr, "KvWrite: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
+  }
+
+  std::vector<float> query(seqs * kHeads * kHeadDim), out(query.size());
+  for (float& x : query) x = normal(rng);
+  std::vector<int32_t> seq_lens(seqs, static_cast<int32_t>(context));
+  std::vector<int32_t> query_start(seqs + 1);
+  std::iota(query_start.begin(), query_start.end(), 0);
+  const kvgrid::kernels::cpu::PagedAttentionParams params{
+      .query = query.data(),
+      .output = out.data(),
+      .k_cache = k.data(),
+      .v_cache = v.data(),
+      .k_meta = k_meta_ptr,
+      .v_meta = v_meta_ptr,
+      .k_dtype = k_dtype,
+      .v_dtype = v_dtype,
+      .block_tables = tables.data(),
+      .seq_lens = seq_lens.data(),
+      .query_start = query_start.data(),
+      .num_seqs = seqs,
+      .num_tokens = seqs,
+      .max_blocks_per_seq = blocks_per_seq,
+      .num_blocks = num_blocks,
+      .num_heads = kHeads,
+      .num_kv_heads = kKvHeads,
+      .block_size = kBlockSize,
+      .head_dim = kHeadDim,
+      .scale = 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+
+  auto run = [&] {
+    absl::Status st = kvgrid::kernels::cpu::PagedAttention(params);
+    if (!st.ok()) {
+      std::fprintf(stderr, "PagedAttention: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
+  };
+  run();  // warm-up: page in, spin up threads
+  int64_t iters = 0;
+  const auto t0 = Clock::now();
+  double elapsed = 0;
+  while (iters < 3 || elapsed < min_seconds) {
+    run();
+    ++iters;
+    elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+  const double calls = static_cast<double>(iters * seqs);
+  const double bytes_per_call =
+      static_cast<double>(context * kKvHeads * (kl.total() + vl.total()));
+  Result r;
+  r.k_dtype = std::string(kvgrid::kernels::KvDTypeName(k_dtype));
+  r.v_dtype = std::string(kvgrid::kernels::KvDTypeName(v_dtype));
+  r.context = context;
+  r.seqs = seqs;
+  r.seconds_per_call = elapsed / calls;
+  r.calls_per_s = calls / elapsed;
+  r.gb_per_s = bytes_per_call * calls / elapsed / 1e9;
+  return r;
+}
+
+std::string LoadAverage() {
+  std::ifstream in("/proc/loadavg");
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return a + " " + b + " " + c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool json = false;
+  std::vector<int64_t> contexts = {1024, 4096, 8192};
+  int64_t total_tokens = 32768;
+  double min_seconds = 0.3;
+  std::vector<std::pair<KvDType, KvDType>> combos = {
+      {KvDType::kF32, KvDType::kF32},   {KvDType::kF16, KvDType::kF16},
+      {KvDType::kBF16, KvDType::kBF16}, {KvDType::kInt8, KvDType::kInt8},
+      {KvDType::kInt4, KvDType::kInt4}, {KvDType::kInt8, KvDType::kInt4}};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--json") {
+      json = true;
+    } else if (a == "--contexts") {
+      contexts.clear();
+      std::stringstream ss(next());
+      for (std::string item; std::getline(ss, item, ',');) contexts.push_back(std::stoll(item));
+    } else if (a == "--total-tokens") {
+      total_tokens = std::stoll(next());
+    } else if (a == "--min-seconds") {
+      min_seconds = std::stod(next());
+    } else if (a == "--no-huge-pages") {
+      g_huge_pages = false;
+    } else if (a == "--dtypes") {
+      combos.clear();
+      std::stringstream ss(next());
+      for (std::string item; std::getline(ss, item, ',');) {
+        const size_t slash = item.find('/');
+        auto k = kvgrid::kernels::ParseKvDType(item.substr(0, slash));
+        auto v = kvgrid::kernels::ParseKvDType(
+            slash == std::string::npos ? item : item.substr(slash + 1));
+        if (!k.ok() || !v.ok()) {
+          std::fprintf(stderr, "--dtypes: bad entry '%s'\n", item.c_str());
+          return 2;
+        }
+        combos.emplace_back(*k, *v);
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: attention_bench [--json] [--contexts 1024,4096,8192] "
+                   "[--total-tokens N] [--min-seconds S] [--dtypes K[/V],...]\n");
+      return 2;
+    }
+  }
+
+  const std::string load_before = LoadAverage();
+  std::vector<Result> results;
+  for (int64_t context : contexts) {
+    for (auto [kd, vd] : combos) {
+      results.push_back(Measure(kd, vd, context, total_tokens, min_seconds));
+      const Result& r = results.back();
+      if (!json) {
+        std::printf("K %-4s V %-4s ctx %6lld  seqs %3lld  %9.1f calls/s  %8.3f ms/call  %6.2f GB/s\n",
+                    r.k_dtype.c_str(), r.v_dtype.c_str(), static_cast<long long>(r.context),
+                    static_cast<long long>(r.seqs), r.calls_per_s, r.seconds_per_call * 1e3,
+                    r.gb_per_s);
+        std::fflush(stdout);
+      }
+    }
+  }
+
+  // Speed of each dtype relative to fp16 at the same context, measured in this run.
+  nlohmann::json rows = nlohmann::json::array();
+  for (const Result& r : results) {
+    double fp16 = 0;
+    for (const Result& o : results) {
+      if (o.context == r.context && o.k_dtype == "fp16" && o.v_dtype == "fp16") {
+        fp16 = o.calls_per_s;
+      }
+    }
+    rows.push_back({{"k_dtype", r.k_dtype},
+                    {"v_dtype", r.v_dtype},
+                    {"context", r.context},
+                    {"seqs", r.seqs},
+                    {"calls_per_s", r.calls_per_s},
+                    {"ms_per_call", r.seconds_per_call * 1e3},
+                    {"gb_per_s", r.gb_per_s},
+                    {"speed_vs_fp16", fp16 > 0 ? r.calls_per_s / fp16 : 0.0}});
+    if (!json && !(r.k_dtype == "fp16" && r.v_dtype == "fp16") && fp16 > 0) {
+      std::printf("ctx %6lld  K %-4s V %-4s  %.2fx fp16\n", static_cast<long long>(r.context),
+                  r.k_dtype.c_str(), r.v_dtype.c_str(), r.calls_per_s / fp16);
+    }
+  }
+  if (json) {
+    nlohmann::json j = {{"bench", "attention"},
+                        {"shape",
+                         {{"num_heads", kHeads},
+                          {"num_kv_heads", kKvHeads},
+                          {"head_dim", kHeadDim},
+                          {"block_size", kBlockSize}}},
+                        {"total_tokens", total_tokens},
+                        {"threads", omp_get_max_threads()},
+                        {"loadavg_before", load_before},
+                        {"loadavg_after", LoadAverage()},
+                        {"results", rows}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("threads %d, load average before %s, after %s\n", omp_get_max_threads(),
+                load_before.c_str(), LoadAverage().c_str());
+  }
+  return 0;
+}
