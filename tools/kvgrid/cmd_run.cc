@@ -176,6 +176,18 @@ absl::Status Run(Args& args) {
                  result.prompt_ids.size(), result.token_ids.size(), result.finish_reason.c_str(),
                  total_s,
                  result.token_ids.size() > 1 ? (result.token_ids.size() - 1) / decode_s : 0.0);
+    const worker::EngineStats st = engine->Stats();
+    std::fprintf(stderr,
+                 "[KV cache %s/%s: %d blocks of %lld tokens, %lld bytes/token, holds %lld tokens; "
+                 "prefix hits %lld of %lld tokens, %lld preemptions]\n",
+                 std::string(kernels::KvDTypeName(options.k_dtype)).c_str(),
+                 std::string(kernels::KvDTypeName(options.v_dtype)).c_str(), st.blocks_total,
+                 static_cast<long long>(options.block_size),
+                 static_cast<long long>(st.bytes_per_token),
+                 static_cast<long long>(st.tokens_capacity),
+                 static_cast<long long>(st.prefix_hit_tokens),
+                 static_cast<long long>(st.prefix_query_tokens),
+                 static_cast<long long>(st.num_preemptions));
   }
   return absl::OkStatus();
 }
