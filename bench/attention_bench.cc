@@ -4,11 +4,14 @@
 //
 // Each measurement decodes a batch of sequences whose caches together hold --total-tokens
 // tokens (scattered blocks), so the cache is read from memory rather than from the last-level
-// cache. A "call" is one sequence's attention for one new token in one layer; GB/s counts the
-// K and V bytes (values and metadata) those calls read.
+// cache. The dtypes of one context length are timed in turn, --repeats rounds, and each keeps
+// its best round (the machine may be shared). A "call" is one sequence's attention for one new
+// token in one layer; GB/s counts the K and V bytes (values and metadata) those calls read.
 //
 //   build/bin/attention_bench [--json] [--contexts 1024,4096,8192] [--total-tokens 32768]
-//                             [--min-seconds 0.3] [--dtypes fp16,int8,int8/int4]
+//                             [--min-seconds 0.3] [--repeats 3] [--dtypes fp16,int8,int8/int4]
+//                             [--huge-pages]
+// (--huge-pages: madvise the arena planes MADV_HUGEPAGE, which KvPool does not do)
 // (--dtypes: K dtype, or K/V; default fp32, fp16, bf16, int8, int4 and int8/int4)
 #include <omp.h>
 #include <sys/mman.h>
@@ -20,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -43,7 +47,8 @@ constexpr int64_t kKvHeads = 8;
 constexpr int64_t kHeadDim = 128;
 constexpr int64_t kBlockSize = 16;
 
-// An arena plane allocated as KvPool allocates it: an anonymous mapping, zero-filled.
+// An arena plane allocated as KvPool allocates it: an anonymous mapping, zero-filled (and,
+// with --huge-pages, backed by transparent huge pages where the kernel allows).
 class Plane {
  public:
   Plane(int64_t bytes, bool huge) : bytes_(static_cast<size_t>(bytes)) {
@@ -67,7 +72,7 @@ class Plane {
   void* data_ = nullptr;
 };
 
-bool g_huge_pages = true;
+bool g_huge_pages = false;  // KvPool does not ask for them either
 
 struct Result {
   std::string k_dtype, v_dtype;
@@ -78,111 +83,130 @@ struct Result {
   double gb_per_s = 0;
 };
 
-Result Measure(KvDType k_dtype, KvDType v_dtype, int64_t context, int64_t total_tokens,
-               double min_seconds) {
-  const int64_t seqs = std::max<int64_t>(1, total_tokens / context);
-  const int64_t blocks_per_seq = (context + kBlockSize - 1) / kBlockSize;
-  const int64_t num_blocks = seqs * blocks_per_seq;
-  const KvRowLayout kl = KvRowLayoutFor(k_dtype, kHeadDim);
-  const KvRowLayout vl = KvRowLayoutFor(v_dtype, kHeadDim);
-  const int64_t rows = num_blocks * kKvHeads * kBlockSize;
-  const Plane k(rows * kl.value_bytes, g_huge_pages), v(rows * vl.value_bytes, g_huge_pages);
-  const Plane k_meta(rows * kl.meta_bytes, g_huge_pages), v_meta(rows * vl.meta_bytes, g_huge_pages);
-  void* k_meta_ptr = k_meta.data();
-  void* v_meta_ptr = v_meta.data();
+// One dtype at one context length: the arena filled with random rows and the batch's params.
+class Case {
+ public:
+  Case(KvDType k_dtype, KvDType v_dtype, int64_t context, int64_t total_tokens)
+      : k_dtype_(k_dtype),
+        v_dtype_(v_dtype),
+        context_(context),
+        seqs_(std::max<int64_t>(1, total_tokens / context)),
+        kl_(KvRowLayoutFor(k_dtype, kHeadDim)),
+        vl_(KvRowLayoutFor(v_dtype, kHeadDim)) {
+    const int64_t blocks_per_seq = (context + kBlockSize - 1) / kBlockSize;
+    const int64_t num_blocks = seqs_ * blocks_per_seq;
+    const int64_t rows = num_blocks * kKvHeads * kBlockSize;
+    k_ = std::make_unique<Plane>(rows * kl_.value_bytes, g_huge_pages);
+    v_ = std::make_unique<Plane>(rows * vl_.value_bytes, g_huge_pages);
+    k_meta_ = std::make_unique<Plane>(rows * kl_.meta_bytes, g_huge_pages);
+    v_meta_ = std::make_unique<Plane>(rows * vl_.meta_bytes, g_huge_pages);
 
-  std::mt19937_64 rng(1);
-  std::vector<int32_t> ids(num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  std::vector<int32_t> tables(ids);  // [seqs, blocks_per_seq]
+    std::mt19937_64 rng(1);
+    tables_.resize(num_blocks);  // [seqs, blocks_per_seq]: a random permutation of the arena
+    std::iota(tables_.begin(), tables_.end(), 0);
+    std::shuffle(tables_.begin(), tables_.end(), rng);
 
-  // Fill every slot with random rows, one sequence at a time.
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> kv(context * kKvHeads * kHeadDim);
-  std::vector<int64_t> slots(context);
-  for (int64_t s = 0; s < seqs; ++s) {
-    for (float& x : kv) x = normal(rng);
-    for (int64_t p = 0; p < context; ++p) {
-      slots[p] = static_cast<int64_t>(tables[s * blocks_per_seq + p / kBlockSize]) * kBlockSize +
-                 p % kBlockSize;
+    // Fill every slot with random rows, one sequence at a time.
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<float> kv(context * kKvHeads * kHeadDim);
+    std::vector<int64_t> slots(context);
+    for (int64_t s = 0; s < seqs_; ++s) {
+      for (float& x : kv) x = normal(rng);
+      for (int64_t p = 0; p < context; ++p) {
+        slots[p] =
+            static_cast<int64_t>(tables_[s * blocks_per_seq + p / kBlockSize]) * kBlockSize +
+            p % kBlockSize;
+      }
+      Check(kvgrid::kernels::cpu::KvWrite({.key = kv.data(),
+                                           .value = kv.data(),
+                                           .slots = slots.data(),
+                                           .k_cache = k_->data(),
+                                           .v_cache = v_->data(),
+                                           .k_meta = k_meta_->data(),
+                                           .v_meta = v_meta_->data(),
+                                           .k_dtype = k_dtype,
+                                           .v_dtype = v_dtype,
+                                           .num_tokens = context,
+                                           .num_blocks = num_blocks,
+                                           .num_kv_heads = kKvHeads,
+                                           .block_size = kBlockSize,
+                                           .head_dim = kHeadDim}),
+            "KvWrite");
     }
-    absl::Status st = kvgrid::kernels::cpu::KvWrite({.key = kv.data(),
-                                                     .value = kv.data(),
-                                                     .slots = slots.data(),
-                                                     .k_cache = k.data(),
-                                                     .v_cache = v.data(),
-                                                     .k_meta = k_meta_ptr,
-                                                     .v_meta = v_meta_ptr,
-                                                     .k_dtype = k_dtype,
-                                                     .v_dtype = v_dtype,
-                                                     .num_tokens = context,
-                                                     .num_blocks = num_blocks,
-                                                     .num_kv_heads = kKvHeads,
-                                                     .block_size = kBlockSize,
-                                                     .head_dim = kHeadDim});
+
+    query_.resize(seqs_ * kHeads * kHeadDim);
+    out_.resize(query_.size());
+    for (float& x : query_) x = normal(rng);
+    seq_lens_.assign(seqs_, static_cast<int32_t>(context));
+    query_start_.resize(seqs_ + 1);
+    std::iota(query_start_.begin(), query_start_.end(), 0);
+    params_ = {.query = query_.data(),
+               .output = out_.data(),
+               .k_cache = k_->data(),
+               .v_cache = v_->data(),
+               .k_meta = k_meta_->data(),
+               .v_meta = v_meta_->data(),
+               .k_dtype = k_dtype,
+               .v_dtype = v_dtype,
+               .block_tables = tables_.data(),
+               .seq_lens = seq_lens_.data(),
+               .query_start = query_start_.data(),
+               .num_seqs = seqs_,
+               .num_tokens = seqs_,
+               .max_blocks_per_seq = blocks_per_seq,
+               .num_blocks = num_blocks,
+               .num_heads = kHeads,
+               .num_kv_heads = kKvHeads,
+               .block_size = kBlockSize,
+               .head_dim = kHeadDim,
+               .scale = 1.f / std::sqrt(static_cast<float>(kHeadDim))};
+    Check(kvgrid::kernels::cpu::PagedAttention(params_), "PagedAttention");  // warm-up
+  }
+
+  // Runs the batch for at least `min_seconds` (and 3 times); keeps the best rate seen.
+  void Time(double min_seconds) {
+    int64_t iters = 0;
+    const auto t0 = Clock::now();
+    double elapsed = 0;
+    while (iters < 3 || elapsed < min_seconds) {
+      Check(kvgrid::kernels::cpu::PagedAttention(params_), "PagedAttention");
+      ++iters;
+      elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    best_calls_per_s_ = std::max(best_calls_per_s_, static_cast<double>(iters * seqs_) / elapsed);
+  }
+
+  Result result() const {
+    const double bytes_per_call =
+        static_cast<double>(context_ * kKvHeads * (kl_.total() + vl_.total()));
+    Result r;
+    r.k_dtype = std::string(kvgrid::kernels::KvDTypeName(k_dtype_));
+    r.v_dtype = std::string(kvgrid::kernels::KvDTypeName(v_dtype_));
+    r.context = context_;
+    r.seqs = seqs_;
+    r.seconds_per_call = 1.0 / best_calls_per_s_;
+    r.calls_per_s = best_calls_per_s_;
+    r.gb_per_s = bytes_per_call * best_calls_per_s_ / 1e9;
+    return r;
+  }
+
+ private:
+  static void Check(const absl::Status& st, const char* what) {
     if (!st.ok()) {
-      std::fprintf(stderr, "KvWrite: %s\n", std::string(st.message()).c_str());
+      std::fprintf(stderr, "%s: %s\n", what, std::string(st.message()).c_str());
       std::exit(1);
     }
   }
 
-  std::vector<float> query(seqs * kHeads * kHeadDim), out(query.size());
-  for (float& x : query) x = normal(rng);
-  std::vector<int32_t> seq_lens(seqs, static_cast<int32_t>(context));
-  std::vector<int32_t> query_start(seqs + 1);
-  std::iota(query_start.begin(), query_start.end(), 0);
-  const kvgrid::kernels::cpu::PagedAttentionParams params{
-      .query = query.data(),
-      .output = out.data(),
-      .k_cache = k.data(),
-      .v_cache = v.data(),
-      .k_meta = k_meta_ptr,
-      .v_meta = v_meta_ptr,
-      .k_dtype = k_dtype,
-      .v_dtype = v_dtype,
-      .block_tables = tables.data(),
-      .seq_lens = seq_lens.data(),
-      .query_start = query_start.data(),
-      .num_seqs = seqs,
-      .num_tokens = seqs,
-      .max_blocks_per_seq = blocks_per_seq,
-      .num_blocks = num_blocks,
-      .num_heads = kHeads,
-      .num_kv_heads = kKvHeads,
-      .block_size = kBlockSize,
-      .head_dim = kHeadDim,
-      .scale = 1.f / std::sqrt(static_cast<float>(kHeadDim))};
-
-  auto run = [&] {
-    absl::Status st = kvgrid::kernels::cpu::PagedAttention(params);
-    if (!st.ok()) {
-      std::fprintf(stderr, "PagedAttention: %s\n", std::string(st.message()).c_str());
-      std::exit(1);
-    }
-  };
-  run();  // warm-up: page in, spin up threads
-  int64_t iters = 0;
-  const auto t0 = Clock::now();
-  double elapsed = 0;
-  while (iters < 3 || elapsed < min_seconds) {
-    run();
-    ++iters;
-    elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
-  }
-  const double calls = static_cast<double>(iters * seqs);
-  const double bytes_per_call =
-      static_cast<double>(context * kKvHeads * (kl.total() + vl.total()));
-  Result r;
-  r.k_dtype = std::string(kvgrid::kernels::KvDTypeName(k_dtype));
-  r.v_dtype = std::string(kvgrid::kernels::KvDTypeName(v_dtype));
-  r.context = context;
-  r.seqs = seqs;
-  r.seconds_per_call = elapsed / calls;
-  r.calls_per_s = calls / elapsed;
-  r.gb_per_s = bytes_per_call * calls / elapsed / 1e9;
-  return r;
-}
+  KvDType k_dtype_, v_dtype_;
+  int64_t context_, seqs_;
+  KvRowLayout kl_, vl_;
+  std::unique_ptr<Plane> k_, v_, k_meta_, v_meta_;
+  std::vector<int32_t> tables_, seq_lens_, query_start_;
+  std::vector<float> query_, out_;
+  kvgrid::kernels::cpu::PagedAttentionParams params_;
+  double best_calls_per_s_ = 0;
+};
 
 std::string LoadAverage() {
   std::ifstream in("/proc/loadavg");
@@ -198,6 +222,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts = {1024, 4096, 8192};
   int64_t total_tokens = 32768;
   double min_seconds = 0.3;
+  int repeats = 3;
   std::vector<std::pair<KvDType, KvDType>> combos = {
       {KvDType::kF32, KvDType::kF32},   {KvDType::kF16, KvDType::kF16},
       {KvDType::kBF16, KvDType::kBF16}, {KvDType::kInt8, KvDType::kInt8},
@@ -221,8 +246,10 @@ int main(int argc, char** argv) {
       total_tokens = std::stoll(next());
     } else if (a == "--min-seconds") {
       min_seconds = std::stod(next());
-    } else if (a == "--no-huge-pages") {
-      g_huge_pages = false;
+    } else if (a == "--repeats") {
+      repeats = std::max(1, std::stoi(next()));
+    } else if (a == "--huge-pages") {
+      g_huge_pages = true;
     } else if (a == "--dtypes") {
       combos.clear();
       std::stringstream ss(next());
@@ -240,7 +267,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--contexts 1024,4096,8192] "
-                   "[--total-tokens N] [--min-seconds S] [--dtypes K[/V],...]\n");
+                   "[--total-tokens N] [--min-seconds S] [--repeats R] [--dtypes K[/V],...] "
+                   "[--huge-pages]\n");
       return 2;
     }
   }
@@ -248,11 +276,19 @@ int main(int argc, char** argv) {
   const std::string load_before = LoadAverage();
   std::vector<Result> results;
   for (int64_t context : contexts) {
+    std::vector<std::unique_ptr<Case>> cases;
     for (auto [kd, vd] : combos) {
-      results.push_back(Measure(kd, vd, context, total_tokens, min_seconds));
+      cases.push_back(std::make_unique<Case>(kd, vd, context, total_tokens));
+    }
+    for (int rep = 0; rep < repeats; ++rep) {
+      for (auto& c : cases) c->Time(min_seconds);
+    }
+    for (auto& c : cases) {
+      results.push_back(c->result());
       const Result& r = results.back();
       if (!json) {
-        std::printf("K %-4s V %-4s ctx %6lld  seqs %3lld  %9.1f calls/s  %8.3f ms/call  %6.2f GB/s\n",
+        std::printf("K %-4s V %-4s ctx %6lld  seqs %3lld  %9.1f calls/s  %8.3f ms/call  "
+                    "%6.2f GB/s\n",
                     r.k_dtype.c_str(), r.v_dtype.c_str(), static_cast<long long>(r.context),
                     static_cast<long long>(r.seqs), r.calls_per_s, r.seconds_per_call * 1e3,
                     r.gb_per_s);
@@ -291,6 +327,9 @@ int main(int argc, char** argv) {
                           {"head_dim", kHeadDim},
                           {"block_size", kBlockSize}}},
                         {"total_tokens", total_tokens},
+                        {"repeats", repeats},
+                        {"min_seconds", min_seconds},
+                        {"huge_pages", g_huge_pages},
                         {"threads", omp_get_max_threads()},
                         {"loadavg_before", load_before},
                         {"loadavg_after", LoadAverage()},

@@ -8,7 +8,10 @@
 //         first). Each group's metadata is one 16-bit word: the scale s as an fp16 whose 4
 //         low mantissa bits are replaced by the integer zero point z (s is rounded up to a
 //         value with those bits clear), so a group costs 16 + 2 bytes and int4 holds 3.56x
-//         the tokens of fp16 at head_dim 64.
+//         the tokens of fp16 at head_dim 64. An integer z in [0, 15] means 0 is always
+//         representable, so a group's range is stretched to include 0 (a group of values
+//         far from 0 gets a coarser step than its own spread would need).
+// The encoders (kernels/cpu/kv_quant.h) round half to even and keep |x - x̂| <= s / 2.
 // Arenas keep values and metadata in separate planes with the same block/head/slot order:
 //   values [num_blocks][num_kv_heads][block_size][value_bytes]
 //   meta   [num_blocks][num_kv_heads][block_size][meta_bytes]

@@ -142,7 +142,9 @@ void AxpyPortable(const void* values, const void* meta, int64_t n, int64_t rows,
     for (int64_t c = 0; c < n; c += kChunk) {
       const int64_t count = std::min(kChunk, n - c);
       DecodeRange<D>(v, m, c, count, buf);
-      for (int64_t h = 0; h < num_q; ++h) vec.axpy(p[h * p_stride + r], buf, out + h * n + c, count);
+      for (int64_t h = 0; h < num_q; ++h) {
+        vec.axpy(p[h * p_stride + r], buf, out + h * n + c, count);
+      }
     }
   }
 }
@@ -313,7 +315,30 @@ template <KvDType D, int H>
 KVGRID_AVX2 inline void AxpyHeads(const uint8_t* v, const uint8_t* m, const KvRowLayout& l,
                                   int64_t n8, int64_t rows, const float* alpha,
                                   int64_t alpha_stride, float* out, int64_t n) {
-  for (int64_t i = 0; i < n8; i += 8) {
+  int64_t i = 0;
+  // 16 channels per step: each row's weight broadcast serves two vectors, and the 2H
+  // accumulators are independent chains.
+  for (; i + 16 <= n8; i += 16) {
+    __m256 a0[H], a1[H];
+    for (int h = 0; h < H; ++h) {
+      a0[h] = _mm256_loadu_ps(out + h * n + i);
+      a1[h] = _mm256_loadu_ps(out + h * n + i + 8);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256 x0 = Load8<D>(v + r * l.value_bytes, m + r * l.meta_bytes, i);
+      const __m256 x1 = Load8<D>(v + r * l.value_bytes, m + r * l.meta_bytes, i + 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 w = _mm256_broadcast_ss(alpha + h * alpha_stride + r);
+        a0[h] = _mm256_fmadd_ps(w, x0, a0[h]);
+        a1[h] = _mm256_fmadd_ps(w, x1, a1[h]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      _mm256_storeu_ps(out + h * n + i, a0[h]);
+      _mm256_storeu_ps(out + h * n + i + 8, a1[h]);
+    }
+  }
+  for (; i < n8; i += 8) {
     __m256 a0[H], a1[H];
     for (int h = 0; h < H; ++h) {
       a0[h] = _mm256_loadu_ps(out + h * n + i);
@@ -362,7 +387,29 @@ KVGRID_AVX2 inline void AxpyHeadsInt4(const uint8_t* v, const uint8_t* m, const 
       }
     }
     const int64_t end = std::min(n8, g0 + kInt4GroupSize);
-    for (int64_t i = g0; i < end; i += 8) {
+    int64_t i = g0;
+    for (; i + 16 <= end; i += 16) {  // as in AxpyHeads
+      __m256 a0[H], a1[H];
+      for (int h = 0; h < H; ++h) {
+        const __m256 c = _mm256_set1_ps(corr[h]);
+        a0[h] = _mm256_sub_ps(_mm256_loadu_ps(out + h * n + i), c);
+        a1[h] = _mm256_sub_ps(_mm256_loadu_ps(out + h * n + i + 8), c);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256 x0 = Nibbles8(v + r * l.value_bytes, i);
+        const __m256 x1 = Nibbles8(v + r * l.value_bytes, i + 8);
+        for (int h = 0; h < H; ++h) {
+          const __m256 w = _mm256_broadcast_ss(alpha + h * kAxpyTile + r);
+          a0[h] = _mm256_fmadd_ps(w, x0, a0[h]);
+          a1[h] = _mm256_fmadd_ps(w, x1, a1[h]);
+        }
+      }
+      for (int h = 0; h < H; ++h) {
+        _mm256_storeu_ps(out + h * n + i, a0[h]);
+        _mm256_storeu_ps(out + h * n + i + 8, a1[h]);
+      }
+    }
+    for (; i < end; i += 8) {
       __m256 a0[H], a1[H];
       for (int h = 0; h < H; ++h) {
         a0[h] = _mm256_sub_ps(_mm256_loadu_ps(out + h * n + i), _mm256_set1_ps(corr[h]));
@@ -403,6 +450,8 @@ KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64
     const int64_t tile = std::min(kTile, rows - r0);
     const uint8_t* v = Bytes(values) + r0 * l.value_bytes;
     const uint8_t* m = meta_base + r0 * l.meta_bytes;
+    float row_scale[kTile];
+    for (int64_t r = 0; r < tile; ++r) row_scale[r] = RowScale<D>(m + r * l.meta_bytes);
     for (int64_t h0 = 0; h0 < num_q; h0 += 4) {
       const int64_t hn = std::min<int64_t>(4, num_q - h0);
       if constexpr (D == KvDType::kInt4) {
@@ -418,8 +467,7 @@ KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64
       }
       for (int64_t h = 0; h < hn; ++h) {
         for (int64_t r = 0; r < tile; ++r) {
-          alpha[h * kTile + r] = p[(h0 + h) * p_stride + r0 + r] *
-                                 RowScale<D>(m + r * l.meta_bytes);
+          alpha[h * kTile + r] = p[(h0 + h) * p_stride + r0 + r] * row_scale[r];
         }
       }
       float* oh = out + h0 * n;

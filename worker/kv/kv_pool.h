@@ -1,7 +1,8 @@
 // The memory of one card's paged KV cache: for every layer, a K arena and a V arena laid out
 // [num_blocks][num_kv_heads][block_size][head_dim] (head-major, so one head's keys in a block
 // are contiguous). An arena of a quantized dtype is two planes in that order (formats in
-// kernels/kv_dtype.h): values [..][value_bytes] and per-row scales/zero points [..][meta_bytes]. Sized from a byte budget. Owns the memory (anonymous mappings: zeroed, and
+// kernels/kv_dtype.h): values [..][value_bytes] and per-row scales/zero points [..][meta_bytes].
+// Sized from a byte budget. Owns the memory (anonymous mappings: zeroed, and
 // committed page by page as blocks are first written); non-copyable. Not thread-safe.
 #ifndef KVGRID_WORKER_KV_KV_POOL_H_
 #define KVGRID_WORKER_KV_KV_POOL_H_
