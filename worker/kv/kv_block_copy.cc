@@ -31,7 +31,7 @@ absl::Status CopyKvBlocks(KvPool& from, KvPool& to, std::span<const BlockCopy> c
     }
   }
   const int64_t rows_per_block = g.num_kv_heads * g.block_size;
-  for (const auto [dtype, is_k] : {std::pair{g.k_dtype, true}, std::pair{g.v_dtype, false}}) {
+  for (const auto& [dtype, is_k] : {std::pair{g.k_dtype, true}, std::pair{g.v_dtype, false}}) {
     const kernels::KvRowLayout row = kernels::KvRowLayoutFor(dtype, g.head_dim);
     for (int64_t layer = 0; layer < g.num_layers; ++layer) {
       CopyPlane(is_k ? from.k(layer) : from.v(layer), is_k ? to.k(layer) : to.v(layer),
