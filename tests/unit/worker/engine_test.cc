@@ -67,6 +67,32 @@ std::vector<GenerationRequest> MixedRequests() {
   return rs;
 }
 
+// Greedy outputs of MixedRequests() on an engine made with `options`.
+std::map<std::string, std::vector<int32_t>> GreedyMixed(const std::string& fixture,
+                                                        const EngineOptions& options,
+                                                        EngineStats* stats = nullptr) {
+  auto engine = MakeEngine(fixture, options);
+  if (engine == nullptr) return {};
+  for (GenerationRequest& r : MixedRequests()) {
+    r.sampling.temperature = 0;
+    EXPECT_TRUE(engine->AddRequest(std::move(r)).ok());
+  }
+  auto out = Drain(*engine);
+  if (stats) *stats = engine->Stats();
+  return out;
+}
+
+// `base` shrunk to 8 blocks of 8 tokens — the six mixed sequences (up to 53 tokens each) must
+// take turns — with `swap_blocks` blocks of swap space.
+EngineOptions Tight(const std::string& fixture, EngineOptions base, int64_t swap_blocks) {
+  auto probe = MakeEngine(fixture, base);
+  const int64_t per_token = probe ? probe->Stats().bytes_per_token : 0;
+  base.block_size = 8;
+  base.kv_cache_memory = 8 * 8 * per_token;
+  base.swap_space = swap_blocks * 8 * per_token;
+  return base;
+}
+
 class EngineFixtureTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(EngineFixtureTest, BatchedOutputsEqualOutputsAlone) {
@@ -85,31 +111,12 @@ TEST_P(EngineFixtureTest, BatchedOutputsEqualOutputsAlone) {
 }
 
 TEST_P(EngineFixtureTest, PreemptionByRecomputeKeepsGreedyOutputs) {
-  std::map<std::string, std::vector<int32_t>> expected;
-  {
-    auto engine = MakeEngine(GetParam());
-    ASSERT_NE(engine, nullptr);
-    for (GenerationRequest& r : MixedRequests()) {
-      r.sampling.temperature = 0;
-      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-    }
-    expected = Drain(*engine);
-  }
-  // Room for 6 blocks of 8 tokens: the six sequences (up to 53 tokens each) must take turns.
-  auto probe = MakeEngine(GetParam());
-  ASSERT_NE(probe, nullptr);
-  EngineOptions tight;
-  tight.block_size = 8;
-  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
-  auto engine = MakeEngine(GetParam(), tight);
-  ASSERT_NE(engine, nullptr);
-  ASSERT_EQ(engine->Stats().blocks_total, 8);
-  for (GenerationRequest& r : MixedRequests()) {
-    r.sampling.temperature = 0;
-    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-  }
-  EXPECT_EQ(Drain(*engine), expected);
-  EXPECT_GT(engine->Stats().num_preemptions, 0);
+  const auto expected = GreedyMixed(GetParam(), {});
+  EngineStats st;
+  EXPECT_EQ(GreedyMixed(GetParam(), Tight(GetParam(), {}, 0), &st), expected);
+  EXPECT_EQ(st.blocks_total, 8);
+  EXPECT_GT(st.num_recomputes, 0);
+  EXPECT_EQ(st.num_swap_outs, 0);
 }
 
 TEST_P(EngineFixtureTest, AbortFreesBlocksAndIsIdempotent) {
@@ -261,30 +268,9 @@ TEST_P(EngineFixtureTest, PrefixCachingDoesNotChangeOutputs) {
 }
 
 TEST_P(EngineFixtureTest, PreemptionBySwapKeepsGreedyOutputsAndLeaksNothing) {
-  std::map<std::string, std::vector<int32_t>> expected;
-  {
-    auto engine = MakeEngine(GetParam());
-    ASSERT_NE(engine, nullptr);
-    for (GenerationRequest& r : MixedRequests()) {
-      r.sampling.temperature = 0;
-      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-    }
-    expected = Drain(*engine);
-  }
-  auto probe = MakeEngine(GetParam());
-  ASSERT_NE(probe, nullptr);
-  EngineOptions tight;
-  tight.block_size = 8;
-  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
-  tight.swap_space = 64 * 8 * probe->Stats().bytes_per_token;
-  auto engine = MakeEngine(GetParam(), tight);
-  ASSERT_NE(engine, nullptr);
-  for (GenerationRequest& r : MixedRequests()) {
-    r.sampling.temperature = 0;
-    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-  }
-  EXPECT_EQ(Drain(*engine), expected);
-  const EngineStats st = engine->Stats();
+  const auto expected = GreedyMixed(GetParam(), {});
+  EngineStats st;
+  EXPECT_EQ(GreedyMixed(GetParam(), Tight(GetParam(), {}, 64), &st), expected);
   EXPECT_GT(st.num_swap_outs, 0);
   EXPECT_EQ(st.swap_blocks_used, 0);
   EXPECT_EQ(st.num_swapped, 0);
@@ -296,30 +282,10 @@ TEST_P(EngineFixtureTest, SwapKeepsQuantizedCachesIntact) {
   EngineOptions q;
   q.k_dtype = kernels::KvDType::kInt8;
   q.v_dtype = kernels::KvDType::kInt4;
-  std::map<std::string, std::vector<int32_t>> expected;
-  {
-    auto engine = MakeEngine(GetParam(), q);
-    ASSERT_NE(engine, nullptr);
-    for (GenerationRequest& r : MixedRequests()) {
-      r.sampling.temperature = 0;
-      ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-    }
-    expected = Drain(*engine);
-  }
-  EngineOptions tight = q;
-  tight.block_size = 8;
-  auto probe = MakeEngine(GetParam(), q);
-  ASSERT_NE(probe, nullptr);
-  tight.kv_cache_memory = 8 * 8 * probe->Stats().bytes_per_token;
-  tight.swap_space = 64 * 8 * probe->Stats().bytes_per_token;
-  auto engine = MakeEngine(GetParam(), tight);
-  ASSERT_NE(engine, nullptr);
-  for (GenerationRequest& r : MixedRequests()) {
-    r.sampling.temperature = 0;
-    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
-  }
-  EXPECT_EQ(Drain(*engine), expected);
-  EXPECT_GT(engine->Stats().num_swap_outs, 0);
+  const auto expected = GreedyMixed(GetParam(), q);
+  EngineStats st;
+  EXPECT_EQ(GreedyMixed(GetParam(), Tight(GetParam(), q, 64), &st), expected);
+  EXPECT_GT(st.num_swap_outs, 0);
 }
 
 TEST_P(EngineFixtureTest, AccountingReflectsStoredTokens) {
