@@ -7,7 +7,7 @@
 #include <string>
 #include <system_error>
 
-#include "model/json_limits.h"
+#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -17,16 +17,9 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Debian's abseil has its own string_view type; StrCat needs it spelled out.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 constexpr std::uintmax_t kMaxGenerationConfigBytes = 16ull << 20;
 
-std::string Describe(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return absl::StrCat(value.type_name(), " ", text);
-}
 
 absl::Status FieldError(std::string_view source, std::string_view key, std::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": ", Sv(key), ": ", Sv(problem)));
@@ -47,7 +40,7 @@ absl::StatusOr<int64_t> ToInt(std::string_view source, std::string_view key, con
       return static_cast<int64_t>(d);
     }
   }
-  return FieldError(source, key, absl::StrCat("expected an integer, got ", Describe(value)));
+  return FieldError(source, key, absl::StrCat("expected an integer, got ", DescribeJson(value)));
 }
 
 // Reads the optional fields of the top-level object. Hugging Face writes null for "unset",
@@ -78,7 +71,7 @@ class Reader {
     const Json* value = Find(key);
     if (value == nullptr) return absl::OkStatus();
     if (!value->is_number()) {
-      return FieldError(source_, key, absl::StrCat("expected a number, got ", Describe(*value)));
+      return FieldError(source_, key, absl::StrCat("expected a number, got ", DescribeJson(*value)));
     }
     const double v = value->get<double>();
     const bool above_lo = lo_open ? v > lo : v >= lo;
@@ -95,7 +88,7 @@ class Reader {
     if (value == nullptr) return absl::OkStatus();
     if (!value->is_boolean()) {
       return FieldError(source_, key,
-                        absl::StrCat("expected true or false, got ", Describe(*value)));
+                        absl::StrCat("expected true or false, got ", DescribeJson(*value)));
     }
     *out = value->get<bool>();
     return absl::OkStatus();

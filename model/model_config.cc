@@ -10,7 +10,7 @@
 #include <system_error>
 #include <utility>
 
-#include "model/json_limits.h"
+#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -20,20 +20,11 @@ namespace {
 
 using Json = nlohmann::json;
 
-// Debian's abseil has its own string_view type; StrCat needs it spelled out.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // config.json is a few KB; the cap only stops a wrong path (a checkpoint, /dev/zero) from
 // being slurped into memory.
 constexpr std::uintmax_t kMaxConfigBytes = 16ull << 20;
 
-// A short rendering of a JSON value for error messages; long values are cut so that an
-// error about a huge array stays readable.
-std::string Describe(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return absl::StrCat(value.type_name(), " ", text);
-}
 
 // Reads typed fields of one JSON object and phrases every failure as
 // "<source>: <field>: <problem>". A JSON null counts as absent, because Hugging Face writes
@@ -81,14 +72,14 @@ class FieldReader {
         return static_cast<int64_t>(d);
       }
     }
-    return Error(key, absl::StrCat("expected an integer, got ", Describe(value)));
+    return Error(key, absl::StrCat("expected an integer, got ", DescribeJson(value)));
   }
 
   absl::StatusOr<std::optional<double>> Number(std::string_view key) const {
     const Json* value = Find(key);
     if (value == nullptr) return std::nullopt;
     if (!value->is_number()) {
-      return Error(key, absl::StrCat("expected a number, got ", Describe(*value)));
+      return Error(key, absl::StrCat("expected a number, got ", DescribeJson(*value)));
     }
     return value->get<double>();
   }
@@ -97,7 +88,7 @@ class FieldReader {
     const Json* value = Find(key);
     if (value == nullptr) return std::nullopt;
     if (!value->is_boolean()) {
-      return Error(key, absl::StrCat("expected true or false, got ", Describe(*value)));
+      return Error(key, absl::StrCat("expected true or false, got ", DescribeJson(*value)));
     }
     return value->get<bool>();
   }
@@ -106,7 +97,7 @@ class FieldReader {
     const Json* value = Find(key);
     if (value == nullptr) return std::nullopt;
     if (!value->is_string()) {
-      return Error(key, absl::StrCat("expected a string, got ", Describe(*value)));
+      return Error(key, absl::StrCat("expected a string, got ", DescribeJson(*value)));
     }
     return value->get<std::string>();
   }
@@ -262,12 +253,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   if (const Json* archs = r.Find("architectures")) {
     if (!archs->is_array()) {
       return r.Error("architectures",
-                     absl::StrCat("expected a list of strings, got ", Describe(*archs)));
+                     absl::StrCat("expected a list of strings, got ", DescribeJson(*archs)));
     }
     for (const Json& arch : *archs) {
       if (!arch.is_string()) {
         return r.Error("architectures",
-                       absl::StrCat("expected a list of strings, got an element ", Describe(arch)));
+                       absl::StrCat("expected a list of strings, got an element ", DescribeJson(arch)));
       }
       config.architectures.push_back(arch.get<std::string>());
     }
@@ -363,7 +354,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   if (const Json* params = r.Find("rope_parameters")) {
     if (!params->is_object()) {
       return r.Error("rope_parameters",
-                     absl::StrCat("expected an object, got ", Describe(*params)));
+                     absl::StrCat("expected an object, got ", DescribeJson(*params)));
     }
     const FieldReader pr(*params, source, "rope_parameters.");
     ASSIGN_OR_RETURN(const double legacy_theta, r.PositiveNumber("rope_theta", 10000.0));
@@ -377,7 +368,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     if (const Json* scaling = r.Find("rope_scaling")) {
       if (!scaling->is_object()) {
         return r.Error("rope_scaling",
-                       absl::StrCat("expected an object or null, got ", Describe(*scaling)));
+                       absl::StrCat("expected an object or null, got ", DescribeJson(*scaling)));
       }
       const FieldReader sr(*scaling, source, "rope_scaling.");
       if (absl::Status s = ParseRopeScaling(sr, /*type_required=*/true, &config.rope_scaling);

@@ -17,7 +17,7 @@
 #include <system_error>
 #include <utility>
 
-#include "model/json_limits.h"
+#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,11 +42,6 @@ absl::Status Invalid(const fs::path& file, const Parts&... parts) {
   return absl::InvalidArgumentError(absl::StrCat(file.string(), ": ", parts...));
 }
 
-std::string Describe(const Json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return absl::StrCat(value.type_name(), " ", text);
-}
 
 std::string ShapeString(std::span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
@@ -203,12 +198,12 @@ absl::Status SafetensorsFile::ParseHeader() {
     if (name == "__metadata__") {
       if (entry.is_null()) continue;
       if (!entry.is_object()) {
-        return Invalid(path_, "__metadata__: expected an object of strings, got ", Describe(entry));
+        return Invalid(path_, "__metadata__: expected an object of strings, got ", DescribeJson(entry));
       }
       for (const auto& [key, value] : entry.items()) {
         if (!value.is_string()) {
           return Invalid(path_, "__metadata__: value of \"", key, "\" is not a string (got ",
-                         Describe(value), ")");
+                         DescribeJson(value), ")");
         }
         metadata_.emplace(key, value.get<std::string>());
       }
@@ -217,13 +212,13 @@ absl::Status SafetensorsFile::ParseHeader() {
 
     const std::string where = absl::StrCat("tensor '", name, "'");
     if (!entry.is_object()) {
-      return Invalid(path_, where, ": expected an object, got ", Describe(entry));
+      return Invalid(path_, where, ": expected an object, got ", DescribeJson(entry));
     }
 
     const auto dtype_it = entry.find("dtype");
     if (dtype_it == entry.end()) return Invalid(path_, where, ": dtype: missing");
     if (!dtype_it->is_string()) {
-      return Invalid(path_, where, ": dtype: expected a string, got ", Describe(*dtype_it));
+      return Invalid(path_, where, ": dtype: expected a string, got ", DescribeJson(*dtype_it));
     }
     const std::string dtype_name = dtype_it->get<std::string>();
     const std::optional<DType> dtype = ParseDType(dtype_name);
@@ -237,7 +232,7 @@ absl::Status SafetensorsFile::ParseHeader() {
     if (shape_it == entry.end()) return Invalid(path_, where, ": shape: missing");
     if (!shape_it->is_array()) {
       return Invalid(path_, where, ": shape: expected a list of integers, got ",
-                     Describe(*shape_it));
+                     DescribeJson(*shape_it));
     }
     std::vector<int64_t> shape;
     shape.reserve(shape_it->size());
@@ -246,7 +241,7 @@ absl::Status SafetensorsFile::ParseHeader() {
       const std::optional<uint64_t> dim = AsCount(dim_json);
       if (!dim.has_value()) {
         return Invalid(path_, where, ": shape: dimension ", shape.size(), " is ",
-                       Describe(dim_json), ", not a non-negative integer");
+                       DescribeJson(dim_json), ", not a non-negative integer");
       }
       if (*dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ||
           __builtin_mul_overflow(num_elements, *dim, &num_elements) ||
@@ -268,7 +263,7 @@ absl::Status SafetensorsFile::ParseHeader() {
     if (!begin.has_value() || !end.has_value()) {
       return Invalid(path_, where,
                      ": data_offsets: expected [begin, end] with non-negative integers, got ",
-                     Describe(*offsets_it));
+                     DescribeJson(*offsets_it));
     }
     if (*begin > *end) {
       return Invalid(path_, where, ": data_offsets: begin ", *begin, " is after end ", *end);
@@ -366,7 +361,7 @@ absl::Status Checkpoint::LoadIndex(const fs::path& index_path) {
   const auto map_it = index.find("weight_map");
   if (map_it == index.end()) return Invalid(index_path, "weight_map: missing");
   if (!map_it->is_object()) {
-    return Invalid(index_path, "weight_map: expected an object, got ", Describe(*map_it));
+    return Invalid(index_path, "weight_map: expected an object, got ", DescribeJson(*map_it));
   }
 
   // shard file name -> tensor names the index assigns to it.
@@ -374,7 +369,7 @@ absl::Status Checkpoint::LoadIndex(const fs::path& index_path) {
   for (const auto& [name, shard] : map_it->items()) {
     if (!shard.is_string()) {
       return Invalid(index_path, "weight_map: tensor '", name,
-                     "': expected a shard file name, got ", Describe(shard));
+                     "': expected a shard file name, got ", DescribeJson(shard));
     }
     const std::string shard_name = shard.get<std::string>();
     if (!IsPlainRelativePath(shard_name)) {

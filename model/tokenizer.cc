@@ -14,7 +14,7 @@
 #include <sstream>
 #include <utility>
 
-#include "model/json_limits.h"
+#include "model/json_util.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -29,7 +29,6 @@ namespace {
 using Json = nlohmann::json;
 
 // This abseil build has its own string_view type; the public API speaks std::string_view.
-absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }
 
 // ---------------------------------------------------------------------------------------
 // UTF-8.

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "model/json_limits.h"
+#include "model/json_util.h"
 #include "absl/strings/str_cat.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"

@@ -1,4 +1,4 @@
-#include "model/json_limits.h"
+#include "model/json_util.h"
 
 #include <string>
 
@@ -32,6 +32,24 @@ absl::Status CheckJsonDepth(std::string_view text, std::string_view source, int 
     }
   }
   return absl::OkStatus();
+}
+
+std::string DescribeJson(const nlohmann::json& value) {
+  std::string text;
+  if (value.is_array() || value.is_object()) {
+    // Render element by element and stop early: a 100 MB header must not be printed whole.
+    text = value.is_array() ? "[" : "{";
+    for (auto it = value.begin(); it != value.end() && text.size() <= 60; ++it) {
+      if (text.size() > 1) text += ",";
+      if (value.is_object()) text += nlohmann::json(it.key()).dump() + ":";
+      text += it->is_primitive() ? it->dump() : (it->is_array() ? "[...]" : "{...}");
+    }
+    if (text.size() <= 60) text += value.is_array() ? "]" : "}";
+  } else {
+    text = value.dump();
+  }
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return absl::StrCat(value.type_name(), " ", text);
 }
 
 }  // namespace kvgrid::model

@@ -1,4 +1,4 @@
-#include "model/json_limits.h"
+#include "model/json_util.h"
 
 #include <string>
 
@@ -42,6 +42,22 @@ TEST(JsonLimitsTest, ConfigParserRefusesHugeNestingAndHugeSizes) {
       "config.json");
   ASSERT_FALSE(eps.ok());
   EXPECT_NE(std::string(eps.status().message()).find("rms_norm_eps"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvgrid::model
+
+namespace kvgrid::model {
+namespace {
+
+TEST(DescribeJsonTest, ShortValuesWholeLongContainersCut) {
+  EXPECT_EQ(DescribeJson(nlohmann::json("abc")), "string \"abc\"");
+  EXPECT_EQ(DescribeJson(nlohmann::json::parse("[1,2]")), "array [1,2]");
+  nlohmann::json big = nlohmann::json::array();
+  for (int i = 0; i < 100000; ++i) big.push_back(i);
+  const std::string d = DescribeJson(big);
+  EXPECT_EQ(d.rfind("array [0,1,2", 0), 0u) << d;
+  EXPECT_LE(d.size(), 70u);
 }
 
 }  // namespace
