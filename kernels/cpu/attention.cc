@@ -9,6 +9,8 @@
 #include <tuple>
 #include <vector>
 
+#include <omp.h>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/kv_quant.h"
 #include "kernels/cpu/vec.h"
@@ -73,9 +75,30 @@ namespace {
 // and each block would start with a DRAM round trip; ask for the block after next early.
 constexpr int64_t kPrefetchBlocks = 2;
 
+// Queries of decode-like sequences (at most kMaxSplitQueries query tokens) are work items of
+// all KV heads at once: an item walks its blocks reading each block's rows of every head,
+// which lie next to each other in the arena, so each block is one long stream for the
+// hardware prefetcher instead of num_kv_heads short ones (at 8K context this made int8
+// decode ~1.5x faster on one core). Long contexts are split into chunks of at most
+// kChunkTokens positions (fewer when the batch is small, so each thread gets about
+// kItemsPerThread items; at least kMinChunkTokens), which keeps an item's scores in L2 and
+// balances the threads; each chunk keeps its own softmax maximum and sum and a final pass
+// merges them.
+constexpr int64_t kMaxSplitQueries = 8;
+constexpr int64_t kChunkTokens = 512;
+constexpr int64_t kMinChunkTokens = 64;
+constexpr int64_t kItemsPerThread = 4;
+
 inline void Prefetch(const std::byte* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
 }
+
+// Positions [begin, end) of query token t's context, for KV heads [g_begin, g_end). `part` < 0:
+// the item covers the whole context and writes the output; otherwise it covers all KV heads
+// and writes partial results number `part`.
+struct WorkItem {
+  int64_t t, g_begin, g_end, begin, end, part;
+};
 
 }  // namespace
 
@@ -85,6 +108,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t hd = p.head_dim;
   const int64_t bs = p.block_size;
+  const int64_t nh = p.num_heads;
   const KvRowLayout kl = KvRowLayoutFor(p.k_dtype, hd);
   const KvRowLayout vl = KvRowLayoutFor(p.v_dtype, hd);
   const KvRowKernels kk = KvRowKernelsFor(p.k_dtype);
@@ -94,65 +118,153 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const auto* k_meta = static_cast<const std::byte*>(p.k_meta);
   const auto* v_meta = static_cast<const std::byte*>(p.v_meta);
 
-  // Map each query token to its sequence once.
+  // Map each query token to its sequence once, and cut the work into items.
   std::vector<int32_t> token_seq(p.num_tokens);
+  std::vector<WorkItem> items;
+  items.reserve(p.num_tokens * p.num_kv_heads);
+  // Split query tokens: their first partial index and number of chunks.
+  struct Split {
+    int64_t t, first_part, parts;
+  };
+  std::vector<Split> splits;
+  int64_t num_parts = 0;
+  int64_t split_positions = 0;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    for (int32_t t = p.query_start[s]; t < p.query_start[s + 1]; ++t) token_seq[t] = s;
+    const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
+    if (q_len <= kMaxSplitQueries) split_positions += q_len * p.seq_lens[s];
   }
+  const int64_t threads = omp_get_max_threads();
+  const int64_t chunk_tokens = std::clamp(split_positions / (kItemsPerThread * threads),
+                                          kMinChunkTokens, kChunkTokens);
+  const int64_t chunk_blocks = std::max<int64_t>(1, chunk_tokens / bs);
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
+    for (int64_t t = p.query_start[s]; t < p.query_start[s + 1]; ++t) {
+      token_seq[t] = static_cast<int32_t>(s);
+      const int64_t ctx = p.seq_lens[s] - q_len + (t - p.query_start[s]) + 1;
+      if (q_len > kMaxSplitQueries) {
+        for (int64_t g = 0; g < p.num_kv_heads; ++g) items.push_back({t, g, g + 1, 0, ctx, -1});
+        continue;
+      }
+      const int64_t blocks = (ctx + bs - 1) / bs;
+      const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
+      if (chunks == 1) {
+        items.push_back({t, 0, p.num_kv_heads, 0, ctx, -1});
+        continue;
+      }
+      // Even chunks, whole blocks each.
+      const int64_t per = (blocks + chunks - 1) / chunks * bs;
+      int64_t parts = 0;
+      for (int64_t b = 0; b < ctx; b += per) {
+        items.push_back({t, 0, p.num_kv_heads, b, std::min(ctx, b + per), num_parts + parts});
+        ++parts;
+      }
+      splits.push_back({t, num_parts, parts});
+      num_parts += parts;
+    }
+  }
+  std::vector<float> part_out(num_parts * nh * hd);  // [num_parts, num_heads, head_dim]
+  std::vector<float> part_max(num_parts * nh);       // [num_parts, num_heads]
+  std::vector<float> part_sum(num_parts * nh);       // [num_parts, num_heads]
 
-  const int64_t work = p.num_tokens * p.num_kv_heads;
+  const int64_t work = static_cast<int64_t>(items.size());
 #pragma omp parallel if (work > 1)
   {
-    std::vector<float> scores;   // [group, ctx]
-    std::vector<float> inv_sum;  // [group]
+    std::vector<float> scores;  // [heads of the item, len]
+    std::vector<float> sums;    // [heads of the item]
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < work; ++item) {
-      const int64_t t = item / p.num_kv_heads;
-      const int64_t g = item % p.num_kv_heads;
+    for (int64_t it = 0; it < work; ++it) {
+      const WorkItem& w = items[it];
+      const int64_t t = w.t;
+      const int64_t g0 = w.g_begin;
+      const int64_t ng = w.g_end - w.g_begin;
       const int64_t s = token_seq[t];
-      const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
-      const int64_t pos = p.seq_lens[s] - q_len + (t - p.query_start[s]);
-      const int64_t ctx = pos + 1;
+      const int64_t begin = w.begin;
+      const int64_t end = w.end;
+      const int64_t len = end - begin;
+      const int64_t heads = ng * group;
       const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
-      scores.resize(group * ctx);
+      scores.resize(heads * len);
 
-      // One block's rows of KV head g are consecutive in both planes.
-      auto first_row = [&](int64_t j) { return (table[j / bs] * p.num_kv_heads + g) * bs; };
+      // One block's rows of KV heads g0.. are consecutive in both planes.
+      auto first_row = [&](int64_t j) { return (table[j / bs] * p.num_kv_heads + g0) * bs; };
       auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
                           int64_t j) {
-        const int64_t ahead = j + kPrefetchBlocks * bs;
-        if (ahead >= ctx) return;
-        const int64_t row = first_row(ahead);
-        const int64_t rows = std::min(bs, ctx - ahead);
+        if (j >= end) return;
+        const int64_t row = first_row(j);
+        // Rows past the context in a partial last block are still inside the block.
+        const int64_t rows = ng == 1 ? std::min(bs, end - j) : ng * bs;
         Prefetch(values + row * l.value_bytes, rows * l.value_bytes);
         if (meta) Prefetch(meta + row * l.meta_bytes, rows * l.meta_bytes);
       };
-      const float* q = p.query + (t * p.num_heads + g * group) * hd;
-      for (int64_t j = 0; j < ctx; j += bs) {
-        prefetch(k_values, k_meta, kl, j);
-        const int64_t row = first_row(j);
-        kk.dot(k_values + row * kl.value_bytes, k_meta ? k_meta + row * kl.meta_bytes : nullptr,
-               hd, std::min(bs, ctx - j), q, group, scores.data() + j, ctx);
+      const float* q = p.query + (t * nh + g0 * group) * hd;
+      for (int64_t j = begin; j < end; j += bs) {
+        prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
+        const int64_t rows = std::min(bs, end - j);
+        for (int64_t g = 0; g < ng; ++g) {
+          const int64_t row = first_row(j) + g * bs;
+          kk.dot(k_values + row * kl.value_bytes,
+                 k_meta ? k_meta + row * kl.meta_bytes : nullptr, hd, rows, q + g * group * hd,
+                 group, scores.data() + g * group * len + (j - begin), len);
+        }
       }
       // Unnormalized softmax weights; the output is divided by their sum at the end.
-      inv_sum.resize(group);
-      for (int64_t h = 0; h < group; ++h) {
-        float* w = scores.data() + h * ctx;
+      sums.resize(heads);
+      float* max_out = w.part >= 0 ? part_max.data() + w.part * nh : nullptr;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* sc = scores.data() + h * len;
         float max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < ctx; ++j) max = std::max(max, w[j]);
-        inv_sum[h] = 1.f / vec.exp_sum(w, ctx, p.scale, p.scale * max);
+        for (int64_t j = 0; j < len; ++j) max = std::max(max, sc[j]);
+        sums[h] = vec.exp_sum(sc, len, p.scale, p.scale * max);
+        if (max_out) max_out[h] = max;
       }
-      float* out = p.output + (t * p.num_heads + g * group) * hd;
-      std::memset(out, 0, sizeof(float) * group * hd);
-      for (int64_t j = 0; j < ctx; j += bs) {
-        prefetch(v_values, v_meta, vl, j);
-        const int64_t row = first_row(j);
-        vk.axpy(v_values + row * vl.value_bytes, v_meta ? v_meta + row * vl.meta_bytes : nullptr,
-                hd, std::min(bs, ctx - j), scores.data() + j, group, ctx, out);
+      float* out = w.part >= 0 ? part_out.data() + w.part * nh * hd
+                               : p.output + (t * nh + g0 * group) * hd;
+      std::memset(out, 0, sizeof(float) * heads * hd);
+      for (int64_t j = begin; j < end; j += bs) {
+        prefetch(v_values, v_meta, vl, j + kPrefetchBlocks * bs);
+        const int64_t rows = std::min(bs, end - j);
+        for (int64_t g = 0; g < ng; ++g) {
+          const int64_t row = first_row(j) + g * bs;
+          vk.axpy(v_values + row * vl.value_bytes,
+                  v_meta ? v_meta + row * vl.meta_bytes : nullptr, hd, rows,
+                  scores.data() + g * group * len + (j - begin), group, len,
+                  out + g * group * hd);
+        }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        for (int64_t i = 0; i < hd; ++i) out[h * hd + i] *= inv_sum[h];
+      if (w.part >= 0) {
+        std::copy(sums.begin(), sums.end(), part_sum.data() + w.part * nh);
+        continue;
       }
+      for (int64_t h = 0; h < heads; ++h) {
+        const float inv = 1.f / sums[h];
+        for (int64_t i = 0; i < hd; ++i) out[h * hd + i] *= inv;
+      }
+    }
+
+    // Merge the chunks of each split token: rescale each chunk's sum and output from its own
+    // maximum to the overall one.
+    const int64_t merges = static_cast<int64_t>(splits.size()) * nh;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < merges; ++i) {
+      const Split& sp = splits[i / nh];
+      const int64_t h = i % nh;
+      float max = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < sp.parts; ++c) {
+        max = std::max(max, part_max[(sp.first_part + c) * nh + h]);
+      }
+      float* o = p.output + (sp.t * nh + h) * hd;
+      std::fill(o, o + hd, 0.f);
+      float sum = 0.f;
+      for (int64_t c = 0; c < sp.parts; ++c) {
+        const int64_t k = (sp.first_part + c) * nh + h;
+        const float a = std::exp(p.scale * (part_max[k] - max));
+        sum += a * part_sum[k];
+        const float* po = part_out.data() + k * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] += a * po[d];
+      }
+      const float inv = 1.f / sum;
+      for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
     }
   }
   return absl::OkStatus();

@@ -49,9 +49,11 @@ struct PagedAttentionParams {
   absl::Status Validate() const;
 };
 
-// Parallel over (query token, KV head) pairs; the query heads of a group share each K/V row
-// read, block by block. Softmax in fp32 with the maximum subtracted. Errors: those of
-// Validate().
+// Parallel over (query token, KV head) pairs for prefill-like sequences; for decode-like ones
+// (few query tokens) over (query token, context chunk) pairs covering all KV heads, whose
+// partial softmax results are merged at the end. The query heads of a group share each K/V
+// row read, block by block. Softmax in fp32 with the maximum subtracted (per chunk, then
+// rescaled to the overall maximum when merging). Errors: those of Validate().
 absl::Status PagedAttention(const PagedAttentionParams& params);
 
 }  // namespace kvgrid::kernels::cpu

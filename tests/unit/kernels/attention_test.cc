@@ -200,6 +200,16 @@ TEST(PagedAttentionTest, MixedKAndVDTypes) {
   RunCase({4, 2, 32, 16, {50}, {7}, KvDType::kInt4, KvDType::kBF16}, 10);
 }
 
+// Decode queries over long contexts are cut into chunks whose partial softmax results are
+// merged; a prefill sequence in the same batch takes the per-head path.
+TEST(PagedAttentionTest, LongContextDecodeMatchesDenseReference) {
+  for (KvDType dtype :
+       {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8, KvDType::kInt4}) {
+    RunCase({8, 2, 64, 16, {3000, 2501, 700, 40}, {1, 3, 1, 12}, dtype}, 11);
+  }
+  RunCase({8, 2, 64, 16, {3000, 1}, {2, 1}, KvDType::kInt8, KvDType::kInt4}, 12);
+}
+
 TEST(PagedAttentionTest, RandomShapes) {
   std::mt19937_64 rng(7);
   for (int trial = 0; trial < 20; ++trial) {
