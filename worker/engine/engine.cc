@@ -195,43 +195,60 @@ FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
   return FinishReason::kNone;
 }
 
-absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
-  // 1. Every running sequence needs a writable slot for one more token (copy-on-write when
-  //    its last block is shared). When the pool is dry the newest running sequence is
-  //    preempted — possibly the one asking. Victims come from the back, so `it` stays valid
-  //    unless it is the victim, and then it was the last one.
-  for (auto it = running_.begin(); it != running_.end();) {
+absl::Status Engine::Schedule(bool decodes, int64_t* budget) {
+  // Victims come from the back, so `it` stays valid unless it is the victim, and then it was
+  // the last one.
+  for (auto it = running_.begin(); it != running_.end() && *budget > 0;) {
     Sequence* seq = it->get();
+    const int64_t remaining = static_cast<int64_t>(seq->tokens.size()) - seq->num_computed;
+    if (seq->num_scheduled > 0 || (remaining == 1) != decodes) {
+      ++it;
+      continue;
+    }
+    const int64_t n = std::min(remaining, *budget);
     bool preempted_self = false;
     copies_.clear();
-    while (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
-                                 static_cast<int64_t>(seq->tokens.size()), &copies_)
+    while (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed, seq->num_computed + n, &copies_)
                 .ok()) {
       preempted_self = running_.back().get() == seq;
+      *budget += running_.back()->num_scheduled;  // a victim scheduled earlier gives back
+      running_.back()->num_scheduled = 0;
       KVGRID_RETURN_IF_ERROR(PreemptNewest());
       if (preempted_self) break;
     }
     if (preempted_self) break;
     KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *pool_, copies_));
+    seq->num_scheduled = n;
+    *budget -= n;
     ++it;
   }
+  return absl::OkStatus();
+}
 
-  // 2. Swapped-out sequences come back before anything new is admitted (FCFS).
+absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
+  // 1. Running decodes first, each needing a writable slot for one token (copy-on-write when
+  //    its last block is shared); when the pool is dry the newest running sequence is
+  //    preempted, possibly the one asking. Then swapped-out sequences come back (and decode),
+  //    then prompts still being prefilled get chunks of what is left of the token budget.
+  int64_t budget = options_.max_num_batched_tokens;
+  for (const auto& seq : running_) seq->num_scheduled = 0;
+  KVGRID_RETURN_IF_ERROR(Schedule(/*decodes=*/true, &budget));
   KVGRID_RETURN_IF_ERROR(SwapInReady());
+  KVGRID_RETURN_IF_ERROR(Schedule(/*decodes=*/true, &budget));
+  KVGRID_RETURN_IF_ERROR(Schedule(/*decodes=*/false, &budget));
 
-  // 3. Admit waiting sequences while blocks, the sequence cap and the token budget allow,
-  //    sharing whatever prefix of their tokens is already cached.
-  int64_t budget = options_.max_num_batched_tokens - static_cast<int64_t>(running_.size());
-  while (swapped_.empty() && !waiting_.empty() &&
+  // 2. Admit waiting sequences (FCFS, none while any is swapped out) while blocks for their
+  //    whole prompt, the sequence cap and the budget allow, sharing whatever prefix of their
+  //    tokens is already cached; a prompt longer than the budget is prefilled in chunks.
+  while (budget > 0 && swapped_.empty() && !waiting_.empty() &&
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence* seq = waiting_.front().get();
     const int64_t len = static_cast<int64_t>(seq->tokens.size());
-    // A prompt larger than the budget still runs when it would be alone (no chunking yet).
-    if (len > budget && !running_.empty()) break;
     absl::StatusOr<int64_t> cached = blocks_.Allocate(seq->seq_id, seq->tokens, len);
     if (!cached.ok()) break;
     seq->num_computed = *cached;
-    budget -= len - *cached;
+    seq->num_scheduled = std::min(len - *cached, budget);
+    budget -= seq->num_scheduled;
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
   }
@@ -246,7 +263,8 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     return std::vector<TokenOutput>{};
   }
 
-  // 4. Lay the batch out for the kernels.
+  // 3. Lay the batch out for the kernels: each scheduled sequence contributes its next
+  //    num_scheduled tokens; only those that reach the end of their tokens need logits.
   ForwardBatch& b = batch_;
   b.token_ids.clear();
   b.positions.clear();
@@ -255,22 +273,28 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   b.seq_lens.clear();
   b.logit_rows.clear();
   b.max_blocks_per_seq = 1;
+  int64_t num_scheduled_seqs = 0;
   for (const auto& seq : running_) {
+    if (seq->num_scheduled == 0) continue;
+    ++num_scheduled_seqs;
     b.max_blocks_per_seq = std::max<int64_t>(
         b.max_blocks_per_seq, static_cast<int64_t>(blocks_.BlockTable(seq->seq_id).size()));
   }
-  b.block_tables.assign(running_.size() * b.max_blocks_per_seq, 0);
+  b.block_tables.assign(num_scheduled_seqs * b.max_blocks_per_seq, 0);
   int64_t s = 0;
   for (const auto& seq : running_) {
-    const int64_t len = static_cast<int64_t>(seq->tokens.size());
-    for (int64_t pos = seq->num_computed; pos < len; ++pos) {
+    if (seq->num_scheduled == 0) continue;
+    const int64_t end = seq->num_computed + seq->num_scheduled;
+    for (int64_t pos = seq->num_computed; pos < end; ++pos) {
       b.token_ids.push_back(seq->tokens[pos]);
       b.positions.push_back(static_cast<int32_t>(pos));
       b.slots.push_back(blocks_.Slot(seq->seq_id, pos));
     }
     b.query_start.push_back(static_cast<int32_t>(b.token_ids.size()));
-    b.seq_lens.push_back(static_cast<int32_t>(len));
-    b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+    b.seq_lens.push_back(static_cast<int32_t>(end));
+    if (end == static_cast<int64_t>(seq->tokens.size())) {
+      b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()) - 1);
+    }
     const std::vector<int32_t>& table = blocks_.BlockTable(seq->seq_id);
     std::copy(table.begin(), table.end(), b.block_tables.begin() + s * b.max_blocks_per_seq);
     ++s;
@@ -283,12 +307,21 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   std::vector<TokenOutput> outputs;
   outputs.reserve(running_.size());
   SeqList forks;  // siblings of n > 1 requests, created from their prompt's logits
-  s = 0;
-  for (auto it = running_.begin(); it != running_.end(); ++s) {
+  int64_t row_index = 0;
+  for (auto it = running_.begin(); it != running_.end();) {
     Sequence& seq = **it;
-    seq.num_computed = static_cast<int64_t>(seq.tokens.size());
+    if (seq.num_scheduled == 0) {
+      ++it;
+      continue;
+    }
+    seq.num_computed += seq.num_scheduled;
+    seq.num_scheduled = 0;
     blocks_.CommitFullBlocks(seq.seq_id, seq.tokens, seq.num_computed);
-    std::span<float> row(logits_.data() + s * vocab, vocab);
+    if (seq.num_computed < static_cast<int64_t>(seq.tokens.size())) {  // mid-prompt chunk
+      ++it;
+      continue;
+    }
+    std::span<float> row(logits_.data() + row_index++ * vocab, vocab);
     if (!seq.forked && seq.request.n > 1) {
       seq.forked = true;
       for (int64_t i = 1; i < seq.request.n; ++i) {

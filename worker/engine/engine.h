@@ -1,11 +1,13 @@
 // The generation engine of one worker: owns the model, the KV pool and its block manager, and
 // runs requests to completion step by step.
 //
-// Each Step() forms one batch: every running sequence decodes one token; swapped-out sequences
-// come back first when their blocks fit; then waiting requests are admitted (FCFS) while their
-// blocks fit, the sequence cap and the token budget allow. Admission looks the prompt up in the
-// prefix cache: leading full blocks already computed (by any earlier sequence) are shared and
-// only the rest is prefilled, in the same forward pass as the decodes.
+// Each Step() forms one batch within a token budget (--max-num-batched-tokens): running
+// decodes first, then swapped-out sequences that fit again, then chunks of prompts still being
+// prefilled, then waiting requests admitted (FCFS) while their blocks fit, the sequence cap and
+// the budget allow — a prompt longer than what is left of the budget is prefilled in chunks
+// over several steps, each chunk attending to the earlier ones in the cache. Admission looks
+// the prompt up in the prefix cache: leading full blocks already computed (by any earlier
+// sequence) are shared and only the rest is prefilled.
 //
 // When a decode finds no free block, the newest running sequence is preempted (possibly the
 // one asking). It is swapped to the host swap space (--swap-space) when that has room for the
@@ -148,6 +150,7 @@ class Engine {
     std::vector<int32_t> tokens;     // prompt + generated
     int64_t num_computed = 0;        // tokens whose K/V are in the cache
     int64_t num_generated = 0;
+    int64_t num_scheduled = 0;       // tokens this step computes (0: not in this step)
     int64_t index = 0;               // continuation index in [0, request.n)
     bool forked = false;             // the n - 1 siblings exist (set on the first sample)
     std::mt19937_64 rng;
@@ -162,6 +165,10 @@ class Engine {
   absl::Status PreemptNewest();
   // Brings swapped-out sequences back, oldest first, while their blocks fit.
   absl::Status SwapInReady();
+  // Gives running sequences not yet scheduled this step — decodes (one token left) or
+  // prefills — writable slots for up to `*budget` tokens, oldest first, preempting when the
+  // pool is dry; sets their num_scheduled and takes it from `*budget`.
+  absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
 
   std::unique_ptr<LlamaModel> model_;

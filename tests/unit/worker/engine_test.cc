@@ -119,6 +119,35 @@ TEST_P(EngineFixtureTest, PreemptionByRecomputeKeepsGreedyOutputs) {
   EXPECT_EQ(st.num_swap_outs, 0);
 }
 
+TEST_P(EngineFixtureTest, ChunkedPrefillEqualsUnchunked) {
+  const auto expected = GreedyMixed(GetParam(), {});
+  // A budget of 7 tokens per step: prompts of up to 38 tokens are prefilled in chunks, while
+  // running decodes go first.
+  EngineOptions chunked;
+  chunked.max_num_batched_tokens = 7;
+  EXPECT_EQ(GreedyMixed(GetParam(), chunked), expected);
+  // One long prompt alone, in chunks of 16 that attend to the earlier chunks in the cache.
+  std::vector<int32_t> prompt;
+  for (int j = 0; j < 100; ++j) prompt.push_back(50 + (j * 37) % 4000);
+  auto whole = MakeEngine(GetParam());
+  auto pieces = MakeEngine(GetParam(), {.max_num_batched_tokens = 16});
+  ASSERT_NE(whole, nullptr);
+  ASSERT_NE(pieces, nullptr);
+  ASSERT_TRUE(whole->AddRequest(Request("long", prompt, 8, 0.0)).ok());
+  ASSERT_TRUE(pieces->AddRequest(Request("long", prompt, 8, 0.0)).ok());
+  int steps_before_first_token = 0;
+  std::vector<int32_t> got;
+  while (pieces->HasWork() && got.empty()) {
+    auto out = pieces->Step();
+    ASSERT_TRUE(out.ok());
+    if (out->empty()) ++steps_before_first_token;
+    for (const TokenOutput& t : *out) got.push_back(t.token_id);
+  }
+  EXPECT_EQ(steps_before_first_token, 6);  // 100 tokens: 6 chunks of 16, the 7th samples
+  for (int32_t t : Drain(*pieces)["long"]) got.push_back(t);
+  EXPECT_EQ(got, Drain(*whole)["long"]);
+}
+
 TEST_P(EngineFixtureTest, AbortFreesBlocksAndIsIdempotent) {
   auto engine = MakeEngine(GetParam());
   ASSERT_NE(engine, nullptr);
