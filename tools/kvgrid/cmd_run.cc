@@ -1,9 +1,12 @@
 // kvgrid run: generate a continuation of one prompt and stream it to stdout.
 #include <chrono>
+#include <fstream>
+#include <functional>
 #include <cstdio>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -14,12 +17,15 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid run [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3) [flags]\n"
+    "usage: kvgrid run [--model DIR] (--prompt TEXT | --prompt-ids 1,2,3 | --prompts-file F)\n"
+    "                  [flags]\n"
     "\n"
     "  --model DIR                 Hugging Face model directory (default: $KVGRID_MODEL, else\n"
     "                              the embedded models/kjv-tiny)\n"
     "  --prompt TEXT               prompt text, tokenized with the model's tokenizer.json\n"
     "  --prompt-ids IDS            prompt as comma-separated token ids\n"
+    "  --prompts-file F            offline batch: one prompt per line, all through one engine;\n"
+    "                              prints each result (one JSON object per line with --json)\n"
     "  --add-bos                   prepend the tokenizer's BOS token to a text prompt\n"
     "  --max-new-tokens N          default: generation_config.json, else 64\n"
     "  --temperature T             0 = greedy (default: generation_config.json, else 1)\n"
@@ -43,9 +49,96 @@ struct RunResult {
   std::string finish_reason;
 };
 
+// Offline batch mode: every non-empty line of `path` is a prompt; all go through one engine
+// together. A prompt the engine refuses gets an "error" entry; the others still run.
+absl::Status RunBatch(
+    const std::string& path, const worker::GenerationRequest& base,
+    const std::function<absl::StatusOr<std::vector<int32_t>>(const std::string&)>& encode,
+    worker::Engine& engine, const model::Tokenizer* tokenizer, bool json) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("--prompts-file: cannot open ", path));
+  struct Item {
+    std::string prompt;
+    RunResult result;
+    std::string error;
+    std::optional<model::IncrementalDetokenizer> detok;
+  };
+  std::vector<Item> items;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line.empty()) continue;
+    items.push_back({line, {}, {}, {}});
+  }
+  if (items.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("--prompts-file: ", path, " has no prompts"));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  absl::flat_hash_map<std::string, size_t> by_id;
+  for (size_t i = 0; i < items.size(); ++i) {
+    worker::GenerationRequest r = base;
+    r.id = absl::StrCat("prompt-", i);
+    absl::StatusOr<std::vector<int32_t>> ids = encode(items[i].prompt);
+    if (!ids.ok()) return ids.status();
+    r.prompt = *std::move(ids);
+    items[i].result.prompt_ids = r.prompt;
+    if (absl::Status s = engine.AddRequest(std::move(r)); !s.ok()) {
+      items[i].error = std::string(s.message());
+      continue;
+    }
+    by_id[absl::StrCat("prompt-", i)] = i;
+    if (tokenizer) items[i].detok.emplace(tokenizer, /*skip_special_tokens=*/true);
+  }
+  int64_t generated = 0;
+  while (engine.HasWork()) {
+    KVGRID_ASSIGN_OR_RETURN(std::vector<worker::TokenOutput> outputs, engine.Step());
+    for (const worker::TokenOutput& out : outputs) {
+      Item& item = items[by_id.at(out.request_id)];
+      item.result.token_ids.push_back(out.token_id);
+      ++generated;
+      if (item.detok) {
+        KVGRID_ASSIGN_OR_RETURN(std::string delta, item.detok->Push(out.token_id));
+        item.result.text += delta;
+      }
+      if (out.finish != worker::FinishReason::kNone) {
+        item.result.finish_reason = std::string(worker::FinishReasonName(out.finish));
+        if (item.detok) item.result.text += item.detok->Finish();
+      }
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& item = items[i];
+    if (json) {
+      nlohmann::json j = {{"index", i}, {"prompt", item.prompt}};
+      if (!item.error.empty()) {
+        j["error"] = item.error;
+      } else {
+        j["text"] = item.result.text;
+        j["tokens"] = item.result.token_ids.size();
+        j["token_ids"] = item.result.token_ids;
+        j["prompt_tokens"] = item.result.prompt_ids.size();
+        j["finish_reason"] = item.result.finish_reason;
+      }
+      std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+    } else if (!item.error.empty()) {
+      std::printf("### %zu: %s\n[error: %s]\n\n", i, item.prompt.c_str(), item.error.c_str());
+    } else {
+      std::printf("### %zu: %s\n%s\n[%zu tokens, %s]\n\n", i, item.prompt.c_str(),
+                  item.result.text.c_str(), item.result.token_ids.size(),
+                  item.result.finish_reason.c_str());
+    }
+  }
+  std::fflush(stdout);
+  std::fprintf(stderr, "[%zu prompts, %lld tokens generated in %.2f s: %.1f tokens/s]\n",
+               items.size(), static_cast<long long>(generated), seconds, generated / seconds);
+  return absl::OkStatus();
+}
+
 absl::Status Run(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
   const std::optional<std::string> prompt_text = args.GetString("prompt");
+  const std::optional<std::string> prompts_file = args.GetString("prompts-file");
   KVGRID_ASSIGN_OR_RETURN(auto prompt_ids_flag, args.GetIntList("prompt-ids"));
   KVGRID_ASSIGN_OR_RETURN(bool add_bos, args.GetBool("add-bos", false));
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
@@ -61,35 +154,43 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
-  if (prompt_text.has_value() == prompt_ids_flag.has_value()) {
-    return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
+  if (prompt_text.has_value() + prompt_ids_flag.has_value() + prompts_file.has_value() != 1) {
+    return absl::InvalidArgumentError(
+        "give exactly one of --prompt, --prompt-ids and --prompts-file");
   }
 
   KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   const model::GenerationConfig& gen = loaded.generation;
 
-  worker::GenerationRequest request;
-  request.id = "run";
-  if (prompt_text) {
+  // Text -> prompt ids (optionally after BOS).
+  auto encode = [&](const std::string& text) -> absl::StatusOr<std::vector<int32_t>> {
     if (!loaded.tokenizer) {
       return absl::FailedPreconditionError(absl::StrCat(
           (dir / "tokenizer.json").string(), " is missing; use --prompt-ids instead"));
     }
+    std::vector<int32_t> ids;
     if (add_bos) {
       if (auto bos = loaded.tokenizer->bos_token_id()) {
-        request.prompt.push_back(*bos);
+        ids.push_back(*bos);
       } else if (gen.bos_token_id) {
-        request.prompt.push_back(static_cast<int32_t>(*gen.bos_token_id));
+        ids.push_back(static_cast<int32_t>(*gen.bos_token_id));
       } else if (loaded.model->config().bos_token_id >= 0) {
-        request.prompt.push_back(static_cast<int32_t>(loaded.model->config().bos_token_id));
+        ids.push_back(static_cast<int32_t>(loaded.model->config().bos_token_id));
       } else {
         return absl::InvalidArgumentError("--add-bos: the model defines no BOS token");
       }
     }
-    std::vector<int32_t> ids = loaded.tokenizer->Encode(*prompt_text);
-    request.prompt.insert(request.prompt.end(), ids.begin(), ids.end());
-  } else {
+    std::vector<int32_t> text_ids = loaded.tokenizer->Encode(text);
+    ids.insert(ids.end(), text_ids.begin(), text_ids.end());
+    return ids;
+  };
+
+  worker::GenerationRequest request;
+  request.id = "run";
+  if (prompt_text) {
+    KVGRID_ASSIGN_OR_RETURN(request.prompt, encode(*prompt_text));
+  } else if (prompt_ids_flag) {
     request.prompt = *prompt_ids_flag;
   }
 
@@ -121,10 +222,14 @@ absl::Status Run(Args& args) {
     }
   }
 
-  RunResult result;
-  result.prompt_ids = request.prompt;
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::Engine> engine,
                           worker::Engine::Create(std::move(loaded.model), options));
+  if (prompts_file) {
+    return RunBatch(*prompts_file, request, encode, *engine, loaded.tokenizer.get(), json);
+  }
+
+  RunResult result;
+  result.prompt_ids = request.prompt;
   KVGRID_RETURN_IF_ERROR(engine->AddRequest(std::move(request)));
 
   std::optional<model::IncrementalDetokenizer> detok;
