@@ -1,6 +1,9 @@
 #include "worker/engine/engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
 #include <span>
 #include <utility>
 
@@ -100,6 +103,12 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be >= 1, got ",
                                                    request.stopping.max_new_tokens));
   }
+  if (request.stopping.min_tokens < 0 ||
+      request.stopping.min_tokens > request.stopping.max_new_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("min_tokens: must be in [0, max_new_tokens ",
+                                                   request.stopping.max_new_tokens, "], got ",
+                                                   request.stopping.min_tokens));
+  }
   if (request.n < 1 || request.n > options_.max_num_seqs) {
     return absl::InvalidArgumentError(absl::StrCat("n: must be in [1, ", options_.max_num_seqs,
                                                    "] (--max-num-seqs), got ", request.n));
@@ -120,6 +129,7 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   seq->tokens = request.prompt;
   seq->rng.seed(request.sampling.seed ? *request.sampling.seed : std::random_device{}());
   seq->request = std::move(request);
+  seq->arrival = std::chrono::steady_clock::now();
   live_[seq->request.id] = 1;
   waiting_.push_back(std::move(seq));
   return absl::OkStatus();
@@ -181,6 +191,10 @@ absl::Status Engine::SwapInReady() {
 
 FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
   const StoppingParams& stop = seq.request.stopping;
+  if (seq.num_generated <= stop.min_tokens - 1) {  // before min_tokens only length can stop
+    if (static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) return FinishReason::kLength;
+    return FinishReason::kNone;
+  }
   if (!stop.ignore_eos &&
       std::find(options_.eos_token_ids.begin(), options_.eos_token_ids.end(), token) !=
           options_.eos_token_ids.end()) {
@@ -193,6 +207,57 @@ FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {
   if (seq.num_generated >= stop.max_new_tokens) return FinishReason::kLength;
   if (static_cast<int64_t>(seq.tokens.size()) >= max_model_len_) return FinishReason::kLength;
   return FinishReason::kNone;
+}
+
+TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
+  const StoppingParams& stop = seq.request.stopping;
+  TokenOutput out;
+  out.request_id = seq.request.id;
+  out.index = seq.index;
+  // Raw-logit log-softmax for logprobs, before penalties and masks change the row.
+  std::vector<float> raw;
+  if (seq.request.sampling.logprobs >= 0) raw.assign(row.begin(), row.end());
+  if (seq.num_generated < stop.min_tokens) {
+    auto mask = [&row](int32_t id) {
+      if (id >= 0 && id < static_cast<int32_t>(row.size())) {
+        row[id] = -std::numeric_limits<float>::infinity();
+      }
+    };
+    if (!stop.ignore_eos) for (int32_t id : options_.eos_token_ids) mask(id);
+    for (int32_t id : stop.stop_token_ids) mask(id);
+  }
+  out.token_id = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
+  if (!raw.empty()) {
+    const float max = *std::max_element(raw.begin(), raw.end());
+    double sum = 0.0;
+    for (float x : raw) sum += std::exp(static_cast<double>(x) - max);
+    const float log_z = max + static_cast<float>(std::log(sum));
+    out.logprob = raw[out.token_id] - log_z;
+    const int64_t k = std::min<int64_t>(seq.request.sampling.logprobs, raw.size());
+    std::vector<int32_t> ids(raw.size());
+    std::iota(ids.begin(), ids.end(), 0);
+    std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&raw](int32_t a, int32_t b) {
+      return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
+    });
+    for (int64_t i = 0; i < k; ++i) out.top_logprobs.push_back({ids[i], raw[ids[i]] - log_z});
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (seq.num_generated == 0) seq.first_token = now;
+  seq.tokens.push_back(out.token_id);
+  ++seq.num_generated;
+  out.finish = CheckStop(seq, out.token_id);
+  if (out.finish != FinishReason::kNone) {
+    auto seconds = [&seq](std::chrono::steady_clock::time_point t) {
+      return std::chrono::duration<double>(t - seq.arrival).count();
+    };
+    out.usage.prompt_tokens = static_cast<int64_t>(seq.request.prompt.size());
+    out.usage.completion_tokens = seq.num_generated;
+    out.usage.cached_prompt_tokens = std::max<int64_t>(0, seq.cached_prompt_tokens);
+    out.timings.queued_s = seconds(seq.first_scheduled);
+    out.timings.first_token_s = seconds(seq.first_token);
+    out.timings.finished_s = seconds(now);
+  }
+  return out;
 }
 
 absl::Status Engine::Schedule(bool decodes, int64_t* budget) {
@@ -247,6 +312,10 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     absl::StatusOr<int64_t> cached = blocks_.Allocate(seq->seq_id, seq->tokens, len);
     if (!cached.ok()) break;
     seq->num_computed = *cached;
+    if (seq->cached_prompt_tokens < 0) {
+      seq->cached_prompt_tokens = *cached;
+      seq->first_scheduled = std::chrono::steady_clock::now();
+    }
     seq->num_scheduled = std::min(len - *cached, budget);
     budget -= seq->num_scheduled;
     running_.push_back(std::move(waiting_.front()));
@@ -336,14 +405,13 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
         child->rng.seed(seed ? *seed + static_cast<uint64_t>(i) : std::random_device{}());
         blocks_.Fork(seq.seq_id, child->seq_id);
         ++live_[seq.request.id];
+        child->arrival = seq.arrival;
+        child->first_scheduled = seq.first_scheduled;
+        child->cached_prompt_tokens = seq.cached_prompt_tokens;
         // Each sibling samples its first token from the prompt's logits on its own stream.
         std::vector<float> own(row.begin(), row.end());
-        const int32_t token = SampleToken(own, child->request.sampling, child->tokens, child->rng);
-        child->tokens.push_back(token);
-        child->num_generated = 1;
-        const FinishReason finish = CheckStop(*child, token);
-        outputs.push_back({child->request.id, token, finish, i});
-        if (finish != FinishReason::kNone) {
+        outputs.push_back(SampleNext(*child, own));
+        if (outputs.back().finish != FinishReason::kNone) {
           blocks_.Free(child->seq_id);
           if (--live_[child->request.id] == 0) live_.erase(child->request.id);
         } else {
@@ -351,12 +419,8 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
         }
       }
     }
-    const int32_t token = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
-    seq.tokens.push_back(token);
-    ++seq.num_generated;
-    const FinishReason finish = CheckStop(seq, token);
-    outputs.push_back({seq.request.id, token, finish, seq.index});
-    if (finish != FinishReason::kNone) {
+    outputs.push_back(SampleNext(seq, row));
+    if (outputs.back().finish != FinishReason::kNone) {
       blocks_.Free(seq.seq_id);
       if (--live_[seq.request.id] == 0) live_.erase(seq.request.id);
       it = running_.erase(it);

@@ -27,6 +27,8 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <optional>
+#include <span>
 #include <random>
 #include <string>
 #include <vector>
@@ -44,6 +46,7 @@ namespace kvgrid::worker {
 
 struct StoppingParams {
   int64_t max_new_tokens = 16;        // >= 1
+  int64_t min_tokens = 0;             // EOS and stop ids are masked until this many tokens
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
 };
@@ -66,11 +69,33 @@ enum class FinishReason : uint8_t {
 };
 std::string_view FinishReasonName(FinishReason reason);
 
+struct TokenLogprob {
+  int32_t token_id = -1;
+  float logprob = 0.f;  // log-softmax of the model's raw logits
+};
+
+// Filled on a continuation's last output (finish != kNone).
+struct RequestUsage {
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // prompt tokens found in the prefix cache at admission
+};
+struct RequestTimings {
+  double queued_s = 0;       // arrival -> first scheduled
+  double first_token_s = 0;  // arrival -> first token
+  double finished_s = 0;     // arrival -> last token
+};
+
 struct TokenOutput {
   std::string request_id;
   int32_t token_id = -1;
   FinishReason finish = FinishReason::kNone;
   int64_t index = 0;  // which of the request's n continuations
+  // With sampling.logprobs >= 0: the chosen token's logprob, and the top-k alternatives.
+  std::optional<float> logprob;
+  std::vector<TokenLogprob> top_logprobs;
+  RequestUsage usage;
+  RequestTimings timings;
 };
 
 struct EngineOptions {
@@ -151,6 +176,8 @@ class Engine {
     int64_t num_computed = 0;        // tokens whose K/V are in the cache
     int64_t num_generated = 0;
     int64_t num_scheduled = 0;       // tokens this step computes (0: not in this step)
+    int64_t cached_prompt_tokens = -1;  // prefix-cache hit at first admission (-1: not yet)
+    std::chrono::steady_clock::time_point arrival, first_scheduled, first_token;
     int64_t index = 0;               // continuation index in [0, request.n)
     bool forked = false;             // the n - 1 siblings exist (set on the first sample)
     std::mt19937_64 rng;
@@ -170,6 +197,9 @@ class Engine {
   // pool is dry; sets their num_scheduled and takes it from `*budget`.
   absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
+  // Samples `seq`'s next token from `row` (which it modifies), appends it, and returns the
+  // output with logprobs, and usage and timings when the sequence finishes.
+  TokenOutput SampleNext(Sequence& seq, std::span<float> row);
 
   std::unique_ptr<LlamaModel> model_;
   EngineOptions options_;

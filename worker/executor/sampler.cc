@@ -29,6 +29,10 @@ absl::Status SamplingParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("repetition_penalty: must be > 0, got ", repetition_penalty));
   }
+  if (logprobs < -1 || logprobs > 20) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs: must be in [-1, 20] (-1 = none), got ", logprobs));
+  }
   return absl::OkStatus();
 }
 

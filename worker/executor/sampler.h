@@ -20,6 +20,7 @@ struct SamplingParams {
   double min_p = 0.0;               // [0, 1]: drop tokens below min_p * p(top token)
   double repetition_penalty = 1.0;  // > 0; 1 = off (HF semantics: divide positive logits)
   std::optional<uint64_t> seed;     // absent: drawn from the OS
+  int64_t logprobs = -1;            // -1: none; k >= 0: chosen token's plus the top k (<= 20)
 
   // INVALID_ARGUMENT naming the field (e.g. "top_p: must be in (0, 1], got 1.5").
   absl::Status Validate() const;

@@ -3,6 +3,7 @@
 // requests are refused with the field named.
 #include "worker/engine/engine.h"
 
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -147,6 +148,101 @@ TEST_P(EngineFixtureTest, ChunkedPrefillEqualsUnchunked) {
   const auto rest = Drain(*pieces);
   got.insert(got.end(), rest.at("long").begin(), rest.at("long").end());
   EXPECT_EQ(got, Drain(*whole)["long"]);
+}
+
+TEST_P(EngineFixtureTest, MinTokensMasksStopTokensUntilReached) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("g", {10, 11, 12}, 6, 0.0)).ok());
+  const std::vector<int32_t> greedy = Drain(*engine)["g"];
+  GenerationRequest r = Request("m", {10, 11, 12}, 6, 0.0);
+  r.stopping.stop_token_ids = {greedy[0]};
+  r.stopping.min_tokens = 3;
+  ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  const std::vector<int32_t> got = Drain(*engine)["m"];
+  ASSERT_GE(got.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NE(got[i], greedy[0]) << i;  // masked
+  GenerationRequest bad = Request("b", {1}, 4, 0.0);
+  bad.stopping.min_tokens = 5;
+  EXPECT_EQ(engine->AddRequest(std::move(bad)).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_P(EngineFixtureTest, LogprobsUsageAndTimings) {
+  auto engine = MakeEngine(GetParam());
+  ASSERT_NE(engine, nullptr);
+  GenerationRequest r = Request("lp", std::vector<int32_t>(40, 17), 5, 0.0);
+  r.sampling.logprobs = 3;
+  ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  std::vector<TokenOutput> outs;
+  while (engine->HasWork()) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    outs.insert(outs.end(), step->begin(), step->end());
+  }
+  ASSERT_EQ(outs.size(), 5u);
+  for (const TokenOutput& o : outs) {
+    ASSERT_TRUE(o.logprob.has_value());
+    ASSERT_EQ(o.top_logprobs.size(), 3u);
+    EXPECT_EQ(o.top_logprobs[0].token_id, o.token_id);  // greedy picks the top token
+    EXPECT_FLOAT_EQ(o.top_logprobs[0].logprob, *o.logprob);
+    EXPECT_LE(*o.logprob, 0.f);
+    EXPECT_GE(o.top_logprobs[0].logprob, o.top_logprobs[1].logprob);
+    double mass = 0;
+    for (const TokenLogprob& t : o.top_logprobs) mass += std::exp(t.logprob);
+    EXPECT_LE(mass, 1.0 + 1e-5);
+  }
+  const TokenOutput& last = outs.back();
+  EXPECT_EQ(last.usage.prompt_tokens, 40);
+  EXPECT_EQ(last.usage.completion_tokens, 5);
+  EXPECT_LE(last.timings.queued_s, last.timings.first_token_s);
+  EXPECT_LE(last.timings.first_token_s, last.timings.finished_s);
+  // The same prompt again hits the prefix cache (2 full blocks of 16).
+  ASSERT_TRUE(engine->AddRequest(Request("again", std::vector<int32_t>(40, 17), 1, 0.0)).ok());
+  std::vector<TokenOutput> again;
+  while (engine->HasWork()) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    again.insert(again.end(), step->begin(), step->end());
+  }
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(again[0].usage.cached_prompt_tokens, 32);
+  EXPECT_FALSE(again[0].logprob.has_value());
+}
+
+TEST_P(EngineFixtureTest, AbortMidPrefillFreesEveryBlock) {
+  auto engine = MakeEngine(GetParam(), {.max_num_batched_tokens = 8});
+  ASSERT_NE(engine, nullptr);
+  ASSERT_TRUE(engine->AddRequest(Request("long", std::vector<int32_t>(60, 21), 4, 0.0)).ok());
+  ASSERT_TRUE(engine->Step().ok());  // first chunk of 8
+  ASSERT_TRUE(engine->Step().ok());
+  EXPECT_GT(engine->Stats().blocks_used, 0);
+  engine->Abort("long");
+  EXPECT_EQ(engine->Stats().blocks_used, 0);
+  EXPECT_FALSE(engine->HasWork());
+}
+
+TEST_P(EngineFixtureTest, BurstAgainstATinyPoolCompletesWithoutLeaks) {
+  auto probe = MakeEngine(GetParam());
+  ASSERT_NE(probe, nullptr);
+  EngineOptions tiny;
+  tiny.block_size = 8;
+  tiny.kv_cache_memory = 12 * 8 * probe->Stats().bytes_per_token;  // 96 tokens
+  tiny.max_num_batched_tokens = 32;
+  auto engine = MakeEngine(GetParam(), tiny);
+  ASSERT_NE(engine, nullptr);
+  for (int i = 0; i < 200; ++i) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 1 + i % 23; ++j) prompt.push_back(100 + (i * 7 + j * 3) % 900);
+    GenerationRequest r = Request("b" + std::to_string(i), prompt, 1 + i % 17,
+                                  i % 2 ? 0.8 : 0.0, 9000 + i);
+    ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
+  }
+  const auto out = Drain(*engine);  // checks that every block is back
+  ASSERT_EQ(out.size(), 200u);
+  for (int i = 0; i < 200; ++i) {
+    EXPECT_EQ(out.at("b" + std::to_string(i)).size(), static_cast<size_t>(1 + i % 17));
+  }
+  EXPECT_GT(engine->Stats().num_preemptions, 0);
 }
 
 TEST_P(EngineFixtureTest, AbortFreesBlocksAndIsIdempotent) {
