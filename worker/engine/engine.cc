@@ -109,6 +109,14 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
                                                    request.stopping.max_new_tokens, "], got ",
                                                    request.stopping.min_tokens));
   }
+  for (size_t i = 0; i < request.stopping.stop_strings.size(); ++i) {
+    if (request.stopping.stop_strings[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("stop[", i, "]: must not be empty"));
+    }
+  }
+  if (!request.stopping.stop_strings.empty() && options_.tokenizer == nullptr) {
+    return absl::InvalidArgumentError("stop: stop strings need a tokenizer on this worker");
+  }
   if (request.n < 1 || request.n > options_.max_num_seqs) {
     return absl::InvalidArgumentError(absl::StrCat("n: must be in [1, ", options_.max_num_seqs,
                                                    "] (--max-num-seqs), got ", request.n));
@@ -130,6 +138,11 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   seq->rng.seed(request.sampling.seed ? *request.sampling.seed : std::random_device{}());
   seq->request = std::move(request);
   seq->arrival = std::chrono::steady_clock::now();
+  if (options_.tokenizer) seq->detok.emplace(options_.tokenizer, /*skip_special_tokens=*/true);
+  if (!seq->request.stopping.stop_strings.empty()) {
+    seq->stops.emplace(seq->request.stopping.stop_strings,
+                       seq->request.stopping.include_stop_str_in_output);
+  }
   live_[seq->request.id] = 1;
   waiting_.push_back(std::move(seq));
   return absl::OkStatus();
@@ -246,6 +259,20 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
   seq.tokens.push_back(out.token_id);
   ++seq.num_generated;
   out.finish = CheckStop(seq, out.token_id);
+  if (seq.detok) {
+    // Ids the tokenizer does not know (padded vocabularies) carry no text.
+    std::string delta = seq.detok->Push(out.token_id).value_or("");
+    if (out.finish != FinishReason::kNone) delta += seq.detok->Finish();
+    // Stop strings, like stop ids, count only once min_tokens are out.
+    if (seq.stops && seq.num_generated > stop.min_tokens) {
+      StopStringMatcher::Result r = seq.stops->Push(delta);
+      out.text = std::move(r.emit);
+      if (r.stopped) out.finish = FinishReason::kStop;
+      if (out.finish != FinishReason::kNone) out.text += seq.stops->Flush();
+    } else {
+      out.text = std::move(delta);
+    }
+  }
   if (out.finish != FinishReason::kNone) {
     auto seconds = [&seq](std::chrono::steady_clock::time_point t) {
       return std::chrono::duration<double>(t - seq.arrival).count();
@@ -408,6 +435,8 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
         child->arrival = seq.arrival;
         child->first_scheduled = seq.first_scheduled;
         child->cached_prompt_tokens = seq.cached_prompt_tokens;
+        child->detok = seq.detok;
+        child->stops = seq.stops;
         // Each sibling samples its first token from the prompt's logits on its own stream.
         std::vector<float> own(row.begin(), row.end());
         outputs.push_back(SampleNext(*child, own));

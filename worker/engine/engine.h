@@ -37,6 +37,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/kv_dtype.h"
+#include "model/tokenizer.h"
+#include "worker/engine/stop_strings.h"
 #include "worker/executor/llama_model.h"
 #include "worker/executor/sampler.h"
 #include "worker/kv/block_manager.h"
@@ -49,6 +51,11 @@ struct StoppingParams {
   int64_t min_tokens = 0;             // EOS and stop ids are masked until this many tokens
   bool ignore_eos = false;
   std::vector<int32_t> stop_token_ids;  // in addition to the model's EOS ids
+  // End the sequence when its text contains one of these (needs EngineOptions::tokenizer).
+  // Streamed text holds back any possible start of a stop string, so it never shows part of
+  // one; the stop string itself is left out unless include_stop_str_in_output.
+  std::vector<std::string> stop_strings;
+  bool include_stop_str_in_output = false;
 };
 
 struct GenerationRequest {
@@ -91,6 +98,7 @@ struct TokenOutput {
   int32_t token_id = -1;
   FinishReason finish = FinishReason::kNone;
   int64_t index = 0;  // which of the request's n continuations
+  std::string text;   // new text (with a tokenizer): complete UTF-8, stop strings withheld
   // With sampling.logprobs >= 0: the chosen token's logprob, and the top-k alternatives.
   std::optional<float> logprob;
   std::vector<TokenLogprob> top_logprobs;
@@ -107,6 +115,9 @@ struct EngineOptions {
   int64_t max_num_batched_tokens = 8192;   // prefill admissions stop at this many tokens
   int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
   bool enable_prefix_caching = true;
+  // Detokenizes outputs into TokenOutput::text and enables stop strings. Not owned; must
+  // outlive the engine. May be null (ids only).
+  const model::Tokenizer* tokenizer = nullptr;
   int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
   std::vector<int32_t> eos_token_ids;
 };
@@ -178,6 +189,8 @@ class Engine {
     int64_t num_scheduled = 0;       // tokens this step computes (0: not in this step)
     int64_t cached_prompt_tokens = -1;  // prefix-cache hit at first admission (-1: not yet)
     std::chrono::steady_clock::time_point arrival, first_scheduled, first_token;
+    std::optional<model::IncrementalDetokenizer> detok;  // with a tokenizer
+    std::optional<StopStringMatcher> stops;             // with stop strings
     int64_t index = 0;               // continuation index in [0, request.n)
     bool forked = false;             // the n - 1 siblings exist (set on the first sample)
     std::mt19937_64 rng;

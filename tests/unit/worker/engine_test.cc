@@ -8,9 +8,11 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "model/tokenizer.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -478,6 +480,87 @@ TEST_P(EngineFixtureTest, AbortOfAParallelRequestFreesEveryContinuation) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, EngineFixtureTest,
                          ::testing::Values("llama3-tiny", "qwen2-tiny"));
+
+}  // namespace
+}  // namespace kvgrid::worker
+
+namespace kvgrid::worker {
+namespace {
+
+// Stop strings on the embedded trained model, whose text is plain English.
+class StopStringEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const std::filesystem::path dir = std::filesystem::path(KVGRID_SOURCE_DIR) / "models/kjv-tiny";
+    auto tok = model::Tokenizer::FromFile(dir / "tokenizer.json");
+    ASSERT_TRUE(tok.ok()) << tok.status();
+    tokenizer_ = *std::move(tok);
+    dir_ = dir;
+  }
+  std::unique_ptr<Engine> Make() {
+    auto model = LlamaModel::Load(dir_);
+    EXPECT_TRUE(model.ok());
+    EngineOptions o;
+    o.tokenizer = tokenizer_.get();
+    auto engine = Engine::Create(*std::move(model), o);
+    EXPECT_TRUE(engine.ok());
+    return *std::move(engine);
+  }
+  // Runs one request; returns (concatenated text, every delta, last finish reason).
+  std::tuple<std::string, std::vector<std::string>, FinishReason> Run(Engine& e,
+                                                                      GenerationRequest r) {
+    EXPECT_TRUE(e.AddRequest(std::move(r)).ok());
+    std::string text;
+    std::vector<std::string> deltas;
+    FinishReason finish = FinishReason::kNone;
+    while (e.HasWork()) {
+      auto step = e.Step();
+      EXPECT_TRUE(step.ok());
+      for (const TokenOutput& t : *step) {
+        text += t.text;
+        deltas.push_back(t.text);
+        finish = t.finish;
+      }
+    }
+    return {text, deltas, finish};
+  }
+  std::filesystem::path dir_;
+  std::unique_ptr<model::Tokenizer> tokenizer_;
+};
+
+TEST_F(StopStringEngineTest, StopStringEndsTheStreamAndNeverLeaks) {
+  auto engine = Make();
+  const std::vector<int32_t> prompt = tokenizer_->Encode("And the LORD said unto Moses");
+  auto [full, unused, f0] = Run(*engine, Request("full", prompt, 40, 0.0));
+  ASSERT_GT(full.size(), 40u);
+  // A stop string from the middle of the greedy text (it may span tokens).
+  const std::string stop = full.substr(full.size() / 2, 5);
+  const size_t at = full.find(stop);
+  GenerationRequest r = Request("stop", prompt, 40, 0.0);
+  r.stopping.stop_strings = {stop};
+  auto [text, deltas, finish] = Run(*engine, r);
+  EXPECT_EQ(finish, FinishReason::kStop);
+  EXPECT_EQ(text, full.substr(0, at));
+  for (const std::string& d : deltas) EXPECT_EQ(d.find(stop), std::string::npos);
+  r.id = "incl";
+  r.stopping.include_stop_str_in_output = true;
+  auto [with_stop, d2, f2] = Run(*engine, r);
+  EXPECT_EQ(with_stop, full.substr(0, at + stop.size()));
+  EXPECT_EQ(engine->Stats().blocks_used, 0);
+}
+
+TEST_F(StopStringEngineTest, StopStringsNeedATokenizerAndNonEmptyStrings) {
+  auto engine = Make();
+  GenerationRequest r = Request("e", {5, 6}, 4, 0.0);
+  r.stopping.stop_strings = {""};
+  EXPECT_EQ(engine->AddRequest(r).code(), absl::StatusCode::kInvalidArgument);
+  auto model = LlamaModel::Load(dir_);
+  ASSERT_TRUE(model.ok());
+  auto bare = Engine::Create(*std::move(model), {});
+  ASSERT_TRUE(bare.ok());
+  r.stopping.stop_strings = {"x"};
+  EXPECT_EQ((*bare)->AddRequest(r).code(), absl::StatusCode::kInvalidArgument);
+}
 
 }  // namespace
 }  // namespace kvgrid::worker
