@@ -53,3 +53,13 @@ def test_missing_or_empty_file(tmp_path):
     r = subprocess.run([str(BIN), "run", "--prompts-file", str(empty)], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode != 0 and "no prompts" in r.stderr
+
+
+def test_stop_string_through_the_cli():
+    full = json.loads(kvgrid("run", "--prompt", "And the LORD said unto Moses", "--max-new-tokens",
+                             60, "--temperature", 0, "--json"))
+    stop = full["text"][len(full["text"]) // 2:][:6]
+    cut = json.loads(kvgrid("run", "--prompt", "And the LORD said unto Moses", "--max-new-tokens",
+                            60, "--temperature", 0, "--json", "--stop", stop))
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full["text"][:full["text"].find(stop)]

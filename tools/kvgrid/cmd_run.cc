@@ -32,6 +32,9 @@ constexpr char kHelp[] =
     "  --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
     "  --ignore-eos                keep generating past EOS\n"
     "  --stop-token-ids IDS        extra token ids that end the sequence\n"
+    "  --stop TEXT                 a stop string (left out of the text unless\n"
+    "                              --include-stop-str-in-output)\n"
+    "  --min-tokens N              no EOS, stop id or stop string before N tokens\n"
     "  --kv-cache-dtype D          fp32 (default), fp16, bf16, int8, int4, or auto (the model's\n"
     "                              dtype); --k-cache-dtype / --v-cache-dtype choose separately\n"
     "  --kv-cache-memory BYTES     KV pool size, e.g. 256MiB (default 256MiB)\n"
@@ -54,20 +57,19 @@ struct RunResult {
 absl::Status RunBatch(
     const std::string& path, const worker::GenerationRequest& base,
     const std::function<absl::StatusOr<std::vector<int32_t>>(const std::string&)>& encode,
-    worker::Engine& engine, const model::Tokenizer* tokenizer, bool json) {
+    worker::Engine& engine, bool json) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("--prompts-file: cannot open ", path));
   struct Item {
     std::string prompt;
     RunResult result;
     std::string error;
-    std::optional<model::IncrementalDetokenizer> detok;
   };
   std::vector<Item> items;
   for (std::string line; std::getline(in, line);) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty()) continue;
-    items.push_back({line, {}, {}, {}});
+    items.push_back({line, {}, {}});
   }
   if (items.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--prompts-file: ", path, " has no prompts"));
@@ -86,7 +88,6 @@ absl::Status RunBatch(
       continue;
     }
     by_id[absl::StrCat("prompt-", i)] = i;
-    if (tokenizer) items[i].detok.emplace(tokenizer, /*skip_special_tokens=*/true);
   }
   int64_t generated = 0;
   while (engine.HasWork()) {
@@ -95,13 +96,9 @@ absl::Status RunBatch(
       Item& item = items[by_id.at(out.request_id)];
       item.result.token_ids.push_back(out.token_id);
       ++generated;
-      if (item.detok) {
-        KVGRID_ASSIGN_OR_RETURN(std::string delta, item.detok->Push(out.token_id));
-        item.result.text += delta;
-      }
+      item.result.text += out.text;
       if (out.finish != worker::FinishReason::kNone) {
         item.result.finish_reason = std::string(worker::FinishReasonName(out.finish));
-        if (item.detok) item.result.text += item.detok->Finish();
       }
     }
   }
@@ -151,6 +148,9 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto repetition_penalty, args.GetDouble("repetition-penalty"));
   KVGRID_ASSIGN_OR_RETURN(auto seed, args.GetInt("seed"));
   KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
+  const std::optional<std::string> stop_string = args.GetString("stop");
+  KVGRID_ASSIGN_OR_RETURN(bool include_stop, args.GetBool("include-stop-str-in-output", false));
+  KVGRID_ASSIGN_OR_RETURN(auto min_tokens, args.GetInt("min-tokens"));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
@@ -213,6 +213,9 @@ absl::Status Run(Args& args) {
                                                          : 64;
   request.stopping.ignore_eos = ignore_eos;
   if (stop_ids) request.stopping.stop_token_ids = *stop_ids;
+  if (stop_string) request.stopping.stop_strings = {*stop_string};
+  request.stopping.include_stop_str_in_output = include_stop;
+  if (min_tokens) request.stopping.min_tokens = *min_tokens;
 
   // EOS ids outside the vocabulary can never be sampled; dropping them avoids truncation.
   const int64_t vocab = loaded.model->config().vocab_size;
@@ -222,18 +225,18 @@ absl::Status Run(Args& args) {
     }
   }
 
+  options.tokenizer = loaded.tokenizer.get();  // text and stop strings come from the engine
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::Engine> engine,
                           worker::Engine::Create(std::move(loaded.model), options));
   if (prompts_file) {
-    return RunBatch(*prompts_file, request, encode, *engine, loaded.tokenizer.get(), json);
+    return RunBatch(*prompts_file, request, encode, *engine, json);
   }
 
   RunResult result;
   result.prompt_ids = request.prompt;
   KVGRID_RETURN_IF_ERROR(engine->AddRequest(std::move(request)));
 
-  std::optional<model::IncrementalDetokenizer> detok;
-  if (loaded.tokenizer) detok.emplace(loaded.tokenizer.get(), /*skip_special_tokens=*/true);
+  const bool has_text = loaded.tokenizer != nullptr;
   const auto start = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point first_token;
   while (engine->HasWork()) {
@@ -241,23 +244,15 @@ absl::Status Run(Args& args) {
     for (const worker::TokenOutput& out : outputs) {
       if (result.token_ids.empty()) first_token = std::chrono::steady_clock::now();
       result.token_ids.push_back(out.token_id);
-      if (detok) {
-        KVGRID_ASSIGN_OR_RETURN(std::string delta, detok->Push(out.token_id));
-        result.text += delta;
-        if (!json) {
-          std::fwrite(delta.data(), 1, delta.size(), stdout);
-          std::fflush(stdout);
-        }
+      result.text += out.text;
+      if (!json && !out.text.empty()) {
+        std::fwrite(out.text.data(), 1, out.text.size(), stdout);
+        std::fflush(stdout);
       }
       if (out.finish != worker::FinishReason::kNone) {
         result.finish_reason = std::string(worker::FinishReasonName(out.finish));
       }
     }
-  }
-  if (detok) {
-    std::string tail = detok->Finish();
-    result.text += tail;
-    if (!json) std::fwrite(tail.data(), 1, tail.size(), stdout);
   }
   const auto end = std::chrono::steady_clock::now();
   const double total_s = std::chrono::duration<double>(end - start).count();
@@ -271,7 +266,7 @@ absl::Status Run(Args& args) {
     j["finish_reason"] = result.finish_reason;
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
-    if (!detok) {
+    if (!has_text) {
       for (int32_t id : result.token_ids) std::printf("%d ", id);
     }
     std::printf("\n");
