@@ -45,6 +45,10 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
   }
+  if (!(options.watermark >= 0.0 && options.watermark < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermark: must be in [0, 1), got ", options.watermark));
+  }
   if (options.swap_space < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
@@ -144,7 +148,11 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
                        seq->request.stopping.include_stop_str_in_output);
   }
   live_[seq->request.id] = 1;
-  waiting_.push_back(std::move(seq));
+  const int64_t priority = seq->request.priority;
+  auto pos = std::find_if(waiting_.begin(), waiting_.end(), [priority](const auto& w) {
+    return w->request.priority > priority;
+  });
+  waiting_.insert(pos, std::move(seq));
   return absl::OkStatus();
 }
 
@@ -336,6 +344,13 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence* seq = waiting_.front().get();
     const int64_t len = static_cast<int64_t>(seq->tokens.size());
+    // Keep the watermark free for the running sequences (counting no prefix hits).
+    const int64_t watermark_blocks =
+        static_cast<int64_t>(options_.watermark * static_cast<double>(blocks_.num_blocks()));
+    if (!running_.empty() &&
+        blocks_.num_free_blocks() - blocks_.BlocksFor(len) < watermark_blocks) {
+      break;
+    }
     absl::StatusOr<int64_t> cached = blocks_.Allocate(seq->seq_id, seq->tokens, len);
     if (!cached.ok()) break;
     seq->num_computed = *cached;

@@ -63,6 +63,8 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;        // token ids, non-empty
   SamplingParams sampling;
   StoppingParams stopping;
+  // Lower values are admitted first; equal priorities are first come, first served.
+  int64_t priority = 0;
   // Parallel sampling: n continuations of one prompt. The prompt is prefilled once and its
   // blocks are shared by all n (copy-on-write); continuation i draws from its own random
   // stream, seeded with seed + i when a seed is given.
@@ -112,7 +114,10 @@ struct EngineOptions {
   kernels::KvDType v_dtype = kernels::KvDType::kF32;
   int64_t kv_cache_memory = 256ll << 20;   // bytes for the KV pool
   int64_t max_num_seqs = 64;
-  int64_t max_num_batched_tokens = 8192;   // prefill admissions stop at this many tokens
+  int64_t max_num_batched_tokens = 8192;   // tokens computed per step (decodes + prefill)
+  // Share of the pool kept free when admitting while other sequences run, so running
+  // decodes do not immediately preempt each other.
+  double watermark = 0.01;
   int64_t max_model_len = 0;               // 0 = the model's max_position_embeddings
   bool enable_prefix_caching = true;
   // Detokenizes outputs into TokenOutput::text and enables stop strings. Not owned; must

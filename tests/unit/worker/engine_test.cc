@@ -247,6 +247,47 @@ TEST_P(EngineFixtureTest, BurstAgainstATinyPoolCompletesWithoutLeaks) {
   EXPECT_GT(engine->Stats().num_preemptions, 0);
 }
 
+TEST_P(EngineFixtureTest, SeededRequestIsTheSameAloneAndInABatchOfSixteen) {
+  auto alone = MakeEngine(GetParam());
+  ASSERT_NE(alone, nullptr);
+  GenerationRequest probe = Request("seeded", {40, 41, 42, 43, 44}, 14, 1.1, 4242);
+  probe.sampling.top_k = 50;
+  ASSERT_TRUE(alone->AddRequest(probe).ok());
+  const auto expected = Drain(*alone)["seeded"];
+  auto batch = MakeEngine(GetParam());
+  ASSERT_NE(batch, nullptr);
+  for (int i = 0; i < 15; ++i) {
+    std::vector<int32_t> prompt;
+    for (int j = 0; j < 2 + (i * 5) % 31; ++j) prompt.push_back(500 + i * 31 + j);
+    ASSERT_TRUE(batch->AddRequest(Request("o" + std::to_string(i), prompt, 3 + i,
+                                          i % 3 ? 0.7 : 0.0, i))
+                    .ok());
+    if (i == 7) ASSERT_TRUE(batch->AddRequest(probe).ok());
+  }
+  EXPECT_EQ(Drain(*batch)["seeded"], expected);
+}
+
+TEST_P(EngineFixtureTest, PriorityAdmitsLowerValuesFirst) {
+  auto engine = MakeEngine(GetParam(), {.max_num_seqs = 1});
+  ASSERT_NE(engine, nullptr);
+  GenerationRequest late = Request("late", {1, 2}, 2, 0.0);
+  late.priority = 5;
+  GenerationRequest urgent = Request("urgent", {3, 4}, 2, 0.0);
+  urgent.priority = -1;
+  ASSERT_TRUE(engine->AddRequest(late).ok());
+  ASSERT_TRUE(engine->AddRequest(Request("normal", {5, 6}, 2, 0.0)).ok());
+  ASSERT_TRUE(engine->AddRequest(urgent).ok());
+  std::vector<std::string> order;
+  while (engine->HasWork()) {
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    for (const TokenOutput& t : *step) {
+      if (order.empty() || order.back() != t.request_id) order.push_back(t.request_id);
+    }
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"urgent", "normal", "late"}));
+}
+
 TEST_P(EngineFixtureTest, AbortFreesBlocksAndIsIdempotent) {
   auto engine = MakeEngine(GetParam());
   ASSERT_NE(engine, nullptr);
