@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_models.h"
 #include "nlohmann/json.hpp"
 #include "worker/engine/engine.h"
 #include "worker/executor/llama_model.h"
@@ -49,24 +50,6 @@ double TriadBandwidth(int repeats) {
   return best;
 }
 
-kvgrid::model::ModelConfig Qwen2HalfB() {
-  kvgrid::model::ModelConfig c;
-  c.model_type = "qwen2";
-  c.vocab_size = 151936;
-  c.hidden_size = 896;
-  c.intermediate_size = 4864;
-  c.num_hidden_layers = 24;
-  c.num_attention_heads = 14;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.max_position_embeddings = 32768;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000000.0;
-  c.tie_word_embeddings = true;
-  c.attention_bias = true;
-  return c;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,7 +79,7 @@ int main(int argc, char** argv) {
     return 2;
   }
 
-  const kvgrid::model::ModelConfig config = Qwen2HalfB();
+  const kvgrid::model::ModelConfig config = kvgrid::bench::Qwen2HalfBConfig();
   auto model = kvgrid::worker::LlamaModel::FromWeights(
       config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
   if (!model.ok()) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kernels/cpu/kv_write.h"
+#include "bench/bench_models.h"
 #include "nlohmann/json.hpp"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
@@ -25,24 +26,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using kvgrid::kernels::KvDType;
-
-kvgrid::model::ModelConfig Qwen2HalfB() {
-  kvgrid::model::ModelConfig c;
-  c.model_type = "qwen2";
-  c.vocab_size = 151936;
-  c.hidden_size = 896;
-  c.intermediate_size = 4864;
-  c.num_hidden_layers = 24;
-  c.num_attention_heads = 14;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.max_position_embeddings = 32768;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000000.0;
-  c.tie_word_embeddings = true;
-  c.attention_bias = true;
-  return c;
-}
 
 // Tokens per second decoding `steps` tokens after a synthetic context of `context` tokens.
 double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t context,
@@ -121,7 +104,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const kvgrid::model::ModelConfig config = Qwen2HalfB();
+  const kvgrid::model::ModelConfig config = kvgrid::bench::Qwen2HalfBConfig();
   auto model = kvgrid::worker::LlamaModel::FromWeights(
       config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
   if (!model.ok()) {

@@ -1,0 +1,31 @@
+// Model shapes the benchmarks share.
+#ifndef KVGRID_BENCH_BENCH_MODELS_H_
+#define KVGRID_BENCH_BENCH_MODELS_H_
+
+#include "model/model_config.h"
+
+namespace kvgrid::bench {
+
+// Qwen2-0.5B's architecture (24 layers, hidden 896, 14 heads / 2 KV heads, head_dim 64,
+// intermediate 4864, vocab 151936, tied head, q/k/v bias), for random-weight benchmarks.
+inline model::ModelConfig Qwen2HalfBConfig() {
+  model::ModelConfig c;
+  c.model_type = "qwen2";
+  c.vocab_size = 151936;
+  c.hidden_size = 896;
+  c.intermediate_size = 4864;
+  c.num_hidden_layers = 24;
+  c.num_attention_heads = 14;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.max_position_embeddings = 32768;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000000.0;
+  c.tie_word_embeddings = true;
+  c.attention_bias = true;
+  return c;
+}
+
+}  // namespace kvgrid::bench
+
+#endif  // KVGRID_BENCH_BENCH_MODELS_H_
