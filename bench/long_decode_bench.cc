@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <map>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -66,15 +67,9 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t pos = context + i;
-    kvgrid::worker::ForwardBatch b;
-    b.token_ids = {static_cast<int32_t>((pos * 7919) % 150000)};
-    b.positions = {static_cast<int32_t>(pos)};
-    b.slots = {blocks.Slot(1, pos)};
-    b.query_start = {0, 1};
-    b.seq_lens = {static_cast<int32_t>(pos + 1)};
-    b.block_tables = blocks.BlockTable(1);
-    b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
-    b.logit_rows = {0};
+    const int32_t token = static_cast<int32_t>((pos * 7919) % 150000);
+    const kvgrid::worker::ForwardBatch b =
+        kvgrid::worker::SingleSequenceBatch(blocks, 1, pos, std::span<const int32_t>(&token, 1));
     if (!model.Forward(b, **pool, &logits).ok()) return 0;
   }
   return steps / std::chrono::duration<double>(Clock::now() - t0).count();

@@ -1,15 +1,13 @@
 #include "model/generation_config.h"
 
 #include <cmath>
-#include <fstream>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <system_error>
 
-#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "model/json_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvgrid::model {
@@ -125,17 +123,9 @@ class Reader {
 
 absl::StatusOr<GenerationConfig> ParseGenerationConfig(std::string_view json_text,
                                                        std::string_view source) {
-  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
-  Json root;
-  try {
-    root = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": malformed JSON: ", e.what()));
-  }
-  if (!root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Sv(source), ": expected a JSON object at the top level, got ", root.type_name()));
-  }
+  absl::StatusOr<Json> parsed = ParseJsonObject(json_text, source);
+  if (!parsed.ok()) return parsed.status();
+  const Json& root = *parsed;
   const Reader r(root, source);
   GenerationConfig config;
   constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -163,19 +153,9 @@ absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::filesystem::pat
   const std::filesystem::path file =
       std::filesystem::is_regular_file(dir, ec) ? dir : dir / "generation_config.json";
   if (!std::filesystem::exists(file, ec)) return GenerationConfig{};
-  const std::uintmax_t size = std::filesystem::file_size(file, ec);
-  if (ec) return absl::InvalidArgumentError(absl::StrCat(file.string(), ": ", ec.message()));
-  if (size > kMaxGenerationConfigBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.string(), ": ", size, " bytes is too large for a generation_config.json"));
-  }
-  std::ifstream in(file, std::ios::binary);
-  if (!in.is_open()) {
-    return absl::PermissionDeniedError(absl::StrCat(file.string(), ": cannot be opened"));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return ParseGenerationConfig(text.str(), file.string());
+  absl::StatusOr<std::string> text = ReadSmallFile(file, kMaxGenerationConfigBytes);
+  if (!text.ok()) return text.status();
+  return ParseGenerationConfig(*text, file.string());
 }
 
 }  // namespace kvgrid::model

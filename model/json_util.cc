@@ -1,5 +1,7 @@
 #include "model/json_util.h"
 
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -32,6 +34,40 @@ absl::Status CheckJsonDepth(std::string_view text, std::string_view source, int 
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::json> ParseJsonObject(std::string_view text, std::string_view source) {
+  if (absl::Status s = CheckJsonDepth(text, source); !s.ok()) return s;
+  nlohmann::json root;
+  try {
+    root = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    // e.what() carries "parse error at line L, column C: ...", which is what a user needs.
+    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Sv(source), ": expected a JSON object at the top level, got ", root.type_name()));
+  }
+  return root;
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::filesystem::path& path,
+                                          std::uintmax_t limit) {
+  std::error_code ec;
+  const std::uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return absl::ErrnoToStatus(ec.value(), absl::StrCat("cannot read ", path.string()));
+  if (size > limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path.string(), ": ", size, " bytes is larger than the limit of ", limit));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in.is_open()) {
+    return absl::PermissionDeniedError(absl::StrCat(path.string(), ": cannot be opened"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
 }
 
 std::string DescribeJson(const nlohmann::json& value) {

@@ -5,10 +5,13 @@
 #ifndef KVGRID_MODEL_JSON_LIMITS_H_
 #define KVGRID_MODEL_JSON_LIMITS_H_
 
+#include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 
@@ -21,6 +24,18 @@ inline constexpr int kMaxJsonDepth = 64;
 // otherwise validate the text (the parser does that).
 absl::Status CheckJsonDepth(std::string_view text, std::string_view source,
                             int max_depth = kMaxJsonDepth);
+
+// CheckJsonDepth, then parse, then require an object at the top level. Errors:
+// INVALID_ARGUMENT "<source>: malformed JSON: <parser message with line and column>" or
+// "<source>: expected a JSON object at the top level, got <type>".
+absl::StatusOr<nlohmann::json> ParseJsonObject(std::string_view text, std::string_view source);
+
+// The whole of a file that should be small (a config, an index). Errors: the errno status of
+// stat (NOT_FOUND for a missing file), INVALID_ARGUMENT "<path>: N bytes is larger than the
+// limit of L" (a wrong path such as a checkpoint or /dev/zero is not slurped), or
+// PERMISSION_DENIED when it cannot be opened.
+absl::StatusOr<std::string> ReadSmallFile(const std::filesystem::path& path,
+                                          std::uintmax_t limit);
 
 // std::string_view -> absl::string_view (for absl::StrCat and friends).
 inline absl::string_view Sv(std::string_view s) { return absl::string_view(s.data(), s.size()); }

@@ -2,17 +2,16 @@
 
 #include <cmath>
 #include <cstdint>
-#include <fstream>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <system_error>
 #include <utility>
 
-#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "model/json_util.h"
+#include "model/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace kvgrid::model {
@@ -150,15 +149,6 @@ class FieldReader {
   std::string prefix_;
 };
 
-#define KVGRID_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
-  auto tmp = (expr);                                 \
-  if (!tmp.ok()) return std::move(tmp).status();     \
-  lhs = *std::move(tmp)
-#define KVGRID_CONCAT_INNER(a, b) a##b
-#define KVGRID_CONCAT(a, b) KVGRID_CONCAT_INNER(a, b)
-#define ASSIGN_OR_RETURN(lhs, expr) \
-  KVGRID_ASSIGN_OR_RETURN_IMPL(KVGRID_CONCAT(status_or_, __LINE__), lhs, expr)
-
 // Defaults for keys a config.json may leave out, as Hugging Face's config classes fill them.
 struct ModelTypeDefaults {
   int64_t max_position_embeddings;
@@ -185,10 +175,10 @@ std::optional<std::string> ModelTypeFromArchitecture(std::string_view architectu
 absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, RopeScaling* out) {
   std::optional<std::string> type;
   std::string type_key = "rope_type";
-  ASSIGN_OR_RETURN(type, reader.String("rope_type"));
+  KVGRID_ASSIGN_OR_RETURN(type, reader.String("rope_type"));
   if (!type.has_value()) {
     type_key = "type";
-    ASSIGN_OR_RETURN(type, reader.String("type"));
+    KVGRID_ASSIGN_OR_RETURN(type, reader.String("type"));
   }
   if (!type.has_value()) {
     if (type_required)
@@ -205,7 +195,7 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
     out->type = RopeScalingType::kLinear;
     if (!reader.Has("factor"))
       return reader.Error("factor", "missing (required by linear scaling)");
-    ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
+    KVGRID_ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
     return absl::OkStatus();
   }
   if (*type == "llama3") {
@@ -214,10 +204,10 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
          {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}) {
       if (!reader.Has(key)) return reader.Error(key, "missing (required by llama3 scaling)");
     }
-    ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
-    ASSIGN_OR_RETURN(out->low_freq_factor, reader.PositiveNumber("low_freq_factor", 1.0));
-    ASSIGN_OR_RETURN(out->high_freq_factor, reader.PositiveNumber("high_freq_factor", 4.0));
-    ASSIGN_OR_RETURN(out->original_max_position_embeddings,
+    KVGRID_ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
+    KVGRID_ASSIGN_OR_RETURN(out->low_freq_factor, reader.PositiveNumber("low_freq_factor", 1.0));
+    KVGRID_ASSIGN_OR_RETURN(out->high_freq_factor, reader.PositiveNumber("high_freq_factor", 4.0));
+    KVGRID_ASSIGN_OR_RETURN(out->original_max_position_embeddings,
                      reader.PositiveInt("original_max_position_embeddings"));
     // The llama3 formula interpolates between the two wavelengths over
     // (high_freq_factor - low_freq_factor); equal factors would divide by zero.
@@ -235,18 +225,9 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
-  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
-  Json root;
-  try {
-    root = Json::parse(json_text.begin(), json_text.end());
-  } catch (const Json::exception& e) {
-    // e.what() carries "parse error at line L, column C: ...", which is what a user needs.
-    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": malformed JSON: ", e.what()));
-  }
-  if (!root.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Sv(source), ": expected a JSON object at the top level, got ", root.type_name()));
-  }
+  absl::StatusOr<Json> parsed = ParseJsonObject(json_text, source);
+  if (!parsed.ok()) return parsed.status();
+  const Json& root = *parsed;
   const FieldReader r(root, source);
   ModelConfig config;
 
@@ -265,7 +246,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   }
 
   std::optional<std::string> model_type;
-  ASSIGN_OR_RETURN(model_type, r.String("model_type"));
+  KVGRID_ASSIGN_OR_RETURN(model_type, r.String("model_type"));
   if (!model_type.has_value()) {
     for (const std::string& arch : config.architectures) {
       model_type = ModelTypeFromArchitecture(arch);
@@ -282,14 +263,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   }
   config.model_type = *model_type;
 
-  ASSIGN_OR_RETURN(config.vocab_size, r.PositiveInt("vocab_size"));
-  ASSIGN_OR_RETURN(config.hidden_size, r.PositiveInt("hidden_size"));
-  ASSIGN_OR_RETURN(config.intermediate_size, r.PositiveInt("intermediate_size"));
-  ASSIGN_OR_RETURN(config.num_hidden_layers, r.PositiveInt("num_hidden_layers"));
-  ASSIGN_OR_RETURN(config.num_attention_heads, r.PositiveInt("num_attention_heads"));
+  KVGRID_ASSIGN_OR_RETURN(config.vocab_size, r.PositiveInt("vocab_size"));
+  KVGRID_ASSIGN_OR_RETURN(config.hidden_size, r.PositiveInt("hidden_size"));
+  KVGRID_ASSIGN_OR_RETURN(config.intermediate_size, r.PositiveInt("intermediate_size"));
+  KVGRID_ASSIGN_OR_RETURN(config.num_hidden_layers, r.PositiveInt("num_hidden_layers"));
+  KVGRID_ASSIGN_OR_RETURN(config.num_attention_heads, r.PositiveInt("num_attention_heads"));
 
   if (r.Has("num_key_value_heads")) {
-    ASSIGN_OR_RETURN(config.num_key_value_heads, r.PositiveInt("num_key_value_heads"));
+    KVGRID_ASSIGN_OR_RETURN(config.num_key_value_heads, r.PositiveInt("num_key_value_heads"));
   } else {
     config.num_key_value_heads = config.num_attention_heads;
   }
@@ -302,7 +283,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   // head_dim is independent of hidden_size when given (Mistral-Nemo, Qwen3-style configs);
   // otherwise it is derived, which needs an exact division.
   if (r.Has("head_dim")) {
-    ASSIGN_OR_RETURN(config.head_dim, r.PositiveInt("head_dim"));
+    KVGRID_ASSIGN_OR_RETURN(config.head_dim, r.PositiveInt("head_dim"));
   } else {
     if (config.hidden_size % config.num_attention_heads != 0) {
       return r.Error("hidden_size",
@@ -317,11 +298,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   }
 
   if (r.Has("max_position_embeddings")) {
-    ASSIGN_OR_RETURN(config.max_position_embeddings, r.PositiveInt("max_position_embeddings"));
+    KVGRID_ASSIGN_OR_RETURN(config.max_position_embeddings, r.PositiveInt("max_position_embeddings"));
   } else {
     config.max_position_embeddings = defaults->max_position_embeddings;
   }
-  ASSIGN_OR_RETURN(config.rms_norm_eps, r.PositiveNumber("rms_norm_eps", 1e-6));
+  KVGRID_ASSIGN_OR_RETURN(config.rms_norm_eps, r.PositiveNumber("rms_norm_eps", 1e-6));
   // The kernels compute in fp32; a smaller eps would become 0 there.
   if (config.rms_norm_eps < std::numeric_limits<float>::min()) {
     return r.Error("rms_norm_eps", absl::StrCat(config.rms_norm_eps, " is below the smallest "
@@ -357,14 +338,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
                      absl::StrCat("expected an object, got ", DescribeJson(*params)));
     }
     const FieldReader pr(*params, source, "rope_parameters.");
-    ASSIGN_OR_RETURN(const double legacy_theta, r.PositiveNumber("rope_theta", 10000.0));
-    ASSIGN_OR_RETURN(config.rope_theta, pr.PositiveNumber("rope_theta", legacy_theta));
+    KVGRID_ASSIGN_OR_RETURN(const double legacy_theta, r.PositiveNumber("rope_theta", 10000.0));
+    KVGRID_ASSIGN_OR_RETURN(config.rope_theta, pr.PositiveNumber("rope_theta", legacy_theta));
     if (absl::Status s = ParseRopeScaling(pr, /*type_required=*/false, &config.rope_scaling);
         !s.ok()) {
       return s;
     }
   } else {
-    ASSIGN_OR_RETURN(config.rope_theta, r.PositiveNumber("rope_theta", 10000.0));
+    KVGRID_ASSIGN_OR_RETURN(config.rope_theta, r.PositiveNumber("rope_theta", 10000.0));
     if (const Json* scaling = r.Find("rope_scaling")) {
       if (!scaling->is_object()) {
         return r.Error("rope_scaling",
@@ -380,25 +361,25 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 
   // The forward pass implements SwiGLU only.
   std::optional<std::string> hidden_act;
-  ASSIGN_OR_RETURN(hidden_act, r.String("hidden_act"));
+  KVGRID_ASSIGN_OR_RETURN(hidden_act, r.String("hidden_act"));
   if (hidden_act.has_value() && *hidden_act != "silu") {
     return r.Error("hidden_act",
                    absl::StrCat("unsupported activation \"", *hidden_act, "\" (supported: silu)"));
   }
 
   std::optional<bool> flag;
-  ASSIGN_OR_RETURN(flag, r.Bool("tie_word_embeddings"));
+  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("tie_word_embeddings"));
   config.tie_word_embeddings = flag.value_or(false);
-  ASSIGN_OR_RETURN(flag, r.Bool("attention_bias"));
+  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("attention_bias"));
   config.attention_bias = flag.value_or(false);
   // Qwen2's q/k/v projections always carry a bias; its config.json has no key for it.
   if (config.model_type == "qwen2") config.attention_bias = true;
-  ASSIGN_OR_RETURN(flag, r.Bool("mlp_bias"));
+  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("mlp_bias"));
   config.mlp_bias = flag.value_or(false);
 
-  ASSIGN_OR_RETURN(config.eos_token_ids, r.TokenIds("eos_token_id"));
+  KVGRID_ASSIGN_OR_RETURN(config.eos_token_ids, r.TokenIds("eos_token_id"));
   std::optional<int64_t> bos;
-  ASSIGN_OR_RETURN(bos, r.Int("bos_token_id"));
+  KVGRID_ASSIGN_OR_RETURN(bos, r.Int("bos_token_id"));
   if (bos.has_value() && *bos < 0) {
     return r.Error("bos_token_id", absl::StrCat("token id ", *bos, " is negative"));
   }
@@ -406,19 +387,19 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 
   // transformers >= 4.56 writes `dtype`; older files say `torch_dtype`.
   std::optional<std::string> dtype;
-  ASSIGN_OR_RETURN(dtype, r.String("torch_dtype"));
+  KVGRID_ASSIGN_OR_RETURN(dtype, r.String("torch_dtype"));
   if (!dtype.has_value()) {
-    ASSIGN_OR_RETURN(dtype, r.String("dtype"));
+    KVGRID_ASSIGN_OR_RETURN(dtype, r.String("dtype"));
   }
   config.torch_dtype = dtype.value_or("");
 
   std::optional<int64_t> window;
-  ASSIGN_OR_RETURN(window, r.Int("sliding_window"));
+  KVGRID_ASSIGN_OR_RETURN(window, r.Int("sliding_window"));
   if (window.has_value() && *window < 0) {
     return r.Error("sliding_window", absl::StrCat(*window, " is negative"));
   }
   // Qwen2 configs carry a sliding_window value that is switched off by use_sliding_window.
-  ASSIGN_OR_RETURN(flag, r.Bool("use_sliding_window"));
+  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("use_sliding_window"));
   config.sliding_window = flag.value_or(true) ? window.value_or(0) : 0;
 
   return config;
@@ -431,24 +412,9 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
   if (!std::filesystem::exists(file, ec)) {
     return absl::NotFoundError(absl::StrCat(file.string(), ": no such file"));
   }
-  const std::uintmax_t size = std::filesystem::file_size(file, ec);
-  if (ec) return absl::InvalidArgumentError(absl::StrCat(file.string(), ": ", ec.message()));
-  if (size > kMaxConfigBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file.string(), ": ", size, " bytes is too large for a config.json"));
-  }
-  std::ifstream in(file, std::ios::binary);
-  if (!in.is_open()) {
-    return absl::PermissionDeniedError(absl::StrCat(file.string(), ": cannot be opened"));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return ParseModelConfig(text.str(), file.string());
+  absl::StatusOr<std::string> text = ReadSmallFile(file, kMaxConfigBytes);
+  if (!text.ok()) return text.status();
+  return ParseModelConfig(*text, file.string());
 }
-
-#undef ASSIGN_OR_RETURN
-#undef KVGRID_CONCAT
-#undef KVGRID_CONCAT_INNER
-#undef KVGRID_ASSIGN_OR_RETURN_IMPL
 
 }  // namespace kvgrid::model

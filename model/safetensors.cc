@@ -10,17 +10,15 @@
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <system_error>
 #include <utility>
 
-#include "model/json_util.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "model/json_util.h"
 #include "nlohmann/json.hpp"
 
 // The format stores little-endian data and ReadF32 copies it as is.
@@ -76,21 +74,6 @@ const std::array<float, 65536>& F16Table() {
     return t;
   }();
   return *table;
-}
-
-absl::StatusOr<std::string> ReadSmallFile(const fs::path& path, std::uintmax_t limit) {
-  std::error_code ec;
-  const std::uintmax_t size = fs::file_size(path, ec);
-  if (ec) {
-    return absl::ErrnoToStatus(ec.value(), absl::StrCat("cannot read ", path.string()));
-  }
-  if (size > limit) return Invalid(path, size, " bytes is larger than the limit of ", limit);
-  std::ifstream in(path, std::ios::binary);
-  if (!in.is_open())
-    return absl::PermissionDeniedError(absl::StrCat("cannot open ", path.string()));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 // A shard name from an index must stay inside the checkpoint directory: the index is data,
@@ -348,16 +331,9 @@ absl::Status Checkpoint::LoadSingle(const fs::path& file_path) {
 absl::Status Checkpoint::LoadIndex(const fs::path& index_path) {
   absl::StatusOr<std::string> text = ReadSmallFile(index_path, kMaxIndexBytes);
   if (!text.ok()) return text.status();
-  if (absl::Status s = CheckJsonDepth(*text, index_path.string()); !s.ok()) return s;
-  Json index;
-  try {
-    index = Json::parse(*text);
-  } catch (const Json::exception& e) {
-    return Invalid(index_path, "malformed JSON: ", e.what());
-  }
-  if (!index.is_object()) {
-    return Invalid(index_path, "expected a JSON object at the top level, got ", index.type_name());
-  }
+  absl::StatusOr<Json> parsed = ParseJsonObject(*text, index_path.string());
+  if (!parsed.ok()) return parsed.status();
+  const Json& index = *parsed;
   const auto map_it = index.find("weight_map");
   if (map_it == index.end()) return Invalid(index_path, "weight_map: missing");
   if (!map_it->is_object()) {

@@ -2,6 +2,7 @@
 // of the last position as JSON. Drives the model, KV pool and block manager directly, so
 // reference checks see exactly what the kernels compute.
 #include <cstdio>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -54,17 +55,8 @@ absl::Status Logits(Args& args) {
   std::vector<float> logits;
   int64_t computed = 0;
   auto run_step = [&]() -> absl::Status {
-    worker::ForwardBatch b;
-    for (int64_t pos = computed; pos < static_cast<int64_t>(tokens.size()); ++pos) {
-      b.token_ids.push_back(tokens[pos]);
-      b.positions.push_back(static_cast<int32_t>(pos));
-      b.slots.push_back(manager.Slot(kSeq, pos));
-    }
-    b.query_start = {0, static_cast<int32_t>(b.token_ids.size())};
-    b.seq_lens = {static_cast<int32_t>(tokens.size())};
-    b.block_tables = manager.BlockTable(kSeq);
-    b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
-    b.logit_rows = {static_cast<int32_t>(b.token_ids.size()) - 1};
+    const worker::ForwardBatch b = worker::SingleSequenceBatch(
+        manager, kSeq, computed, std::span<const int32_t>(tokens).subspan(computed));
     computed = static_cast<int64_t>(tokens.size());
     return model->Forward(b, *pool, &logits);
   };

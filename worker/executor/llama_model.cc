@@ -85,6 +85,23 @@ absl::Status Append(const model::Checkpoint& ckpt, const std::string& name,
 
 }  // namespace
 
+ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int64_t begin,
+                                 std::span<const int32_t> tokens) {
+  ForwardBatch b;
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  b.token_ids.assign(tokens.begin(), tokens.end());
+  for (int64_t pos = begin; pos < begin + n; ++pos) {
+    b.positions.push_back(static_cast<int32_t>(pos));
+    b.slots.push_back(blocks.Slot(seq, pos));
+  }
+  b.query_start = {0, static_cast<int32_t>(n)};
+  b.seq_lens = {static_cast<int32_t>(begin + n)};
+  b.block_tables = blocks.BlockTable(seq);
+  b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
+  b.logit_rows = {static_cast<int32_t>(n) - 1};
+  return b;
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesystem::path& dir) {
   absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
   if (!config.ok()) return config.status();

@@ -10,11 +10,13 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "model/model_config.h"
+#include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
 
 namespace kvgrid::worker {
@@ -49,6 +51,11 @@ struct ForwardBatch {
   int64_t max_blocks_per_seq = 0;
   std::vector<int32_t> logit_rows;    // token indices whose logits are returned, in order
 };
+
+// The batch that computes positions [begin, begin + tokens.size()) of one sequence whose
+// blocks `blocks` holds (already reserved), with logits for the last of them.
+ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int64_t begin,
+                                 std::span<const int32_t> tokens);
 
 class LlamaModel {
  public:

@@ -41,17 +41,13 @@ absl::StatusOr<EvaluationResult> EvaluateTokens(LlamaModel& model, std::span<con
     KVGRID_RETURN_IF_ERROR(manager.Reserve(kSeq, len));
     for (int64_t c0 = 0; c0 < len; c0 += o.chunk) {
       const int64_t c1 = std::min(len, c0 + o.chunk);
-      ForwardBatch b;
-      for (int64_t pos = c0; pos < c1; ++pos) {
-        b.token_ids.push_back(tokens[start + pos]);
-        b.positions.push_back(static_cast<int32_t>(pos));
-        b.slots.push_back(manager.Slot(kSeq, pos));
-        if (pos + 1 < len) b.logit_rows.push_back(static_cast<int32_t>(pos - c0));
+      ForwardBatch b =
+          SingleSequenceBatch(manager, kSeq, c0, tokens.subspan(start + c0, c1 - c0));
+      // Every position predicts the next token, except the window's last.
+      b.logit_rows.clear();
+      for (int64_t pos = c0; pos < c1 && pos + 1 < len; ++pos) {
+        b.logit_rows.push_back(static_cast<int32_t>(pos - c0));
       }
-      b.query_start = {0, static_cast<int32_t>(c1 - c0)};
-      b.seq_lens = {static_cast<int32_t>(c1)};
-      b.block_tables = manager.BlockTable(kSeq);
-      b.max_blocks_per_seq = static_cast<int64_t>(b.block_tables.size());
       KVGRID_RETURN_IF_ERROR(model.Forward(b, *pool, &logits));
       for (size_t r = 0; r < b.logit_rows.size(); ++r) {
         const int64_t pos = c0 + b.logit_rows[r];
