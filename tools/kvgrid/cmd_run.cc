@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
+#include "model/special_tokens.h"
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
@@ -171,15 +172,10 @@ absl::Status Run(Args& args) {
     }
     std::vector<int32_t> ids;
     if (add_bos) {
-      if (auto bos = loaded.tokenizer->bos_token_id()) {
-        ids.push_back(*bos);
-      } else if (gen.bos_token_id) {
-        ids.push_back(static_cast<int32_t>(*gen.bos_token_id));
-      } else if (loaded.model->config().bos_token_id >= 0) {
-        ids.push_back(static_cast<int32_t>(loaded.model->config().bos_token_id));
-      } else {
-        return absl::InvalidArgumentError("--add-bos: the model defines no BOS token");
-      }
+      const std::optional<int32_t> bos =
+          model::ResolveBosTokenId(loaded.tokenizer.get(), gen, loaded.model->config());
+      if (!bos) return absl::InvalidArgumentError("--add-bos: the model defines no BOS token");
+      ids.push_back(*bos);
     }
     std::vector<int32_t> text_ids = loaded.tokenizer->Encode(text);
     ids.insert(ids.end(), text_ids.begin(), text_ids.end());
@@ -217,13 +213,7 @@ absl::Status Run(Args& args) {
   request.stopping.include_stop_str_in_output = include_stop;
   if (min_tokens) request.stopping.min_tokens = *min_tokens;
 
-  // EOS ids outside the vocabulary can never be sampled; dropping them avoids truncation.
-  const int64_t vocab = loaded.model->config().vocab_size;
-  for (const std::vector<int64_t>* ids : {&gen.eos_token_ids, &loaded.model->config().eos_token_ids}) {
-    for (int64_t id : *ids) {
-      if (id >= 0 && id < vocab) options.eos_token_ids.push_back(static_cast<int32_t>(id));
-    }
-  }
+  options.eos_token_ids = model::ResolveEosTokenIds(gen, loaded.model->config());
 
   options.tokenizer = loaded.tokenizer.get();  // text and stop strings come from the engine
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::Engine> engine,

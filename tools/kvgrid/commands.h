@@ -15,6 +15,10 @@ int LogitsCommand(Args& args);
 int PerplexityCommand(Args& args);
 // tokenize: JSON lines in (strings), JSON lines out (ids), against a tokenizer.json.
 int TokenizeCommand(Args& args);
+// serve: a local cluster (coordinator + worker processes on loopback) until interrupted.
+int ServeCommand(Args& args);
+// generate: stream a continuation from a running cluster.
+int GenerateCommand(Args& args);
 // plan: KV bytes per token, max tokens and max sequences per dtype for a memory budget.
 int PlanCommand(Args& args);
 

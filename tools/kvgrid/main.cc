@@ -12,7 +12,9 @@ constexpr char kUsage[] =
     "usage: kvgrid <command> [flags]\n"
     "\n"
     "commands:\n"
-    "  run        stream a continuation of a prompt (default: the embedded model)\n"
+    "  serve      start a local cluster: coordinator + worker processes on loopback\n"
+    "  generate   stream a continuation from a running cluster\n"
+    "  run        stream a continuation of a prompt in-process (default: the embedded model)\n"
     "  logits     print last-position logits as JSON (for reference checks)\n"
     "  perplexity held-out perplexity of a text file\n"
     "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
@@ -35,6 +37,8 @@ int main(int argc, char** argv) {
                  std::string(args.status().message()).c_str());
     return 2;
   }
+  if (command == "serve") return kvgrid::cli::ServeCommand(*args);
+  if (command == "generate") return kvgrid::cli::GenerateCommand(*args);
   if (command == "run") return kvgrid::cli::RunCommand(*args);
   if (command == "logits") return kvgrid::cli::LogitsCommand(*args);
   if (command == "perplexity") return kvgrid::cli::PerplexityCommand(*args);

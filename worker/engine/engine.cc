@@ -96,8 +96,35 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
                                                      ")"));
     }
   }
+  if ((!request.resume_tokens.empty() || request.index_offset != 0) && request.n != 1) {
+    return absl::InvalidArgumentError("resume_token_ids: a resumed continuation needs n = 1");
+  }
+  if (request.index_offset < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("index_offset: must be >= 0, got ", request.index_offset));
+  }
+  for (size_t i = 0; i < request.resume_tokens.size(); ++i) {
+    if (request.resume_tokens[i] < 0 || request.resume_tokens[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("resume_token_ids[", i, "]: token id ",
+                                                     request.resume_tokens[i],
+                                                     " is outside the vocabulary [0, ", vocab,
+                                                     ")"));
+    }
+  }
+  const int64_t num_resumed = static_cast<int64_t>(request.resume_tokens.size());
+  if (num_resumed > 0 && num_resumed >= request.stopping.max_new_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resume_token_ids: ", num_resumed,
+                     " tokens leave none of max_new_tokens ", request.stopping.max_new_tokens));
+  }
   const int64_t prompt_len = static_cast<int64_t>(request.prompt.size());
-  if (prompt_len >= max_model_len_) {
+  if (prompt_len + num_resumed >= max_model_len_) {
+    if (num_resumed > 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resume_token_ids: prompt ", prompt_len, " + resumed ", num_resumed,
+                       " tokens leave no room in the context window of ", max_model_len_,
+                       " tokens"));
+    }
     return absl::InvalidArgumentError(
         absl::StrCat("prompt: ", prompt_len, " tokens leave no room in the context window of ",
                      max_model_len_, " tokens"));
@@ -139,13 +166,28 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   auto seq = std::make_unique<Sequence>();
   seq->seq_id = next_seq_id_++;
   seq->tokens = request.prompt;
-  seq->rng.seed(request.sampling.seed ? *request.sampling.seed : std::random_device{}());
+  seq->index = request.index_offset;
+  seq->rng.seed(request.sampling.seed
+                    ? *request.sampling.seed + static_cast<uint64_t>(request.index_offset)
+                    : std::random_device{}());
   seq->request = std::move(request);
   seq->arrival = std::chrono::steady_clock::now();
   if (options_.tokenizer) seq->detok.emplace(options_.tokenizer, /*skip_special_tokens=*/true);
   if (!seq->request.stopping.stop_strings.empty()) {
     seq->stops.emplace(seq->request.stopping.stop_strings,
                        seq->request.stopping.include_stop_str_in_output);
+  }
+  // Replay the resumed tokens through everything SampleNext updates, emitting nothing.
+  for (int32_t token : seq->request.resume_tokens) {
+    if (!IsGreedy(seq->request.sampling)) seq->rng.discard(1);  // one draw per sampled token
+    seq->tokens.push_back(token);
+    ++seq->num_generated;
+    if (seq->detok) {
+      const std::string delta = seq->detok->Push(token).value_or("");
+      if (seq->stops && seq->num_generated > seq->request.stopping.min_tokens) {
+        seq->stops->Push(delta);
+      }
+    }
   }
   live_[seq->request.id] = 1;
   const int64_t priority = seq->request.priority;
@@ -263,7 +305,7 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
     for (int64_t i = 0; i < k; ++i) out.top_logprobs.push_back({ids[i], raw[ids[i]] - log_z});
   }
   const auto now = std::chrono::steady_clock::now();
-  if (seq.num_generated == 0) seq.first_token = now;
+  if (seq.first_token == std::chrono::steady_clock::time_point{}) seq.first_token = now;
   seq.tokens.push_back(out.token_id);
   ++seq.num_generated;
   out.finish = CheckStop(seq, out.token_id);

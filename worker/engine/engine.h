@@ -69,6 +69,15 @@ struct GenerationRequest {
   // blocks are shared by all n (copy-on-write); continuation i draws from its own random
   // stream, seeded with seed + i when a seed is given.
   int64_t n = 1;
+  // Failover: tokens this continuation already generated on another worker (and streamed to
+  // the client). Their KV is computed like the prompt's; they count against max_new_tokens and
+  // min_tokens, prime the detokenizer and stop strings (their text is not emitted again) and
+  // advance the seeded random stream, so the continuation goes on as if never interrupted.
+  // Needs n == 1.
+  std::vector<int32_t> resume_tokens;
+  // Which continuation of the original request this is: outputs carry it as their index, and
+  // a seeded stream starts at seed + index_offset. Needs n == 1 when non-zero.
+  int64_t index_offset = 0;
 };
 
 enum class FinishReason : uint8_t {

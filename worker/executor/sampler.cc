@@ -38,8 +38,6 @@ absl::Status SamplingParams::Validate() const {
 
 namespace {
 
-constexpr double kMinTemperature = 1e-5;
-
 int32_t Argmax(std::span<const float> logits) {
   int32_t best = 0;
   for (int32_t i = 1; i < static_cast<int32_t>(logits.size()); ++i) {
@@ -54,6 +52,8 @@ double UniformUnit(std::mt19937_64& rng) {
 }
 
 }  // namespace
+
+bool IsGreedy(const SamplingParams& params) { return params.temperature < 1e-5; }
 
 int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
                     std::span<const int32_t> context, std::mt19937_64& rng) {
@@ -72,7 +72,10 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
     if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
   }
   // Very low temperatures are greedy: exp((l - max) / T) would underflow or produce NaN.
-  if (p.temperature < kMinTemperature) return Argmax(logits);
+  if (IsGreedy(p)) return Argmax(logits);
+  // Exactly one draw per sampled token, whatever the logits, so a resumed stream can skip
+  // ahead by the number of tokens (see Engine's resume_tokens).
+  const double unit = UniformUnit(rng);
 
   // Candidates sorted by logit (descending, ties by id); top-k cuts the list first so the
   // common case sorts only k entries.
@@ -121,7 +124,7 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
 
   double total = 0.0;
   for (int32_t i = 0; i < keep; ++i) total += probs[i];
-  const double u = UniformUnit(rng) * total;
+  const double u = unit * total;
   double acc = 0.0;
   for (int32_t i = 0; i < keep; ++i) {
     acc += probs[i];

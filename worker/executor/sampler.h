@@ -26,6 +26,9 @@ struct SamplingParams {
   absl::Status Validate() const;
 };
 
+// Temperature below 1e-5: argmax, no random draw. Otherwise SampleToken draws exactly once.
+bool IsGreedy(const SamplingParams& params);
+
 // Picks the next token. `logits` ([vocab]) is modified in place (penalties, scaling).
 // `context` holds the prompt and generated tokens the repetition penalty applies to.
 // Ties break toward the lower token id, so greedy decoding is reproducible. NaN logits are

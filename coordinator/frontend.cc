@@ -1,0 +1,173 @@
+#include "coordinator/frontend.h"
+
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "proto/grpc_status.h"
+
+namespace kvgrid::coordinator {
+namespace {
+
+// Bounds that keep one request from tying up the coordinator.
+constexpr uint32_t kMaxN = 256;
+constexpr int64_t kMaxStopStrings = 16;
+
+grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& s) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(proto::ToGrpcStatus(s));
+  return reactor;
+}
+
+}  // namespace
+
+GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
+                                     RelayOptions relay_options)
+    : catalog_(catalog), registry_(registry), relay_options_(relay_options) {}
+
+absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
+    const v1::GenerateRequest& request, const ServedModel** served) const {
+  absl::StatusOr<const ServedModel*> found = catalog_->Find(request.model());
+  if (!found.ok()) return found.status();
+  const ServedModel& m = **found;
+  *served = &m;
+  v1::WorkerGenerateRequest out;
+  const bool has_text = !request.prompt().empty();
+  const bool has_ids = request.prompt_token_ids_size() > 0;
+  if (has_text && has_ids) {
+    return absl::InvalidArgumentError("prompt: give prompt or prompt_token_ids, not both");
+  }
+  if (!has_text && !has_ids) {
+    return absl::InvalidArgumentError("prompt: must not be empty (set prompt or prompt_token_ids)");
+  }
+  if (has_text) {
+    if (!m.tokenizer) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt: model '", m.name, "' has no tokenizer.json; send prompt_token_ids"));
+    }
+    if (request.add_bos()) {
+      if (!m.bos_token_id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("add_bos: model '", m.name, "' defines no BOS token"));
+      }
+      out.add_prompt_token_ids(*m.bos_token_id);
+    }
+    for (int32_t id : m.tokenizer->Encode(request.prompt())) out.add_prompt_token_ids(id);
+  } else {
+    const int64_t vocab = m.config.vocab_size;
+    for (int i = 0; i < request.prompt_token_ids_size(); ++i) {
+      const int32_t id = request.prompt_token_ids(i);
+      if (id < 0 || id >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("prompt_token_ids[", i, "]: token id ",
+                                                       id, " is outside the vocabulary [0, ",
+                                                       vocab, ")"));
+      }
+      out.add_prompt_token_ids(id);
+    }
+  }
+  const int64_t max_len = m.config.max_position_embeddings;
+  if (max_len > 0 && out.prompt_token_ids_size() >= max_len) {
+    return absl::InvalidArgumentError(absl::StrCat("prompt: ", out.prompt_token_ids_size(),
+                                                   " tokens leave no room in the context window "
+                                                   "of ", max_len, " tokens"));
+  }
+  *out.mutable_sampling() = request.sampling();
+  *out.mutable_stopping() = request.stopping();
+  ApplyGenerationDefaults(m.generation, out.mutable_sampling(), out.mutable_stopping());
+  if (!out.stopping().has_max_new_tokens()) out.mutable_stopping()->set_max_new_tokens(16);
+  if (out.stopping().max_new_tokens() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("stopping.max_new_tokens: must be >= 1, got ",
+                                                   out.stopping().max_new_tokens()));
+  }
+  if (out.stopping().stop_size() > kMaxStopStrings) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stopping.stop: at most ", kMaxStopStrings, " stop strings"));
+  }
+  if (request.n() > kMaxN) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n: must be in [1, ", kMaxN, "], got ", request.n()));
+  }
+  out.set_n(std::max<uint32_t>(1, request.n()));
+  out.set_priority(request.priority());
+  return out;
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  if (draining_.load()) {
+    return new FailedStream(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is draining"));
+  }
+  const ServedModel* model = nullptr;
+  absl::StatusOr<v1::WorkerGenerateRequest> prepared = Prepare(*request, &model);
+  if (!prepared.ok()) return new FailedStream(proto::ToGrpcStatus(prepared.status()));
+  std::string id = request->request_id();
+  if (id.empty()) id = absl::StrCat("req-", next_id_.fetch_add(1));
+  auto* relay = new GenerateRelay(context, registry_, relay_options_, &in_flight_, model->name,
+                                  std::move(id), *std::move(prepared));
+  relay->Start();
+  return relay;
+}
+
+grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
+                                                      const v1::TokenizeRequest* request,
+                                                      v1::TokenizeResponse* response) {
+  absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
+  if (!m.ok()) return Done(context, m.status());
+  if (!(*m)->tokenizer) {
+    return Done(context, absl::FailedPreconditionError(absl::StrCat(
+                             "model '", (*m)->name, "' has no tokenizer.json")));
+  }
+  if (request->add_bos()) {
+    if (!(*m)->bos_token_id) {
+      return Done(context, absl::InvalidArgumentError(absl::StrCat(
+                               "add_bos: model '", (*m)->name, "' defines no BOS token")));
+    }
+    response->add_token_ids(*(*m)->bos_token_id);
+  }
+  for (int32_t id : (*m)->tokenizer->Encode(request->text())) response->add_token_ids(id);
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
+                                                        const v1::DetokenizeRequest* request,
+                                                        v1::DetokenizeResponse* response) {
+  absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
+  if (!m.ok()) return Done(context, m.status());
+  if (!(*m)->tokenizer) {
+    return Done(context, absl::FailedPreconditionError(absl::StrCat(
+                             "model '", (*m)->name, "' has no tokenizer.json")));
+  }
+  const std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
+  absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(ids, request->skip_special_tokens());
+  if (!text.ok()) {
+    return Done(context, absl::InvalidArgumentError(
+                             absl::StrCat("token_ids: ", text.status().message())));
+  }
+  response->set_text(*std::move(text));
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* context,
+                                                        const v1::ListModelsRequest* request,
+                                                        v1::ListModelsResponse* response) {
+  for (const auto& m : catalog_->models()) {
+    v1::ModelInfo* info = response->add_models();
+    info->set_id(m->name);
+    info->set_max_model_len(static_cast<int32_t>(m->config.max_position_embeddings));
+    info->set_vocab_size(static_cast<int32_t>(m->config.vocab_size));
+    info->set_num_workers(registry_->NumLive(m->name));
+  }
+  return Done(context, absl::OkStatus());
+}
+
+grpc::ServerUnaryReactor* GenerationService::ClusterStatus(
+    grpc::CallbackServerContext* context, const v1::ClusterStatusRequest* request,
+    v1::ClusterStatusResponse* response) {
+  registry_->FillStatus(response);
+  response->set_in_flight(static_cast<int32_t>(in_flight_.load()));
+  response->set_draining(draining_.load());
+  return Done(context, absl::OkStatus());
+}
+
+}  // namespace kvgrid::coordinator

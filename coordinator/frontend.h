@@ -1,0 +1,63 @@
+// The public Generation service (proto/kvgrid/v1/generation.proto): validates and tokenizes
+// requests, hands Generate calls to relays, and answers the text and status calls.
+//
+// Thread-safety: methods run concurrently on gRPC's threads.
+#ifndef KVGRID_COORDINATOR_FRONTEND_H_
+#define KVGRID_COORDINATOR_FRONTEND_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "coordinator/model_catalog.h"
+#include "coordinator/registry.h"
+#include "coordinator/relay.h"
+#include "kvgrid/v1/generation.grpc.pb.h"
+#include "kvgrid/v1/worker.pb.h"
+
+namespace kvgrid::coordinator {
+
+class GenerationService final : public v1::Generation::CallbackService {
+ public:
+  // Not owned; all must outlive the service.
+  GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
+                    RelayOptions relay_options);
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
+                                       const v1::DetokenizeRequest* request,
+                                       v1::DetokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* ClusterStatus(grpc::CallbackServerContext* context,
+                                          const v1::ClusterStatusRequest* request,
+                                          v1::ClusterStatusResponse* response) override;
+
+  // Draining: new Generate calls get UNAVAILABLE; running ones go on.
+  void SetDraining(bool draining) { draining_.store(draining); }
+  // Generate calls still open.
+  [[nodiscard]] int64_t InFlight() const { return in_flight_.load(); }
+
+  // The worker request for a public one: model resolved, prompt tokenized (BOS on request),
+  // generation defaults applied. Errors: INVALID_ARGUMENT naming the field; NOT_FOUND for an
+  // unknown model.
+  absl::StatusOr<v1::WorkerGenerateRequest> Prepare(const v1::GenerateRequest& request,
+                                                    const ServedModel** model) const;
+
+ private:
+  const ModelCatalog* catalog_;
+  WorkerRegistry* registry_;
+  RelayOptions relay_options_;
+  std::atomic<bool> draining_{false};
+  std::atomic<int64_t> in_flight_{0};
+  std::atomic<int64_t> next_id_{1};
+};
+
+}  // namespace kvgrid::coordinator
+
+#endif  // KVGRID_COORDINATOR_FRONTEND_H_

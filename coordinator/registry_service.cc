@@ -1,0 +1,54 @@
+#include "coordinator/registry_service.h"
+
+#include <cstdio>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+
+namespace kvgrid::coordinator {
+
+RegistryService::RegistryService(WorkerRegistry* registry, const ModelCatalog* catalog,
+                                 std::function<void()> on_change)
+    : registry_(registry), catalog_(catalog), on_change_(std::move(on_change)) {}
+
+grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
+    grpc::CallbackServerContext* context, const v1::RegisterWorkerRequest* request,
+    v1::RegisterWorkerResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto fail = [reactor](std::string message) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message)));
+    return reactor;
+  };
+  if (request->address().empty()) return fail("address: must be set");
+  absl::StatusOr<const ServedModel*> model = catalog_->Find(request->model());
+  if (!model.ok()) return fail(std::string(model.status().message()));
+  if (request->vocab_size() != (*model)->config.vocab_size) {
+    return fail(absl::StrCat("vocab_size: the worker's model has ", request->vocab_size(),
+                             " tokens, the coordinator's '", (*model)->name, "' has ",
+                             (*model)->config.vocab_size));
+  }
+  if (request->capacity().block_size() <= 0 || request->capacity().blocks_total() <= 0) {
+    return fail("capacity: block_size and blocks_total must be > 0");
+  }
+  response->set_worker_id(registry_->Register(*request));
+  response->set_heartbeat_interval_ms(static_cast<uint32_t>(
+      absl::ToInt64Milliseconds(registry_->options().heartbeat_interval)));
+  std::fprintf(stderr, "kvgrid-coordinator: worker %s at %s (model %s, %d blocks)\n",
+               response->worker_id().c_str(), request->address().c_str(),
+               request->model().c_str(), request->capacity().blocks_total());
+  if (on_change_) on_change_();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RegistryService::Heartbeat(grpc::CallbackServerContext* context,
+                                                     const v1::HeartbeatRequest* request,
+                                                     v1::HeartbeatResponse* response) {
+  response->set_known(registry_->Heartbeat(*request));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+}  // namespace kvgrid::coordinator

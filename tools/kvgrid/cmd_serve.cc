@@ -1,0 +1,209 @@
+// kvgrid serve: a local cluster — one kvgrid-coordinator and N kvgrid-worker processes on
+// loopback, started from the directory of this executable — that stays up until SIGINT or
+// SIGTERM, then drains every process and exits.
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "kvgrid/v1/generation.grpc.pb.h"
+#include "model/status_macros.h"
+#include "tools/kvgrid/commands.h"
+#include "tools/kvgrid/model_setup.h"
+
+extern char** environ;
+
+namespace kvgrid::cli {
+namespace {
+
+constexpr char kHelp[] =
+    "usage: kvgrid serve [--workers N] [--model DIR] [--port P] [worker flags]\n"
+    "\n"
+    "Starts kvgrid-coordinator on 127.0.0.1:P and N kvgrid-worker processes registered with\n"
+    "it, waits until every worker serves, and runs until interrupted (Ctrl-C / SIGTERM), then\n"
+    "drains them all. Clients: kvgrid generate --addr 127.0.0.1:P, or any gRPC client.\n"
+    "\n"
+    "  --workers N                 worker processes (default 1)\n"
+    "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
+    "                              model)\n"
+    "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
+    "  --drain-timeout-s S         on shutdown, how long running requests may take (default 30)\n"
+    "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
+    "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
+    "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
+    "  --swap-space --enable-prefix-caching\n";
+
+constexpr const char* kWorkerFlags[] = {
+    "kv-cache-memory",        "kv-cache-dtype", "k-cache-dtype", "v-cache-dtype",
+    "block-size",             "max-num-seqs",   "max-num-batched-tokens",
+    "max-model-len",          "swap-space",     "enable-prefix-caching"};
+
+std::filesystem::path SelfDir() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::current_path() : exe.parent_path();
+}
+
+// Starts `argv` with default signal handling and mask. Errors: INTERNAL with errno's text.
+absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv) {
+  std::vector<char*> cargv;
+  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
+  cargv.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawnattr_init(&attr);
+  sigset_t empty, defaults;
+  sigemptyset(&empty);
+  sigemptyset(&defaults);
+  sigaddset(&defaults, SIGTERM);
+  sigaddset(&defaults, SIGINT);
+  posix_spawnattr_setsigmask(&attr, &empty);
+  posix_spawnattr_setsigdefault(&attr, &defaults);
+  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, cargv[0], nullptr, &attr, cargv.data(), environ);
+  posix_spawnattr_destroy(&attr);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
+  }
+  return pid;
+}
+
+// Workers in state SERVING, or -1 while the coordinator does not answer.
+int ServingWorkers(v1::Generation::Stub& stub) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::ClusterStatusResponse resp;
+  if (!stub.ClusterStatus(&ctx, v1::ClusterStatusRequest(), &resp).ok()) return -1;
+  int n = 0;
+  for (const v1::WorkerInfo& w : resp.workers()) n += w.state() == v1::WORKER_STATE_SERVING;
+  return n;
+}
+
+absl::Status Serve(Args& args) {
+  const std::filesystem::path dir = ResolveModelDir(args);
+  KVGRID_ASSIGN_OR_RETURN(auto workers_flag, args.GetInt("workers"));
+  KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
+  const std::optional<std::string> drain = args.GetString("drain-timeout-s");
+  KVGRID_ASSIGN_OR_RETURN(auto ready_timeout, args.GetDouble("ready-timeout-s"));
+  std::vector<std::string> forwarded;
+  for (const char* flag : kWorkerFlags) {
+    if (auto v = args.GetString(flag)) {
+      forwarded.push_back(absl::StrCat("--", flag));
+      forwarded.push_back(*v);
+    }
+  }
+  KVGRID_RETURN_IF_ERROR(args.Finish());
+  const int64_t workers = workers_flag.value_or(1);
+  if (workers < 1 || workers > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("--workers: must be in [1, 64], got ", workers));
+  }
+  const int64_t port = port_flag.value_or(50051);
+  if (port < 1 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port: must be in [1, 65535], got ", port));
+  }
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+  const std::filesystem::path bin = SelfDir();
+
+  // SIGINT/SIGTERM are taken with sigwait; children get them unblocked (Spawn).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  std::vector<pid_t> children;
+  auto stop_all = [&children](int sig) {
+    for (pid_t pid : children) kill(pid, sig);
+  };
+  auto wait_all = [&children](std::chrono::seconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    std::vector<pid_t> left = children;
+    while (!left.empty()) {
+      std::erase_if(left, [](pid_t pid) { return waitpid(pid, nullptr, WNOHANG) != 0; });
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t pid : left) kill(pid, SIGKILL);
+        for (pid_t pid : left) waitpid(pid, nullptr, 0);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
+  std::vector<std::string> coordinator = {(bin / "kvgrid-coordinator").string(), "--model",
+                                          dir.string(), "--listen", addr};
+  if (drain) coordinator.insert(coordinator.end(), {"--drain-timeout-s", *drain});
+  KVGRID_ASSIGN_OR_RETURN(pid_t cpid, Spawn(coordinator));
+  children.push_back(cpid);
+  for (int64_t i = 0; i < workers; ++i) {
+    std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model", dir.string(),
+                                       "--coordinator", addr, "--listen", "127.0.0.1:0"};
+    if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
+    worker.insert(worker.end(), forwarded.begin(), forwarded.end());
+    absl::StatusOr<pid_t> wpid = Spawn(worker);
+    if (!wpid.ok()) {
+      stop_all(SIGTERM);
+      wait_all(std::chrono::seconds(10));
+      return wpid.status();
+    }
+    children.push_back(*wpid);
+  }
+
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  const auto ready_deadline = std::chrono::steady_clock::now() +
+                              std::chrono::duration<double>(ready_timeout.value_or(120.0));
+  bool ready = false;
+  absl::Status failure;
+  int signal = 0;
+  const timespec poll = {0, 100'000'000};
+  for (;;) {
+    // A child that exits on its own: the coordinator ends the cluster; a worker is reported.
+    for (size_t i = 0; i < children.size(); ++i) {
+      int wstatus = 0;
+      if (children[i] > 0 && waitpid(children[i], &wstatus, WNOHANG) == children[i]) {
+        const std::string what = i == 0 ? "kvgrid-coordinator" : absl::StrCat("worker ", i);
+        std::fprintf(stderr, "kvgrid serve: %s (pid %d) exited (status %d)\n", what.c_str(),
+                     children[i], wstatus);
+        children[i] = -children[i];  // reaped
+        if (i == 0) failure = absl::InternalError("the coordinator exited");
+      }
+    }
+    if (!failure.ok()) break;
+    if (!ready) {
+      if (ServingWorkers(*stub) >= workers) {
+        ready = true;
+        std::fprintf(stderr,
+                     "kvgrid serve: ready: %lld worker(s) serving %s; API on %s (Ctrl-C stops)\n",
+                     static_cast<long long>(workers), dir.filename().c_str(), addr.c_str());
+        std::printf("%s\n", addr.c_str());
+        std::fflush(stdout);
+      } else if (std::chrono::steady_clock::now() > ready_deadline) {
+        failure = absl::DeadlineExceededError("the workers did not all come up in time");
+        break;
+      }
+    }
+    siginfo_t info;
+    signal = sigtimedwait(&signals, &info, &poll);
+    if (signal > 0) break;
+  }
+  std::erase_if(children, [](pid_t pid) { return pid <= 0; });
+  std::fprintf(stderr, "kvgrid serve: stopping\n");
+  stop_all(SIGTERM);
+  wait_all(std::chrono::seconds(60));
+  return failure;
+}
+
+}  // namespace
+
+int ServeCommand(Args& args) { return RunSubcommand(args, "serve", kHelp, Serve); }
+
+}  // namespace kvgrid::cli

@@ -1,0 +1,152 @@
+// kvgrid-worker: one engine (one device) behind the Worker gRPC service, registered with a
+// coordinator. Runs until SIGTERM or SIGINT, then drains: refuses new requests, finishes
+// running ones within --drain-timeout-s, and exits.
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "model/special_tokens.h"
+#include "model/status_macros.h"
+#include "tools/kvgrid/args.h"
+#include "tools/kvgrid/model_setup.h"
+#include "worker/service/convert.h"
+#include "worker/service/engine_loop.h"
+#include "worker/service/registrar.h"
+#include "worker/service/worker_service.h"
+
+namespace {
+
+using kvgrid::cli::Args;
+
+constexpr char kHelp[] =
+    "usage: kvgrid-worker [--model DIR] [--coordinator HOST:PORT] [flags]\n"
+    "\n"
+    "Serves one model on this machine's CPU through the Worker gRPC API and registers with a\n"
+    "coordinator. SIGTERM/SIGINT drain: no new requests, running ones finish, then exit.\n"
+    "\n"
+    "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
+    "                              model)\n"
+    "  --model-name NAME           name clients use (default: the directory's name)\n"
+    "  --coordinator HOST:PORT     coordinator to register with (none: serve standalone)\n"
+    "  --listen HOST:PORT          where to serve (default 127.0.0.1:0, any free port)\n"
+    "  --advertise HOST:PORT       address the coordinator should call (default: the\n"
+    "                              listening address)\n"
+    "  --group ID                  worker group (default: the worker alone)\n"
+    "  --drain-timeout-s S         how long running requests may take to finish (default 30)\n"
+    "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
+    "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
+    "                              --v-cache-dtype override one)\n"
+    "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
+    "  --swap-space BYTES --enable-prefix-caching BOOL\n";
+
+absl::Status Serve(Args& args) {
+  const std::filesystem::path dir = kvgrid::cli::ResolveModelDir(args);
+  const std::optional<std::string> model_name = args.GetString("model-name");
+  const std::optional<std::string> coordinator = args.GetString("coordinator");
+  const std::string listen = args.GetString("listen").value_or("127.0.0.1:0");
+  const std::optional<std::string> advertise = args.GetString("advertise");
+  const std::string group = args.GetString("group").value_or("");
+  KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::worker::EngineOptions options,
+                          kvgrid::cli::EngineOptionsFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const kvgrid::cli::KvDTypeFlags kv_dtypes,
+                          kvgrid::cli::KvDTypesFromArgs(args));
+  KVGRID_RETURN_IF_ERROR(args.Finish());
+
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded, kvgrid::cli::LoadModelDir(dir));
+  kv_dtypes.ApplyTo(loaded.model->config(), &options);
+  options.eos_token_ids =
+      kvgrid::model::ResolveEosTokenIds(loaded.generation, loaded.model->config());
+  options.tokenizer = loaded.tokenizer.get();
+  const int32_t vocab = static_cast<int32_t>(loaded.model->config().vocab_size);
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Engine> engine,
+                          kvgrid::worker::Engine::Create(std::move(loaded.model), options));
+  const kvgrid::v1::KvCapacity capacity =
+      kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
+  kvgrid::worker::EngineLoop loop(std::move(engine));
+  kvgrid::worker::WorkerService service(&loop, capacity,
+                                        static_cast<int32_t>(options.max_num_seqs));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));
+  }
+  const std::string host = listen.substr(0, listen.rfind(':'));
+  const std::string address = advertise.value_or(absl::StrCat(host, ":", port));
+  std::fprintf(stderr, "kvgrid-worker: listening on %s (model %s, %d KV blocks of %lld tokens)\n",
+               address.c_str(), dir.filename().c_str(), capacity.blocks_total(),
+               static_cast<long long>(options.block_size));
+
+  std::unique_ptr<kvgrid::worker::Registrar> registrar;
+  if (coordinator) {
+    kvgrid::v1::RegisterWorkerRequest reg;
+    reg.set_address(address);
+    reg.set_device("cpu");
+    reg.set_model(model_name.value_or(dir.filename().string()));
+    reg.set_group_id(group);
+    reg.set_rank(0);
+    reg.set_group_size(1);
+    *reg.mutable_capacity() = capacity;
+    reg.set_vocab_size(vocab);
+    reg.set_max_num_seqs(static_cast<int32_t>(options.max_num_seqs));
+    reg.set_pid(getpid());
+    registrar = std::make_unique<kvgrid::worker::Registrar>(
+        *coordinator, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
+        [&service] { return service.draining(); });
+  }
+
+  // Signals were blocked before any thread started; only this thread receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  int signal = 0;
+  sigwait(&signals, &signal);
+
+  std::fprintf(stderr, "kvgrid-worker: draining (%d requests running)\n",
+               static_cast<int>(loop.NumActive()));
+  service.SetDraining(true);
+  server->GetHealthCheckService()->SetServingStatus(false);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration<double>(drain_timeout.value_or(30.0));
+  while (loop.NumActive() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (registrar) registrar->Stop();
+  loop.Stop();  // fails whatever did not finish in time with UNAVAILABLE
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  std::fprintf(stderr, "kvgrid-worker: stopped\n");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  auto args = Args::Parse(argc, argv, 1);
+  if (!args.ok()) {
+    std::fprintf(stderr, "kvgrid-worker: %s\n", std::string(args.status().message()).c_str());
+    return 2;
+  }
+  return kvgrid::cli::RunSubcommand(*args, "worker", kHelp, Serve);
+}

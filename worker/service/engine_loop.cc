@@ -1,0 +1,151 @@
+#include "worker/service/engine_loop.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvgrid::worker {
+
+EngineLoop::EngineLoop(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {
+  stats_ = engine_->Stats();
+  thread_ = std::thread([this] { Run(); });
+}
+
+EngineLoop::~EngineLoop() { Stop(); }
+
+void EngineLoop::Submit(GenerationRequest request, std::shared_ptr<OutputSink> sink) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stop_) {
+      inbox_.emplace_back(std::move(request), std::move(sink));
+      ++num_active_;
+      return;
+    }
+  }
+  sink->OnError(absl::UnavailableError("the worker is shutting down"));
+}
+
+void EngineLoop::Abort(const std::string& request_id) {
+  absl::MutexLock lock(&mu_);
+  aborts_.push_back(request_id);
+}
+
+EngineStats EngineLoop::Stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+int64_t EngineLoop::NumActive() const {
+  absl::MutexLock lock(&mu_);
+  return num_active_;
+}
+
+void EngineLoop::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void EngineLoop::Drain(
+    std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
+    std::vector<std::string>& aborts) {
+  int64_t ended = 0;
+  for (auto& [request, sink] : submits) {
+    const std::string id = request.id;
+    const int64_t n = request.n;
+    if (active_.contains(id)) {
+      ++ended;
+      sink->OnError(absl::InvalidArgumentError(
+          absl::StrCat("request_id: '", id, "' is already in use")));
+      continue;
+    }
+    absl::Status status = engine_->AddRequest(std::move(request));
+    if (!status.ok()) {
+      ++ended;
+      sink->OnError(std::move(status));
+      continue;
+    }
+    active_[id] = Active{std::move(sink), n};
+  }
+  for (const std::string& id : aborts) {
+    engine_->Abort(id);
+    if (active_.erase(id) > 0) ++ended;
+  }
+  submits.clear();
+  aborts.clear();
+  if (ended > 0) {
+    absl::MutexLock lock(&mu_);
+    num_active_ -= ended;
+  }
+}
+
+void EngineLoop::Run() {
+  std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> submits;
+  std::vector<std::string> aborts;
+  for (;;) {
+    bool stop = false;
+    {
+      absl::MutexLock lock(&mu_);
+      // Sleep while there is nothing to do; wake on a submission, an abort or Stop.
+      const bool busy = engine_->HasWork();
+      if (!busy) {
+        mu_.Await(absl::Condition(
+            +[](EngineLoop* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+              return self->stop_ || !self->inbox_.empty() || !self->aborts_.empty();
+            },
+            this));
+      }
+      stop = stop_;
+      submits.swap(inbox_);
+      aborts.swap(aborts_);
+    }
+    Drain(submits, aborts);
+    if (stop) break;
+    if (!engine_->HasWork()) {
+      absl::MutexLock lock(&mu_);
+      stats_ = engine_->Stats();
+      continue;
+    }
+    absl::StatusOr<std::vector<TokenOutput>> outputs = engine_->Step();
+    int64_t ended = 0;
+    if (!outputs.ok()) {
+      // A failed forward pass leaves the step's sequences to be retried; a failure that
+      // repeats would spin, so every request fails and its blocks are freed.
+      for (auto& [id, active] : active_) {
+        engine_->Abort(id);
+        active.sink->OnError(outputs.status());
+        ++ended;
+      }
+      active_.clear();
+    } else {
+      for (TokenOutput& out : *outputs) {
+        auto it = active_.find(out.request_id);
+        if (it == active_.end()) continue;
+        const bool finished = out.finish != FinishReason::kNone;
+        it->second.sink->OnOutput(std::move(out));
+        if (finished && --it->second.unfinished == 0) {
+          active_.erase(it);
+          ++ended;
+        }
+      }
+    }
+    absl::MutexLock lock(&mu_);
+    num_active_ -= ended;
+    stats_ = engine_->Stats();
+  }
+  // Stopping: whatever is still running or queued is failed, and its blocks freed.
+  for (auto& [id, active] : active_) {
+    engine_->Abort(id);
+    active.sink->OnError(absl::UnavailableError("the worker is shutting down"));
+  }
+  active_.clear();
+  {
+    absl::MutexLock lock(&mu_);
+    num_active_ = 0;
+    stats_ = engine_->Stats();
+  }
+}
+
+}  // namespace kvgrid::worker

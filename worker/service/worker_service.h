@@ -1,0 +1,45 @@
+// The Worker gRPC service (proto/kvgrid/v1/worker.proto) over an EngineLoop: Generate streams
+// a request's tokens as the engine produces them, coalescing tokens while a write is in
+// flight; cancelling the call aborts the request; Abort and GetStats are unary.
+//
+// Thread-safety: all methods may be called concurrently (gRPC's callback threads).
+#ifndef KVGRID_WORKER_SERVICE_WORKER_SERVICE_H_
+#define KVGRID_WORKER_SERVICE_WORKER_SERVICE_H_
+
+#include <atomic>
+#include <cstdint>
+
+#include "kvgrid/v1/worker.grpc.pb.h"
+#include "worker/engine/engine.h"
+#include "worker/service/engine_loop.h"
+
+namespace kvgrid::worker {
+
+class WorkerService final : public v1::Worker::CallbackService {
+ public:
+  // `loop` is not owned and must outlive the service (and the server running it).
+  WorkerService(EngineLoop* loop, v1::KvCapacity capacity, int32_t max_num_seqs);
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::WorkerGenerateRequest* request) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request,
+                                  v1::AbortResponse* response) override;
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* context,
+                                     const v1::GetStatsRequest* request,
+                                     v1::GetStatsResponse* response) override;
+
+  // While draining, new Generate calls get UNAVAILABLE; running ones go on.
+  void SetDraining(bool draining) { draining_.store(draining); }
+  [[nodiscard]] bool draining() const { return draining_.load(); }
+
+ private:
+  EngineLoop* loop_;
+  v1::KvCapacity capacity_;
+  int32_t max_num_seqs_;
+  std::atomic<bool> draining_{false};
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_SERVICE_WORKER_SERVICE_H_
