@@ -22,8 +22,8 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
 }  // namespace
 
 GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
-                                     RelayOptions relay_options)
-    : catalog_(catalog), registry_(registry), relay_options_(relay_options) {}
+                                     CoordinatorMetrics* metrics, RelayOptions relay_options)
+    : catalog_(catalog), registry_(registry), metrics_(metrics), relay_options_(relay_options) {}
 
 absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
     const v1::GenerateRequest& request, const ServedModel** served) const {
@@ -100,10 +100,15 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
   }
   const ServedModel* model = nullptr;
   absl::StatusOr<v1::WorkerGenerateRequest> prepared = Prepare(*request, &model);
-  if (!prepared.ok()) return new FailedStream(proto::ToGrpcStatus(prepared.status()));
+  if (!prepared.ok()) {
+    const grpc::Status status = proto::ToGrpcStatus(prepared.status());
+    if (metrics_ != nullptr) metrics_->CountError(request->model(), status.error_code());
+    return new FailedStream(status);
+  }
   std::string id = request->request_id();
   if (id.empty()) id = absl::StrCat("req-", next_id_.fetch_add(1));
-  auto* relay = new GenerateRelay(context, registry_, relay_options_, &in_flight_, model->name,
+  auto* relay = new GenerateRelay(context, registry_, metrics_, relay_options_, &in_flight_,
+                                  model->name,
                                   std::move(id), *std::move(prepared));
   relay->Start();
   return relay;

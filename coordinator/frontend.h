@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
 #include "coordinator/relay.h"
@@ -19,9 +20,9 @@ namespace kvgrid::coordinator {
 
 class GenerationService final : public v1::Generation::CallbackService {
  public:
-  // Not owned; all must outlive the service.
+  // Not owned; all must outlive the service. `metrics` may be null.
   GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
-                    RelayOptions relay_options);
+                    CoordinatorMetrics* metrics, RelayOptions relay_options);
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
@@ -52,6 +53,7 @@ class GenerationService final : public v1::Generation::CallbackService {
  private:
   const ModelCatalog* catalog_;
   WorkerRegistry* registry_;
+  CoordinatorMetrics* metrics_;
   RelayOptions relay_options_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};

@@ -22,6 +22,7 @@
 #include "coordinator/registry.h"
 #include "coordinator/registry_service.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "metrics/http_endpoint.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "model/status_macros.h"
@@ -42,7 +43,8 @@ constexpr char kHelp[] =
     "  --max-queue-depth N         requests a worker may queue beyond its max_num_seqs\n"
     "                              before the coordinator answers RESOURCE_EXHAUSTED (default 64)\n"
     "  --max-failovers N           worker failures one request survives (default 3)\n"
-    "  --drain-timeout-s S         how long running requests may take on shutdown (default 30)\n";
+    "  --drain-timeout-s S         how long running requests may take on shutdown (default 30)\n"
+    "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n";
 
 absl::Status Serve(Args& args) {
   const std::optional<std::string> models = args.GetString("model");
@@ -52,6 +54,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto max_queue, args.GetInt("max-queue-depth"));
   KVGRID_ASSIGN_OR_RETURN(auto max_failovers, args.GetInt("max-failovers"));
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
+  const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!models) return absl::InvalidArgumentError("--model: required (a model directory)");
   std::vector<std::filesystem::path> dirs;
@@ -80,7 +83,18 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(kvgrid::coordinator::ModelCatalog catalog,
                           kvgrid::coordinator::ModelCatalog::Load(dirs));
   kvgrid::coordinator::WorkerRegistry registry(ro);
-  kvgrid::coordinator::GenerationService generation(&catalog, &registry, relay);
+  kvgrid::metrics::Registry metrics_registry;
+  kvgrid::coordinator::CoordinatorMetrics metrics(&metrics_registry);
+  kvgrid::coordinator::GenerationService generation(&catalog, &registry, &metrics, relay);
+  metrics_registry.AddCollector(
+      [&] { metrics.CollectFrom(&registry, [&] { return generation.InFlight(); }); });
+  std::unique_ptr<kvgrid::metrics::HttpEndpoint> metrics_endpoint;
+  if (metrics_listen) {
+    KVGRID_ASSIGN_OR_RETURN(metrics_endpoint, kvgrid::metrics::HttpEndpoint::Start(
+                                                  *metrics_listen, &metrics_registry));
+    std::fprintf(stderr, "kvgrid-coordinator: metrics on port %d (/metrics)\n",
+                 metrics_endpoint->port());
+  }
 
   std::atomic<bool> draining{false};
   grpc::Server* server_ptr = nullptr;

@@ -59,11 +59,13 @@ class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::Generat
 };
 
 GenerateRelay::GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistry* registry,
-                             RelayOptions options, std::atomic<int64_t>* in_flight,
+                             CoordinatorMetrics* metrics, RelayOptions options,
+                             std::atomic<int64_t>* in_flight,
                              std::string model, std::string client_request_id,
                              v1::WorkerGenerateRequest request)
     : context_(context),
       registry_(registry),
+      metrics_(metrics),
       options_(options),
       in_flight_(in_flight),
       model_(std::move(model)),
@@ -76,6 +78,7 @@ GenerateRelay::GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistr
   tokens_.resize(n_);
   finished_.assign(n_, false);
   first_token_.resize(n_);
+  last_token_.resize(n_);
 }
 
 void GenerateRelay::Start() {
@@ -126,6 +129,17 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
     const uint32_t index = msg->index();
     if (index >= n_ || finished_[index]) return true;  // nothing to forward; keep draining
     const auto now = std::chrono::steady_clock::now();
+    if (msg->token_ids_size() > 0 && metrics_ != nullptr) {
+      if (!first_token_[index]) {
+        metrics_->ObserveFirstToken(model_, std::chrono::duration<double>(now - arrival_).count());
+      } else {
+        metrics_->ObserveInterToken(
+            model_, std::chrono::duration<double>(now - last_token_[index]).count());
+      }
+      // Tokens that arrived together count as arriving at once.
+      for (int i = 1; i < msg->token_ids_size(); ++i) metrics_->ObserveInterToken(model_, 0.0);
+    }
+    if (msg->token_ids_size() > 0) last_token_[index] = now;
     if (!first_token_[index] && msg->token_ids_size() > 0) first_token_[index] = now;
     tokens_[index].insert(tokens_[index].end(), msg->token_ids().begin(),
                           msg->token_ids().end());
@@ -138,6 +152,12 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
       t->set_queued_s(placed_s_.value_or(0) + t->queued_s());
       t->set_first_token_s(std::chrono::duration<double>(*first_token_[index] - arrival_).count());
       t->set_finished_s(std::chrono::duration<double>(now - arrival_).count());
+      if (metrics_ != nullptr) {
+        metrics_->ObserveFinished(
+            model_, msg->finish_reason() == v1::FINISH_REASON_STOP ? "stop" : "length",
+            t->finished_s(), t->queued_s(), index == 0 ? msg->usage().prompt_tokens() : 0,
+            static_cast<int64_t>(tokens_[index].size()));
+      }
     }
     pending_tokens_ += msg->token_ids_size();
     v1::GenerateResponse* back = pending_.empty() ? nullptr : &pending_.back();
@@ -201,6 +221,7 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
           resumed.set_n(1);
           resumed.set_index_offset(i);
           resumed.mutable_resume_token_ids()->Assign(tokens_[i].begin(), tokens_[i].end());
+          if (metrics_ != nullptr) metrics_->CountFailover(model_);
           absl::Status placed = PlaceLocked(std::move(resumed), {i}, &start);
           if (!placed.ok()) {
             FailLocked(grpc::Status(
@@ -240,6 +261,7 @@ GenerateRelay::Action GenerateRelay::NextLocked() {
     // Tokens already buffered are dropped: the stream ends with the error.
     finish_called_ = true;
     final_status_ = *error_;
+    if (metrics_ != nullptr) metrics_->CountError(model_, final_status_.error_code());
     return Action::kFinish;
   }
   if (!pending_.empty()) {

@@ -31,6 +31,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/registry.h"
 #include "grpcpp/grpcpp.h"
 #include "kvgrid/v1/generation.pb.h"
@@ -50,9 +51,10 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   // `request` is validated and tokenized: prompt ids, sampling, stopping, n, priority set;
   // its request_id is left for the relay to fill per worker request. `client_request_id` is
   // echoed in every response. `in_flight` counts live relays (for draining); it must outlive
-  // the relay, as must `registry`.
+  // the relay, as must `registry` and `metrics` (which may be null).
   GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistry* registry,
-                RelayOptions options, std::atomic<int64_t>* in_flight, std::string model,
+                CoordinatorMetrics* metrics, RelayOptions options,
+                std::atomic<int64_t>* in_flight, std::string model,
                 std::string client_request_id, v1::WorkerGenerateRequest request);
 
   // Places the request and starts streaming; on a placement error the call finishes with it.
@@ -85,6 +87,7 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
 
   grpc::CallbackServerContext* const context_;
   WorkerRegistry* const registry_;
+  CoordinatorMetrics* const metrics_;
   const RelayOptions options_;
   std::atomic<int64_t>* const in_flight_;
   const std::string model_;
@@ -105,6 +108,7 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   std::vector<bool> finished_ ABSL_GUARDED_BY(mu_);
   std::vector<std::optional<std::chrono::steady_clock::time_point>> first_token_
       ABSL_GUARDED_BY(mu_);
+  std::vector<std::chrono::steady_clock::time_point> last_token_ ABSL_GUARDED_BY(mu_);
   std::optional<double> placed_s_ ABSL_GUARDED_BY(mu_);
   std::deque<v1::GenerateResponse> pending_ ABSL_GUARDED_BY(mu_);
   int64_t pending_tokens_ ABSL_GUARDED_BY(mu_) = 0;

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "metrics/http_endpoint.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/args.h"
@@ -22,6 +23,7 @@
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
+#include "worker/service/worker_metrics.h"
 #include "worker/service/worker_service.h"
 
 namespace {
@@ -43,6 +45,7 @@ constexpr char kHelp[] =
     "                              listening address)\n"
     "  --group ID                  worker group (default: the worker alone)\n"
     "  --drain-timeout-s S         how long running requests may take to finish (default 30)\n"
+    "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
     "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
     "                              --v-cache-dtype override one)\n"
@@ -56,6 +59,7 @@ absl::Status Serve(Args& args) {
   const std::string listen = args.GetString("listen").value_or("127.0.0.1:0");
   const std::optional<std::string> advertise = args.GetString("advertise");
   const std::string group = args.GetString("group").value_or("");
+  const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(kvgrid::worker::EngineOptions options,
                           kvgrid::cli::EngineOptionsFromArgs(args));
@@ -76,6 +80,16 @@ absl::Status Serve(Args& args) {
   kvgrid::worker::EngineLoop loop(std::move(engine));
   kvgrid::worker::WorkerService service(&loop, capacity,
                                         static_cast<int32_t>(options.max_num_seqs));
+  const std::string name = model_name.value_or(dir.filename().string());
+  kvgrid::metrics::Registry metrics;
+  kvgrid::worker::AddEngineMetrics(&metrics, &loop, name);
+  std::unique_ptr<kvgrid::metrics::HttpEndpoint> metrics_endpoint;
+  if (metrics_listen) {
+    KVGRID_ASSIGN_OR_RETURN(metrics_endpoint,
+                            kvgrid::metrics::HttpEndpoint::Start(*metrics_listen, &metrics));
+    std::fprintf(stderr, "kvgrid-worker: metrics on port %d (/metrics)\n",
+                 metrics_endpoint->port());
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
@@ -90,7 +104,7 @@ absl::Status Serve(Args& args) {
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = advertise.value_or(absl::StrCat(host, ":", port));
   std::fprintf(stderr, "kvgrid-worker: listening on %s (model %s, %d KV blocks of %lld tokens)\n",
-               address.c_str(), dir.filename().c_str(), capacity.blocks_total(),
+               address.c_str(), name.c_str(), capacity.blocks_total(),
                static_cast<long long>(options.block_size));
 
   std::unique_ptr<kvgrid::worker::Registrar> registrar;
@@ -98,7 +112,7 @@ absl::Status Serve(Args& args) {
     kvgrid::v1::RegisterWorkerRequest reg;
     reg.set_address(address);
     reg.set_device("cpu");
-    reg.set_model(model_name.value_or(dir.filename().string()));
+    reg.set_model(name);
     reg.set_group_id(group);
     reg.set_rank(0);
     reg.set_group_size(1);
