@@ -22,8 +22,13 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
 }  // namespace
 
 GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
-                                     CoordinatorMetrics* metrics, RelayOptions relay_options)
-    : catalog_(catalog), registry_(registry), metrics_(metrics), relay_options_(relay_options) {}
+                                     CoordinatorMetrics* metrics, RelayOptions relay_options,
+                                     const auth::BearerAuth* api_keys)
+    : catalog_(catalog),
+      registry_(registry),
+      metrics_(metrics),
+      relay_options_(std::move(relay_options)),
+      api_keys_(api_keys) {}
 
 absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
     const v1::GenerateRequest& request, const ServedModel** served) const {
@@ -94,6 +99,10 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    if (metrics_ != nullptr) metrics_->CountError(request->model(), auth.error_code());
+    return new FailedStream(auth);
+  }
   if (draining_.load()) {
     return new FailedStream(
         grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is draining"));
@@ -117,6 +126,11 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
                                                       const v1::TokenizeRequest* request,
                                                       v1::TokenizeResponse* response) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(auth);
+    return reactor;
+  }
   absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
   if (!m.ok()) return Done(context, m.status());
   if (!(*m)->tokenizer) {
@@ -137,6 +151,11 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
                                                         const v1::DetokenizeRequest* request,
                                                         v1::DetokenizeResponse* response) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(auth);
+    return reactor;
+  }
   absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
   if (!m.ok()) return Done(context, m.status());
   if (!(*m)->tokenizer) {
@@ -156,6 +175,11 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* context,
                                                         const v1::ListModelsRequest* request,
                                                         v1::ListModelsResponse* response) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(auth);
+    return reactor;
+  }
   for (const auto& m : catalog_->models()) {
     v1::ModelInfo* info = response->add_models();
     info->set_id(m->name);
@@ -169,6 +193,11 @@ grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GenerationService::ClusterStatus(
     grpc::CallbackServerContext* context, const v1::ClusterStatusRequest* request,
     v1::ClusterStatusResponse* response) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(auth);
+    return reactor;
+  }
   registry_->FillStatus(response);
   response->set_in_flight(static_cast<int32_t>(in_flight_.load()));
   response->set_draining(draining_.load());

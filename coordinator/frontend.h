@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "auth/bearer_auth.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
@@ -20,9 +21,11 @@ namespace kvgrid::coordinator {
 
 class GenerationService final : public v1::Generation::CallbackService {
  public:
-  // Not owned; all must outlive the service. `metrics` may be null.
+  // Not owned; all must outlive the service. `metrics` may be null. Every method requires
+  // one of `api_keys` (UNAUTHENTICATED otherwise) when it holds any.
   GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
-                    CoordinatorMetrics* metrics, RelayOptions relay_options);
+                    CoordinatorMetrics* metrics, RelayOptions relay_options,
+                    const auth::BearerAuth* api_keys);
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
@@ -55,6 +58,7 @@ class GenerationService final : public v1::Generation::CallbackService {
   WorkerRegistry* registry_;
   CoordinatorMetrics* metrics_;
   RelayOptions relay_options_;
+  const auth::BearerAuth* api_keys_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
   std::atomic<int64_t> next_id_{1};

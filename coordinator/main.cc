@@ -17,6 +17,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "auth/bearer_auth.h"
+#include "auth/tls.h"
 #include "coordinator/frontend.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
@@ -44,7 +47,19 @@ constexpr char kHelp[] =
     "                              before the coordinator answers RESOURCE_EXHAUSTED (default 64)\n"
     "  --max-failovers N           worker failures one request survives (default 3)\n"
     "  --drain-timeout-s S         how long running requests may take on shutdown (default 30)\n"
-    "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n";
+    "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes)\n"
+    "  --worker-listen HOST:PORT   serve the worker API (registration, heartbeats) there in\n"
+    "                              plaintext instead of on the API port (use with TLS)\n"
+    "  --tls-cert F --tls-key F    TLS on the API port (PEM); --tls-ca F also requires and\n"
+    "                              verifies client certificates (mTLS)\n"
+    "  --api-keys K1,K2 | --api-key-file F\n"
+    "                              clients must send 'authorization: Bearer <key>'\n"
+    "  --cluster-token T | --cluster-token-file F\n"
+    "                              shared secret of coordinator and workers\n"
+    "\n"
+    "Every flag can also be given as an environment variable: --max-queue-depth as\n"
+    "KVGRID_MAX_QUEUE_DEPTH (the command line wins).\n";
 
 absl::Status Serve(Args& args) {
   const std::optional<std::string> models = args.GetString("model");
@@ -55,6 +70,21 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto max_failovers, args.GetInt("max-failovers"));
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
+  const std::optional<std::string> health_listen = args.GetString("health-listen");
+  const std::optional<std::string> worker_listen = args.GetString("worker-listen");
+  const kvgrid::auth::TlsFiles tls{.cert = args.GetString("tls-cert"),
+                                   .key = args.GetString("tls-key"),
+                                   .ca = args.GetString("tls-ca")};
+  KVGRID_ASSIGN_OR_RETURN(const kvgrid::auth::BearerAuth api_keys,
+                          kvgrid::auth::BearerAuth::FromFlags(args.GetString("api-key-file"),
+                                                              args.GetString("api-keys"),
+                                                              "api-key-file"));
+  KVGRID_ASSIGN_OR_RETURN(
+      const std::string cluster_token,
+      kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
+                                 args.GetString("cluster-token"), "cluster-token-file"));
+  KVGRID_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          kvgrid::auth::ServerCredentials(tls));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!models) return absl::InvalidArgumentError("--model: required (a model directory)");
   std::vector<std::filesystem::path> dirs;
@@ -75,6 +105,9 @@ absl::Status Serve(Args& args) {
     ro.max_queue_depth = *max_queue;
   }
   kvgrid::coordinator::RelayOptions relay;
+  relay.cluster_token = cluster_token;
+  const kvgrid::auth::BearerAuth cluster_auth =
+      kvgrid::auth::BearerAuth::FromTokens({cluster_token});
   if (max_failovers) {
     if (*max_failovers < 0) return absl::InvalidArgumentError("--max-failovers: must be >= 0");
     relay.max_failovers = static_cast<int>(*max_failovers);
@@ -85,7 +118,8 @@ absl::Status Serve(Args& args) {
   kvgrid::coordinator::WorkerRegistry registry(ro);
   kvgrid::metrics::Registry metrics_registry;
   kvgrid::coordinator::CoordinatorMetrics metrics(&metrics_registry);
-  kvgrid::coordinator::GenerationService generation(&catalog, &registry, &metrics, relay);
+  kvgrid::coordinator::GenerationService generation(&catalog, &registry, &metrics, relay,
+                                                    &api_keys);
   metrics_registry.AddCollector(
       [&] { metrics.CollectFrom(&registry, [&] { return generation.InFlight(); }); });
   std::unique_ptr<kvgrid::metrics::HttpEndpoint> metrics_endpoint;
@@ -97,40 +131,79 @@ absl::Status Serve(Args& args) {
   }
 
   std::atomic<bool> draining{false};
-  grpc::Server* server_ptr = nullptr;
+  // The health services of the API server and of the plaintext health server, if any.
+  std::vector<grpc::HealthCheckServiceInterface*> healths;
+  absl::Mutex health_mu;
   // Health: overall is the coordinator itself; the API and each model are SERVING while a
   // live worker serves them.
   auto update_health = [&] {
-    if (server_ptr == nullptr) return;
-    grpc::HealthCheckServiceInterface* health = server_ptr->GetHealthCheckService();
+    absl::MutexLock lock(&health_mu);
     const bool up = !draining.load();
     bool any = false;
+    std::vector<std::pair<std::string, bool>> statuses;
     for (const auto& m : catalog.models()) {
       const bool live = registry.NumLive(m->name) > 0;
       any = any || live;
-      health->SetServingStatus(m->name, up && live);
+      statuses.emplace_back(m->name, up && live);
     }
-    health->SetServingStatus("kvgrid.v1.Generation", up && any);
-    health->SetServingStatus("", up);
+    statuses.emplace_back("kvgrid.v1.Generation", up && any);
+    statuses.emplace_back("", up);
+    for (grpc::HealthCheckServiceInterface* health : healths) {
+      for (const auto& [name, serving] : statuses) health->SetServingStatus(name, serving);
+    }
   };
-  kvgrid::coordinator::RegistryService registry_service(&registry, &catalog, update_health);
+  kvgrid::coordinator::RegistryService registry_service(&registry, &catalog, &cluster_auth,
+                                                        update_health);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, credentials, &port);
   builder.RegisterService(&generation);
-  builder.RegisterService(&registry_service);
+  // Workers register on the API port unless they have a port of their own.
+  if (!worker_listen) builder.RegisterService(&registry_service);
   builder.SetMaxReceiveMessageSize(64 << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));
   }
-  server_ptr = server.get();
+  std::unique_ptr<grpc::Server> worker_server;
+  if (worker_listen) {
+    // Plaintext, inside the cluster, guarded by the cluster token: registration, heartbeats.
+    grpc::ServerBuilder wb;
+    int worker_port = 0;
+    wb.AddListeningPort(*worker_listen, grpc::InsecureServerCredentials(), &worker_port);
+    wb.RegisterService(&registry_service);
+    worker_server = wb.BuildAndStart();
+    if (!worker_server || worker_port == 0) {
+      return absl::UnavailableError(absl::StrCat("--worker-listen: cannot listen on ",
+                                                 *worker_listen));
+    }
+    std::fprintf(stderr, "kvgrid-coordinator: worker API on port %d\n", worker_port);
+  }
+  std::unique_ptr<grpc::Server> health_server;
+  int health_port = 0;
+  if (health_listen) {
+    // Plaintext, health only: for Kubernetes' gRPC probes when the API port uses TLS.
+    grpc::ServerBuilder hb;
+    hb.AddListeningPort(*health_listen, grpc::InsecureServerCredentials(), &health_port);
+    health_server = hb.BuildAndStart();
+    if (!health_server || health_port == 0) {
+      return absl::UnavailableError(absl::StrCat("--health-listen: cannot listen on ",
+                                                 *health_listen));
+    }
+    std::fprintf(stderr, "kvgrid-coordinator: health on port %d\n", health_port);
+  }
+  {
+    absl::MutexLock lock(&health_mu);
+    healths.push_back(server->GetHealthCheckService());
+    if (health_server) healths.push_back(health_server->GetHealthCheckService());
+  }
   update_health();
   const std::string host = listen.substr(0, listen.rfind(':'));
-  std::fprintf(stderr, "kvgrid-coordinator: listening on %s:%d\n", host.c_str(), port);
+  std::fprintf(stderr, "kvgrid-coordinator: listening on %s:%d%s%s\n", host.c_str(), port,
+               tls.cert ? " (TLS)" : "", api_keys.enabled() ? " (API keys required)" : "");
 
   // Liveness: workers that stop heartbeating leave placement and health.
   std::atomic<bool> stop{false};
@@ -163,6 +236,8 @@ absl::Status Serve(Args& args) {
   maintenance.join();
   // Calls still open past the drain timeout are cancelled by the shutdown.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
+  if (worker_server) worker_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-coordinator: stopped\n");
   return absl::OkStatus();
 }
@@ -181,5 +256,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvgrid-coordinator: %s\n", std::string(args.status().message()).c_str());
     return 2;
   }
+  args->UseEnvironment("KVGRID_");
   return kvgrid::cli::RunSubcommand(*args, "coordinator", kHelp, Serve);
 }

@@ -9,8 +9,8 @@
 namespace kvgrid::coordinator {
 
 RegistryService::RegistryService(WorkerRegistry* registry, const ModelCatalog* catalog,
-                                 std::function<void()> on_change)
-    : registry_(registry), catalog_(catalog), on_change_(std::move(on_change)) {}
+                                 const auth::BearerAuth* cluster, std::function<void()> on_change)
+    : registry_(registry), catalog_(catalog), cluster_(cluster), on_change_(std::move(on_change)) {}
 
 grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
     grpc::CallbackServerContext* context, const v1::RegisterWorkerRequest* request,
@@ -20,6 +20,10 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, std::move(message)));
     return reactor;
   };
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
   if (request->address().empty()) return fail("address: must be set");
   absl::StatusOr<const ServedModel*> model = catalog_->Find(request->model());
   if (!model.ok()) return fail(std::string(model.status().message()));
@@ -45,8 +49,12 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
 grpc::ServerUnaryReactor* RegistryService::Heartbeat(grpc::CallbackServerContext* context,
                                                      const v1::HeartbeatRequest* request,
                                                      v1::HeartbeatResponse* response) {
-  response->set_known(registry_->Heartbeat(*request));
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  response->set_known(registry_->Heartbeat(*request));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

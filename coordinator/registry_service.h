@@ -7,6 +7,7 @@
 
 #include <functional>
 
+#include "auth/bearer_auth.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
@@ -15,10 +16,11 @@ namespace kvgrid::coordinator {
 
 class RegistryService final : public v1::Coordinator::CallbackService {
  public:
-  // `registry` and `catalog` are not owned and must outlive the service. `on_change` runs
-  // after a registration (e.g. to update health).
+  // `registry`, `catalog` and `cluster` are not owned and must outlive the service.
+  // `on_change` runs after a registration (e.g. to update health). When `cluster` holds a
+  // token, callers must present it (UNAUTHENTICATED otherwise): only workers hold it.
   RegistryService(WorkerRegistry* registry, const ModelCatalog* catalog,
-                  std::function<void()> on_change);
+                  const auth::BearerAuth* cluster, std::function<void()> on_change);
 
   // Errors: INVALID_ARGUMENT for a missing address, a model this coordinator does not serve,
   // or a vocabulary size that disagrees with the coordinator's config.json.
@@ -32,6 +34,7 @@ class RegistryService final : public v1::Coordinator::CallbackService {
  private:
   WorkerRegistry* registry_;
   const ModelCatalog* catalog_;
+  const auth::BearerAuth* cluster_;
   std::function<void()> on_change_;
 };
 

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "auth/bearer_auth.h"
 #include "proto/grpc_status.h"
 
 namespace kvgrid::coordinator {
@@ -13,11 +14,12 @@ class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::Generat
  public:
   Upstream(GenerateRelay* owner, WorkerRegistry::Placement placement,
            v1::WorkerGenerateRequest request, std::vector<uint32_t> indices,
-           std::chrono::system_clock::time_point deadline)
+           std::chrono::system_clock::time_point deadline, const std::string& token)
       : owner_(owner),
         placement_(std::move(placement)),
         request_(std::move(request)),
         indices_(std::move(indices)) {
+    auth::AttachBearer(&context_, token);
     if (deadline != std::chrono::system_clock::time_point::max()) {
       context_.set_deadline(deadline);
     }
@@ -48,6 +50,9 @@ class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::Generat
 
   const std::string& worker_id() const { return placement_.worker_id; }
   const std::vector<uint32_t>& indices() const { return indices_; }
+  // Whether the registry's in-flight count for this stream was given back (guarded by the
+  // owner's mutex).
+  bool released = false;
 
  private:
   GenerateRelay* owner_;
@@ -114,7 +119,7 @@ absl::Status GenerateRelay::PlaceLocked(v1::WorkerGenerateRequest request,
   // may land on a worker that still knows the first attempt.
   request.set_request_id(absl::StrCat(client_request_id_, "@", attempts_++));
   auto* up = new Upstream(this, *std::move(placement), std::move(request), std::move(indices),
-                          context_->deadline());
+                          context_->deadline(), options_.cluster_token);
   upstreams_.push_back(up);
   ++refs_;
   start->push_back(up);
@@ -152,6 +157,14 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
       t->set_queued_s(placed_s_.value_or(0) + t->queued_s());
       t->set_first_token_s(std::chrono::duration<double>(*first_token_[index] - arrival_).count());
       t->set_finished_s(std::chrono::duration<double>(now - arrival_).count());
+      // The worker is done with this request once all its continuations finished: give the
+      // slot back now, not when its stream closes, so a client that sends the next request
+      // right after this one never finds the slot still taken.
+      if (!up->released && std::all_of(up->indices().begin(), up->indices().end(),
+                                       [this](uint32_t i) { return finished_[i]; })) {
+        up->released = true;
+        registry_->Release(up->worker_id());
+      }
       if (metrics_ != nullptr) {
         metrics_->ObserveFinished(
             model_, msg->finish_reason() == v1::FINISH_REASON_STOP ? "stop" : "length",
@@ -183,11 +196,14 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
 }
 
 void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
-  registry_->Release(up->worker_id());
   std::vector<Upstream*> start, resume;
   Action action = Action::kNone;
   {
     absl::MutexLock lock(&mu_);
+    if (!up->released) {
+      up->released = true;
+      registry_->Release(up->worker_id());
+    }
     upstreams_.erase(std::remove(upstreams_.begin(), upstreams_.end(), up), upstreams_.end());
     paused_.erase(std::remove(paused_.begin(), paused_.end(), up), paused_.end());
     std::vector<uint32_t> unfinished;

@@ -44,6 +44,8 @@ struct RelayOptions {
   int max_failovers = 3;
   // Buffered tokens past which reading from the worker pauses.
   int64_t max_buffered_tokens = 512;
+  // Sent to workers as a bearer token (the cluster token); empty: none.
+  std::string cluster_token;
 };
 
 class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse> {

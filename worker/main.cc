@@ -15,6 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "auth/bearer_auth.h"
+#include "kernels/cpu/gemm.h"
 #include "metrics/http_endpoint.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
@@ -35,6 +37,8 @@ constexpr char kHelp[] =
     "\n"
     "Serves one model on this machine's CPU through the Worker gRPC API and registers with a\n"
     "coordinator. SIGTERM/SIGINT drain: no new requests, running ones finish, then exit.\n"
+    "Every flag can also be given as an environment variable: --max-num-seqs as\n"
+    "KVGRID_MAX_NUM_SEQS (the command line wins).\n"
     "\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
@@ -46,6 +50,11 @@ constexpr char kHelp[] =
     "  --group ID                  worker group (default: the worker alone)\n"
     "  --drain-timeout-s S         how long running requests may take to finish (default 30)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --cluster-token T | --cluster-token-file F\n"
+    "                              shared secret of coordinator and workers: sent to the\n"
+    "                              coordinator, and required of every caller of this worker\n"
+    "  --threads N                 CPU threads for the kernels (default: every core; give\n"
+    "                              each worker its share when several share a machine)\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
     "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
     "                              --v-cache-dtype override one)\n"
@@ -61,12 +70,24 @@ absl::Status Serve(Args& args) {
   const std::string group = args.GetString("group").value_or("");
   const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
+  KVGRID_ASSIGN_OR_RETURN(auto threads, args.GetInt("threads"));
+  KVGRID_ASSIGN_OR_RETURN(
+      const std::string cluster_token,
+      kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
+                                 args.GetString("cluster-token"), "cluster-token-file"));
   KVGRID_ASSIGN_OR_RETURN(kvgrid::worker::EngineOptions options,
                           kvgrid::cli::EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::cli::KvDTypeFlags kv_dtypes,
                           kvgrid::cli::KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
+  if (threads) {
+    if (*threads < 1 || *threads > 1024) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--threads: must be in [1, 1024], got ", *threads));
+    }
+    kvgrid::kernels::cpu::SetNumThreads(static_cast<int>(*threads));
+  }
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded, kvgrid::cli::LoadModelDir(dir));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   options.eos_token_ids =
@@ -78,7 +99,9 @@ absl::Status Serve(Args& args) {
   const kvgrid::v1::KvCapacity capacity =
       kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
   kvgrid::worker::EngineLoop loop(std::move(engine));
-  kvgrid::worker::WorkerService service(&loop, capacity,
+  const kvgrid::auth::BearerAuth cluster_auth =
+      kvgrid::auth::BearerAuth::FromTokens({cluster_token});
+  kvgrid::worker::WorkerService service(&loop, &cluster_auth, capacity,
                                         static_cast<int32_t>(options.max_num_seqs));
   const std::string name = model_name.value_or(dir.filename().string());
   kvgrid::metrics::Registry metrics;
@@ -121,7 +144,7 @@ absl::Status Serve(Args& args) {
     reg.set_max_num_seqs(static_cast<int32_t>(options.max_num_seqs));
     reg.set_pid(getpid());
     registrar = std::make_unique<kvgrid::worker::Registrar>(
-        *coordinator, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
+        *coordinator, cluster_token, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
         [&service] { return service.draining(); });
   }
 
@@ -162,5 +185,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kvgrid-worker: %s\n", std::string(args.status().message()).c_str());
     return 2;
   }
+  args->UseEnvironment("KVGRID_");
   return kvgrid::cli::RunSubcommand(*args, "worker", kHelp, Serve);
 }

@@ -1,6 +1,7 @@
 #include "kernels/cpu/gemm.h"
 
 #include <cblas.h>
+#include <omp.h>
 
 #include <limits>
 
@@ -56,6 +57,11 @@ absl::Status Linear(const LinearParams& p) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, p.input, k, p.weight, k,
               beta, p.output, n);
   return absl::OkStatus();
+}
+
+void SetNumThreads(int threads) {
+  omp_set_num_threads(threads);
+  openblas_set_num_threads(threads);
 }
 
 }  // namespace kvgrid::kernels::cpu

@@ -29,6 +29,10 @@ inline constexpr int64_t kSmallBatchTokens = 4;
 // Dispatches on num_tokens as above. Parallel over every core.
 absl::Status Linear(const LinearParams& params);
 
+// Limits the CPU kernels (our OpenMP loops and OpenBLAS) to `threads` threads, e.g. when
+// several workers share one machine. Call before the first kernel runs. threads >= 1.
+void SetNumThreads(int threads);
+
 // The small-batch path on its own (any num_tokens; exposed for tests and benchmarks).
 absl::Status LinearSmallBatch(const LinearParams& params);
 

@@ -1,5 +1,6 @@
 #include "tools/kvgrid/args.h"
 
+#include <cctype>
 #include <charconv>
 #include <cstdio>
 #include <cmath>
@@ -36,17 +37,26 @@ absl::StatusOr<Args> Args::Parse(int argc, char** argv, int first) {
   return args;
 }
 
+std::optional<std::optional<std::string>> Args::Find(const std::string& name) const {
+  if (auto it = values_.find(name); it != values_.end()) return it->second;
+  if (env_prefix_.empty()) return std::nullopt;
+  std::string var = env_prefix_;
+  for (char c : name) var += c == '-' ? '_' : static_cast<char>(std::toupper(c));
+  if (const char* v = std::getenv(var.c_str())) return std::optional<std::string>(v);
+  return std::nullopt;
+}
+
 bool Args::Has(const std::string& name) {
   read_.insert(name);
-  return values_.count(name) > 0;
+  return Find(name).has_value();
 }
 
 absl::StatusOr<bool> Args::GetBool(const std::string& name, bool fallback) {
   read_.insert(name);
-  auto it = values_.find(name);
-  if (it == values_.end()) return fallback;
-  if (!it->second) return true;
-  const std::string& v = *it->second;
+  const auto found = Find(name);
+  if (!found) return fallback;
+  if (!*found) return true;
+  const std::string& v = **found;
   if (v == "true" || v == "1") return true;
   if (v == "false" || v == "0") return false;
   return absl::InvalidArgumentError(
@@ -55,9 +65,9 @@ absl::StatusOr<bool> Args::GetBool(const std::string& name, bool fallback) {
 
 std::optional<std::string> Args::GetString(const std::string& name) {
   read_.insert(name);
-  auto it = values_.find(name);
-  if (it == values_.end()) return std::nullopt;
-  return it->second.value_or("");
+  const auto found = Find(name);
+  if (!found) return std::nullopt;
+  return found->value_or("");
 }
 
 absl::StatusOr<std::optional<int64_t>> Args::GetInt(const std::string& name) {

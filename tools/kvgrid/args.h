@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,6 +23,10 @@ class Args {
   // Parses argv[first..argc). Errors: INVALID_ARGUMENT for a positional argument or a flag
   // given twice.
   static absl::StatusOr<Args> Parse(int argc, char** argv, int first);
+
+  // Flags not on the command line are then read from the environment: --max-num-seqs from
+  // <prefix>MAX_NUM_SEQS (e.g. KVGRID_MAX_NUM_SEQS), as containers are configured.
+  void UseEnvironment(std::string prefix) { env_prefix_ = std::move(prefix); }
 
   bool Has(const std::string& name);
   // Boolean flag: present without value, or with value true/false/1/0.
@@ -36,8 +41,13 @@ class Args {
   absl::Status Finish() const;
 
  private:
+  // The flag's value from the command line, else the environment: nullopt when absent, an
+  // empty inner optional for a bare flag.
+  std::optional<std::optional<std::string>> Find(const std::string& name) const;
+
   std::map<std::string, std::optional<std::string>> values_;
   std::set<std::string> read_;
+  std::string env_prefix_;
 };
 
 // The shared shell of a subcommand: prints `help` for --help, else runs `body` and maps its

@@ -2,10 +2,13 @@
 // coordinator anywhere) through the public Generation API.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "auth/bearer_auth.h"
+#include "auth/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "kvgrid/v1/generation.grpc.pb.h"
 #include "model/status_macros.h"
@@ -29,6 +32,11 @@ constexpr char kHelp[] =
     "  --ignore-eos --stop TEXT --stop-token-ids IDS --include-stop-str-in-output\n"
     "  --min-tokens N --logprobs K --n N --priority P\n"
     "  --timeout-s S               deadline for the whole call\n"
+    "  --api-key KEY               sent as 'authorization: Bearer KEY' (default:\n"
+    "                              $KVGRID_API_KEY)\n"
+    "  --tls                       connect with TLS (system roots); --tls-ca F verifies the\n"
+    "                              server against F (implies --tls); --tls-cert F --tls-key F\n"
+    "                              present a client certificate (mTLS)\n"
     "  --json                      print one JSON object per continuation at the end\n";
 
 absl::Status Generate(Args& args) {
@@ -55,6 +63,14 @@ absl::Status Generate(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
   const std::optional<std::string> stop = args.GetString("stop");
   KVGRID_ASSIGN_OR_RETURN(auto timeout_s, args.GetDouble("timeout-s"));
+  std::optional<std::string> api_key = args.GetString("api-key");
+  if (!api_key) {
+    if (const char* env = std::getenv("KVGRID_API_KEY")) api_key = env;
+  }
+  const auth::TlsFiles tls_files{.cert = args.GetString("tls-cert"),
+                                 .key = args.GetString("tls-key"),
+                                 .ca = args.GetString("tls-ca")};
+  KVGRID_ASSIGN_OR_RETURN(const bool tls, args.GetBool("tls", tls_files.ca.has_value()));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (prompt.has_value() == prompt_ids.has_value()) {
     return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
@@ -80,9 +96,11 @@ absl::Status Generate(Args& args) {
   if (n) req.set_n(static_cast<uint32_t>(std::max<int64_t>(0, *n)));
   if (priority) req.set_priority(static_cast<int32_t>(*priority));
 
-  auto stub = v1::Generation::NewStub(
-      grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  KVGRID_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                          auth::ChannelCredentials(tls, tls_files));
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(addr, credentials));
   grpc::ClientContext ctx;
+  auth::AttachBearer(&ctx, api_key.value_or(""));
   if (timeout_s) {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::duration_cast<std::chrono::system_clock::duration>(

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -42,12 +43,13 @@ constexpr char kHelp[] =
     "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
-    "  --swap-space --enable-prefix-caching\n";
+    "  --swap-space --enable-prefix-caching --threads (default: the cores divided among the\n"
+    "  workers, so they do not oversubscribe the machine)\n";
 
 constexpr const char* kWorkerFlags[] = {
     "kv-cache-memory",        "kv-cache-dtype", "k-cache-dtype", "v-cache-dtype",
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
-    "max-model-len",          "swap-space",     "enable-prefix-caching"};
+    "max-model-len",          "swap-space",     "enable-prefix-caching", "threads"};
 
 std::filesystem::path SelfDir() {
   std::error_code ec;
@@ -104,6 +106,8 @@ absl::Status Serve(Args& args) {
     }
   }
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  const bool has_threads =
+      std::find(forwarded.begin(), forwarded.end(), "--threads") != forwarded.end();
   const int64_t workers = workers_flag.value_or(1);
   if (workers < 1 || workers > 64) {
     return absl::InvalidArgumentError(absl::StrCat("--workers: must be in [1, 64], got ", workers));
@@ -149,6 +153,10 @@ absl::Status Serve(Args& args) {
                                        "--coordinator", addr, "--listen", "127.0.0.1:0"};
     if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
     worker.insert(worker.end(), forwarded.begin(), forwarded.end());
+    if (!has_threads) {
+      const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+      worker.insert(worker.end(), {"--threads", absl::StrCat(std::max<int64_t>(1, cores / workers))});
+    }
     absl::StatusOr<pid_t> wpid = Spawn(worker);
     if (!wpid.ok()) {
       stop_all(SIGTERM);

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/time/time.h"
+#include "auth/bearer_auth.h"
 #include "grpcpp/create_channel.h"
 
 namespace kvgrid::worker {
@@ -15,10 +16,12 @@ constexpr auto kRpcTimeout = std::chrono::seconds(2);
 
 }  // namespace
 
-Registrar::Registrar(std::string coordinator_address, v1::RegisterWorkerRequest registration,
+Registrar::Registrar(std::string coordinator_address, std::string token,
+                     v1::RegisterWorkerRequest registration,
                      std::function<v1::KvUsage()> usage, std::function<bool()> draining)
     : stub_(v1::Coordinator::NewStub(
           grpc::CreateChannel(coordinator_address, grpc::InsecureChannelCredentials()))),
+      token_(std::move(token)),
       registration_(std::move(registration)),
       usage_(std::move(usage)),
       draining_(std::move(draining)) {
@@ -55,6 +58,7 @@ void Registrar::Run() {
       if (stop) return;
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+      auth::AttachBearer(&ctx, token_);
       v1::RegisterWorkerResponse resp;
       const grpc::Status s = stub_->RegisterWorker(&ctx, registration_, &resp);
       if (!s.ok()) {
@@ -76,6 +80,7 @@ void Registrar::Run() {
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + kRpcTimeout);
+    auth::AttachBearer(&ctx, token_);
     v1::HeartbeatRequest req;
     req.set_worker_id(id);
     *req.mutable_usage() = usage_();

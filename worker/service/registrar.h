@@ -20,8 +20,10 @@ namespace kvgrid::worker {
 class Registrar {
  public:
   // `usage` is called on the registrar's thread for each heartbeat; `draining` likewise.
-  Registrar(std::string coordinator_address, v1::RegisterWorkerRequest registration,
-            std::function<v1::KvUsage()> usage, std::function<bool()> draining);
+  // `token` (the cluster token; may be empty) goes with every call to the coordinator.
+  Registrar(std::string coordinator_address, std::string token,
+            v1::RegisterWorkerRequest registration, std::function<v1::KvUsage()> usage,
+            std::function<bool()> draining);
   ~Registrar();
   Registrar(const Registrar&) = delete;
   Registrar& operator=(const Registrar&) = delete;
@@ -35,6 +37,7 @@ class Registrar {
   void Run();
 
   std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::string token_;
   v1::RegisterWorkerRequest registration_;
   std::function<v1::KvUsage()> usage_;
   std::function<bool()> draining_;

@@ -155,11 +155,19 @@ void Channel::Run(Action action) {
 
 }  // namespace
 
-WorkerService::WorkerService(EngineLoop* loop, v1::KvCapacity capacity, int32_t max_num_seqs)
-    : loop_(loop), capacity_(std::move(capacity)), max_num_seqs_(max_num_seqs) {}
+WorkerService::WorkerService(EngineLoop* loop, const auth::BearerAuth* cluster,
+                             v1::KvCapacity capacity, int32_t max_num_seqs)
+    : loop_(loop), cluster_(cluster), capacity_(std::move(capacity)), max_num_seqs_(max_num_seqs) {}
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* context, const v1::WorkerGenerateRequest* request) {
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    auto channel = std::make_shared<Channel>(1);
+    auto* stream = new GenerateStream(loop_, request->request_id(), channel);
+    channel->Attach(stream);
+    channel->OnError(proto::FromGrpcStatus(auth));
+    return stream;
+  }
   GenerationRequest req = RequestFromProto(*request);
   auto channel = std::make_shared<Channel>(req.n);
   auto* stream = new GenerateStream(loop_, req.id, channel);
@@ -175,8 +183,12 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(
 grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* context,
                                                const v1::AbortRequest* request,
                                                v1::AbortResponse* response) {
-  loop_->Abort(request->request_id());
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  loop_->Abort(request->request_id());
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
@@ -184,6 +196,11 @@ grpc::ServerUnaryReactor* WorkerService::Abort(grpc::CallbackServerContext* cont
 grpc::ServerUnaryReactor* WorkerService::GetStats(grpc::CallbackServerContext* context,
                                                   const v1::GetStatsRequest* request,
                                                   v1::GetStatsResponse* response) {
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(auth);
+    return reactor;
+  }
   *response->mutable_capacity() = capacity_;
   *response->mutable_usage() = UsageToProto(loop_->Stats());
   response->set_max_num_seqs(max_num_seqs_);

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "auth/bearer_auth.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
 #include "worker/engine/engine.h"
 #include "worker/service/engine_loop.h"
@@ -17,8 +18,11 @@ namespace kvgrid::worker {
 
 class WorkerService final : public v1::Worker::CallbackService {
  public:
-  // `loop` is not owned and must outlive the service (and the server running it).
-  WorkerService(EngineLoop* loop, v1::KvCapacity capacity, int32_t max_num_seqs);
+  // `loop` and `cluster` are not owned and must outlive the service (and the server running
+  // it). When `cluster` holds a token every call must present it (UNAUTHENTICATED otherwise),
+  // so only the coordinator can use the worker.
+  WorkerService(EngineLoop* loop, const auth::BearerAuth* cluster, v1::KvCapacity capacity,
+                int32_t max_num_seqs);
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::WorkerGenerateRequest* request) override;
@@ -35,6 +39,7 @@ class WorkerService final : public v1::Worker::CallbackService {
 
  private:
   EngineLoop* loop_;
+  const auth::BearerAuth* cluster_;
   v1::KvCapacity capacity_;
   int32_t max_num_seqs_;
   std::atomic<bool> draining_{false};

@@ -1,0 +1,86 @@
+"""SIGTERM on the coordinator drains it: health turns NOT_SERVING (or the port closes), new
+requests are refused, the stream already running finishes, and the process exits 0 within
+its drain timeout."""
+
+import signal
+import threading
+import time
+
+import grpc
+
+from .conftest import health_check, rpc_error
+from kvgrid_client import Client, Completion
+from grpc_health.v1 import health_pb2
+
+DRAIN_TIMEOUT_S = 20
+LONG_NEW_TOKENS = 450
+
+
+def test_sigterm_drains_coordinator(cluster):
+    c = cluster(workers=1, worker_args=["--kv-cache-memory", "16MiB"],
+                coordinator_args=["--drain-timeout-s", DRAIN_TIMEOUT_S])
+    prompt_ids = c.client.tokenize("In the beginning")
+    # A second connection, established now, to watch health during the drain.
+    watcher = Client(c.addr, timeout=5)
+    try:
+        assert health_check(watcher.channel) == health_pb2.HealthCheckResponse.SERVING
+
+        done = Completion()
+        first_token = threading.Event()
+        errors = []
+
+        def read():
+            try:
+                for r in c.client.generate(prompt_token_ids=prompt_ids, temperature=0,
+                                           max_new_tokens=LONG_NEW_TOKENS, ignore_eos=True):
+                    done.add(r)
+                    first_token.set()
+            except grpc.RpcError as e:
+                errors.append(e)
+            finally:
+                first_token.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first_token.wait(timeout=60)
+        c.coordinator.popen.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        tokens_at_sigterm = len(done.token_ids)
+        assert 0 < tokens_at_sigterm < LONG_NEW_TOKENS, (tokens_at_sigterm, errors)
+
+        # Health flips (or the coordinator is already gone).
+        seen = []
+
+        def health_flipped():
+            try:
+                status = health_check(watcher.channel, timeout=2)
+            except grpc.RpcError as e:
+                seen.append(e.code())
+                return e.code() == grpc.StatusCode.UNAVAILABLE
+            seen.append(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        deadline = time.monotonic() + 5
+        while not health_flipped():
+            assert time.monotonic() < deadline, f"health after SIGTERM: {seen}"
+            time.sleep(0.01)
+
+        print(f"health after SIGTERM ({tokens_at_sigterm} tokens read): {seen}")
+
+        # New work is refused.
+        e = rpc_error(lambda: list(watcher.generate("And the LORD said", max_new_tokens=4,
+                                                    seed=1)))
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+
+        reader.join(timeout=60)
+        assert not reader.is_alive()
+        assert not errors, [(x.code(), x.details()) for x in errors]
+        assert done.finish_reason == "length", done
+        assert len(done.token_ids) == LONG_NEW_TOKENS
+
+        rc = c.coordinator.popen.wait(timeout=DRAIN_TIMEOUT_S + 5)
+        elapsed = time.monotonic() - sent
+        assert rc == 0, f"coordinator exit status {rc}\n{c.coordinator.describe()}"
+        assert elapsed <= DRAIN_TIMEOUT_S + 2, elapsed
+    finally:
+        watcher.close()
