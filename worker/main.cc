@@ -53,6 +53,8 @@ constexpr char kHelp[] =
     "  --cluster-token T | --cluster-token-file F\n"
     "                              shared secret of coordinator and workers: sent to the\n"
     "                              coordinator, and required of every caller of this worker\n"
+    "  --tensor-parallel-size N --rank R\n"
+    "                              the worker's group shape (this build: 1 and 0)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
@@ -71,6 +73,8 @@ absl::Status Serve(Args& args) {
   const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(auto threads, args.GetInt("threads"));
+  KVGRID_ASSIGN_OR_RETURN(auto tp_size, args.GetInt("tensor-parallel-size"));
+  KVGRID_ASSIGN_OR_RETURN(auto rank, args.GetInt("rank"));
   KVGRID_ASSIGN_OR_RETURN(
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
@@ -81,6 +85,17 @@ absl::Status Serve(Args& args) {
                           kvgrid::cli::KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
+  // Tensor-parallel groups (several workers sharing one model) are not part of this build;
+  // refusing here keeps a group's pods from each serving alone.
+  if (tp_size.value_or(1) != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "--tensor-parallel-size: this build serves each model on one worker (size 1), got ",
+        *tp_size));
+  }
+  if (rank.value_or(0) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank: must be 0 with --tensor-parallel-size 1, got ", *rank));
+  }
   if (threads) {
     if (*threads < 1 || *threads > 1024) {
       return absl::InvalidArgumentError(
