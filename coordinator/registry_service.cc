@@ -35,6 +35,8 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
   if (request->capacity().block_size() <= 0 || request->capacity().blocks_total() <= 0) {
     return fail("capacity: block_size and blocks_total must be > 0");
   }
+  // The group formed (its leader registers after the rendezvous): its keys are spent.
+  store_.ErasePrefix(absl::StrCat("group/", request->group_id(), "/"));
   response->set_worker_id(registry_->Register(*request));
   response->set_heartbeat_interval_ms(static_cast<uint32_t>(
       absl::ToInt64Milliseconds(registry_->options().heartbeat_interval)));
@@ -55,6 +57,37 @@ grpc::ServerUnaryReactor* RegistryService::Heartbeat(grpc::CallbackServerContext
     return reactor;
   }
   response->set_known(registry_->Heartbeat(*request));
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RegistryService::StoreSet(grpc::CallbackServerContext* context,
+                                                    const v1::StoreSetRequest* request,
+                                                    v1::StoreSetResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  const absl::Status s = store_.Set(request->key(), request->value());
+  reactor->Finish(s.ok() ? grpc::Status::OK
+                         : grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                                        std::string(s.message())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* RegistryService::StoreGet(grpc::CallbackServerContext* context,
+                                                    const v1::StoreGetRequest* request,
+                                                    v1::StoreGetResponse* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (grpc::Status auth = cluster_->Check(*context); !auth.ok()) {
+    reactor->Finish(auth);
+    return reactor;
+  }
+  if (std::optional<std::string> v = store_.Get(request->key())) {
+    response->set_found(true);
+    response->set_value(*std::move(v));
+  }
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }

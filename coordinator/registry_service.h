@@ -10,6 +10,7 @@
 #include "auth/bearer_auth.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
+#include "coordinator/rendezvous_store.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
 
 namespace kvgrid::coordinator {
@@ -21,6 +22,13 @@ class RegistryService final : public v1::Coordinator::CallbackService {
   // token, callers must present it (UNAUTHENTICATED otherwise): only workers hold it.
   RegistryService(WorkerRegistry* registry, const ModelCatalog* catalog,
                   const auth::BearerAuth* cluster, std::function<void()> on_change);
+
+  grpc::ServerUnaryReactor* StoreSet(grpc::CallbackServerContext* context,
+                                     const v1::StoreSetRequest* request,
+                                     v1::StoreSetResponse* response) override;
+  grpc::ServerUnaryReactor* StoreGet(grpc::CallbackServerContext* context,
+                                     const v1::StoreGetRequest* request,
+                                     v1::StoreGetResponse* response) override;
 
   // Errors: INVALID_ARGUMENT for a missing address, a model this coordinator does not serve,
   // or a vocabulary size that disagrees with the coordinator's config.json.
@@ -36,6 +44,7 @@ class RegistryService final : public v1::Coordinator::CallbackService {
   const ModelCatalog* catalog_;
   const auth::BearerAuth* cluster_;
   std::function<void()> on_change_;
+  RendezvousStore store_;
 };
 
 }  // namespace kvgrid::coordinator

@@ -400,8 +400,49 @@ std::vector<std::string> Checkpoint::Names() const {
   return names;
 }
 
+namespace {
+
+// Converts `count` elements of `dtype` at `src` to fp32 at `dst`.
+void ConvertRun(DType dtype, const std::byte* src, size_t count, float* dst) {
+  // Tensor data sits at whatever offset the header gave it, so elements are read with memcpy
+  // rather than through a possibly misaligned typed pointer.
+  switch (dtype) {
+    case DType::kF32:
+      if (count > 0) std::memcpy(dst, src, count * sizeof(float));
+      return;
+    case DType::kF16: {
+      const std::array<float, 65536>& table = F16Table();
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, sizeof(h));
+        dst[i] = table[h];
+      }
+      return;
+    }
+    case DType::kBF16:
+      for (size_t i = 0; i < count; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, sizeof(h));
+        dst[i] = BF16ToF32(h);
+      }
+      return;
+    default:
+      return;
+  }
+}
+
+size_t ElementBytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+
+}  // namespace
+
 absl::Status Checkpoint::ReadF32(const std::string& name, std::span<const int64_t> expected_shape,
                                  std::vector<float>* out) const {
+  return ReadF32Slice(name, expected_shape, Slice{.dim = -1}, out);
+}
+
+absl::Status Checkpoint::ReadF32Slice(const std::string& name,
+                                      std::span<const int64_t> expected_shape, Slice slice,
+                                      std::vector<float>* out) const {
   absl::StatusOr<const TensorView*> found = Find(name);
   if (!found.ok()) return found.status();
   const TensorView& view = **found;
@@ -410,40 +451,38 @@ absl::Status Checkpoint::ReadF32(const std::string& name, std::span<const int64_
     return Invalid(view.file, "tensor '", name, "' has shape ", ShapeString(view.shape),
                    ", expected ", ShapeString(expected_shape));
   }
-  const size_t n = static_cast<size_t>(view.NumElements());
-  // Tensor data sits at whatever offset the header gave it, so elements are read with memcpy
-  // rather than through a possibly misaligned typed pointer.
-  const std::byte* src = view.data.data();
-  switch (view.dtype) {
-    case DType::kF32:
-      out->resize(n);
-      if (n > 0) std::memcpy(out->data(), src, n * sizeof(float));
-      return absl::OkStatus();
-    case DType::kF16: {
-      out->resize(n);
-      const std::array<float, 65536>& table = F16Table();
-      float* dst = out->data();
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, sizeof(h));
-        dst[i] = table[h];
-      }
-      return absl::OkStatus();
-    }
-    case DType::kBF16: {
-      out->resize(n);
-      float* dst = out->data();
-      for (size_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, src + 2 * i, sizeof(h));
-        dst[i] = BF16ToF32(h);
-      }
-      return absl::OkStatus();
-    }
-    default:
-      return Invalid(view.file, "tensor '", name, "' has dtype ",
-                     std::string(DTypeName(view.dtype)), "; only f32, f16 and bf16 convert to f32");
+  if (view.dtype != DType::kF32 && view.dtype != DType::kF16 && view.dtype != DType::kBF16) {
+    return Invalid(view.file, "tensor '", name, "' has dtype ",
+                   std::string(DTypeName(view.dtype)), "; only f32, f16 and bf16 convert to f32");
   }
+  const std::byte* src = view.data.data();
+  const size_t esize = ElementBytes(view.dtype);
+  if (slice.dim < 0) {  // the whole tensor
+    const size_t n = static_cast<size_t>(view.NumElements());
+    out->resize(n);
+    ConvertRun(view.dtype, src, n, out->data());
+    return absl::OkStatus();
+  }
+  const int64_t rank = static_cast<int64_t>(view.shape.size());
+  if (rank < 1 || rank > 2 || slice.dim >= rank || slice.begin < 0 ||
+      slice.end < slice.begin || slice.end > view.shape[slice.dim]) {
+    return Invalid(view.file, "tensor '", name, "' of shape ", ShapeString(view.shape),
+                   " has no slice [", slice.begin, ", ", slice.end, ") of dimension ", slice.dim);
+  }
+  const int64_t rows = view.shape[0];
+  const int64_t cols = rank == 2 ? view.shape[1] : 1;
+  const int64_t width = slice.end - slice.begin;
+  if (slice.dim == 0) {
+    out->resize(static_cast<size_t>(width * cols));
+    ConvertRun(view.dtype, src + slice.begin * cols * esize, out->size(), out->data());
+    return absl::OkStatus();
+  }
+  out->resize(static_cast<size_t>(rows * width));
+  for (int64_t r = 0; r < rows; ++r) {
+    ConvertRun(view.dtype, src + (r * cols + slice.begin) * esize, static_cast<size_t>(width),
+               out->data() + r * width);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvgrid::model

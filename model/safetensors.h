@@ -95,6 +95,19 @@ class Checkpoint {
   absl::Status ReadF32(const std::string& name, std::span<const int64_t> expected_shape,
                        std::vector<float>* out) const;
 
+  // A slice [begin, end) of dimension `dim` (0 or 1) of a tensor of at most 2 dimensions, as
+  // fp32 in row-major order: rows of a [R, C] tensor for dim 0, columns for dim 1. Only the
+  // slice's bytes are read, so a tensor-parallel rank touches only its part of the mapping.
+  // `expected_shape` is the full tensor's. Errors: as ReadF32, plus INVALID_ARGUMENT for a
+  // slice outside the tensor.
+  struct Slice {
+    int dim = 0;
+    int64_t begin = 0;
+    int64_t end = 0;
+  };
+  absl::Status ReadF32Slice(const std::string& name, std::span<const int64_t> expected_shape,
+                            Slice slice, std::vector<float>* out) const;
+
  private:
   Checkpoint() = default;
   absl::Status LoadIndex(const std::filesystem::path& index_path);

@@ -24,19 +24,28 @@ namespace {
 
 struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter, vocab, q_dim, kv_dim, qkv_dim;
+  // Where this rank's shares start in the whole model: q head, KV head, intermediate column.
+  int64_t head_begin = 0, kv_head_begin = 0, inter_begin = 0;
 };
 
-Dims DimsOf(const model::ModelConfig& c) {
+// The dimensions rank tp.rank computes (tp.Validate must have passed).
+Dims DimsOf(const model::ModelConfig& c, const TensorParallel& tp = {}) {
   Dims d;
+  const int64_t t = tp.size, r = tp.rank;
   d.hidden = c.hidden_size;
-  d.heads = c.num_attention_heads;
-  d.kv_heads = c.num_key_value_heads;
+  d.heads = c.num_attention_heads / t;
+  // KV heads split evenly, or (more ranks than KV heads) each rank holds the one its q heads
+  // read.
+  d.kv_heads = c.num_key_value_heads >= t ? c.num_key_value_heads / t : 1;
   d.head_dim = c.head_dim;
-  d.inter = c.intermediate_size;
+  d.inter = c.intermediate_size / t;
   d.vocab = c.vocab_size;
   d.q_dim = d.heads * d.head_dim;
   d.kv_dim = d.kv_heads * d.head_dim;
   d.qkv_dim = d.q_dim + 2 * d.kv_dim;
+  d.head_begin = r * d.heads;
+  d.kv_head_begin = c.num_key_value_heads >= t ? r * d.kv_heads : r * c.num_key_value_heads / t;
+  d.inter_begin = r * d.inter;
   return d;
 }
 
@@ -48,8 +57,9 @@ absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std:
   return absl::OkStatus();
 }
 
-absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w) {
-  const Dims d = DimsOf(c);
+absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
+                          const TensorParallel& tp) {
+  const Dims d = DimsOf(c, tp);
   KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab * d.hidden, "embed_tokens"));
   KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
   if (!c.tie_word_embeddings || !w.lm_head.empty()) {
@@ -74,16 +84,55 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w) {
   return absl::OkStatus();
 }
 
-// Reads tensor `name` with `shape` and appends it to `dst`.
-absl::Status Append(const model::Checkpoint& ckpt, const std::string& name,
-                    std::vector<int64_t> shape, std::vector<float>* dst,
-                    std::vector<float>* scratch) {
-  KVGRID_RETURN_IF_ERROR(ckpt.ReadF32(name, shape, scratch));
+// Reads rows [begin, end) of tensor `name` (full shape `shape`) and appends them to `dst`.
+absl::Status AppendRows(const model::Checkpoint& ckpt, const std::string& name,
+                        std::vector<int64_t> shape, int64_t begin, int64_t end,
+                        std::vector<float>* dst, std::vector<float>* scratch) {
+  KVGRID_RETURN_IF_ERROR(ckpt.ReadF32Slice(name, shape, {.dim = 0, .begin = begin, .end = end},
+                                           scratch));
   dst->insert(dst->end(), scratch->begin(), scratch->end());
   return absl::OkStatus();
 }
 
+// Rows [begin, end) of a row-major matrix with `cols` columns (or of a vector: cols = 1).
+std::vector<float> Rows(const std::vector<float>& m, int64_t cols, int64_t begin, int64_t end) {
+  return std::vector<float>(m.begin() + begin * cols, m.begin() + end * cols);
+}
+
+// Columns [begin, end) of a row-major [rows, cols] matrix.
+std::vector<float> Cols(const std::vector<float>& m, int64_t rows, int64_t cols, int64_t begin,
+                        int64_t end) {
+  std::vector<float> out;
+  out.reserve(rows * (end - begin));
+  for (int64_t r = 0; r < rows; ++r) {
+    out.insert(out.end(), m.begin() + r * cols + begin, m.begin() + r * cols + end);
+  }
+  return out;
+}
+
 }  // namespace
+
+absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor parallel: rank ", rank, " is not a rank of a group of ", size));
+  }
+  if (c.num_attention_heads % size != 0 || c.intermediate_size % size != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tensor parallel size ", size, ": must divide num_attention_heads (",
+        c.num_attention_heads, ") and intermediate_size (", c.intermediate_size, ")"));
+  }
+  const int64_t kv = c.num_key_value_heads;
+  if ((kv >= size && kv % size != 0) || (kv < size && size % kv != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor parallel size ", size,
+                                                   ": must divide num_key_value_heads (", kv,
+                                                   ") or be a multiple of it"));
+  }
+  if (size > 1 && comm == nullptr) {
+    return absl::InvalidArgumentError("tensor parallel: a group needs a communicator");
+  }
+  return absl::OkStatus();
+}
 
 ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int64_t begin,
                                  std::span<const int32_t> tokens) {
@@ -102,13 +151,17 @@ ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int
   return b;
 }
 
-absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesystem::path& dir) {
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesystem::path& dir,
+                                                             TensorParallel tp) {
   absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
   if (!config.ok()) return config.status();
+  KVGRID_RETURN_IF_ERROR(tp.Validate(*config));
   absl::StatusOr<std::unique_ptr<model::Checkpoint>> ckpt = model::Checkpoint::Open(dir);
   if (!ckpt.ok()) return ckpt.status();
   const model::Checkpoint& c = **ckpt;
-  const Dims d = DimsOf(*config);
+  const Dims full = DimsOf(*config);
+  const Dims d = DimsOf(*config, tp);
+  const int64_t hd = d.head_dim;
 
   LlamaWeights w;
   std::vector<float> scratch;
@@ -125,6 +178,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
     return absl::UnimplementedError(
         absl::StrCat((dir / "config.json").string(), ": mlp_bias: MLP biases are not supported"));
   }
+  // This rank's rows of q/k/v (its heads) and of gate/up (its columns of the MLP), and the
+  // matching input columns of o_proj and down_proj: only these bytes of the mapping are read.
+  const int64_t q0 = d.head_begin * hd, q1 = q0 + d.q_dim;
+  const int64_t kv0 = d.kv_head_begin * hd, kv1 = kv0 + d.kv_dim;
+  const int64_t i0 = d.inter_begin, i1 = i0 + d.inter;
   // The config decides (Qwen2 always has q/k/v biases); a checkpoint that lacks them fails
   // below naming the tensor instead of silently computing something else.
   const bool bias = config->attention_bias;
@@ -133,39 +191,84 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
     const std::string p = absl::StrCat("model.layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "input_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.input_norm));
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "post_attention_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.post_norm));
-    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.q_proj.weight", {d.q_dim, d.hidden}, &l.qkv, &scratch));
-    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.k_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
-    KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.weight", {d.kv_dim, d.hidden}, &l.qkv, &scratch));
+    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.weight", {full.q_dim, d.hidden}, q0, q1, &l.qkv, &scratch));
+    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
+    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
     if (bias) {
-      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.q_proj.bias", {d.q_dim}, &l.qkv_bias, &scratch));
-      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.k_proj.bias", {d.kv_dim}, &l.qkv_bias, &scratch));
-      KVGRID_RETURN_IF_ERROR(Append(c, p + "self_attn.v_proj.bias", {d.kv_dim}, &l.qkv_bias, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.bias", {full.q_dim}, q0, q1, &l.qkv_bias, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
     }
-    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, d.q_dim}, &l.o));
-    // Llama with attention_bias also biases o_proj; Qwen2 does not.
-    if (c.Contains(p + "self_attn.o_proj.bias")) {
+    KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, full.q_dim},
+                                          {.dim = 1, .begin = q0, .end = q1}, &l.o));
+    // Llama with attention_bias also biases o_proj; Qwen2 does not. Added once, by rank 0,
+    // since the partial outputs are summed.
+    if (c.Contains(p + "self_attn.o_proj.bias") && tp.rank == 0) {
       KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
     }
-    KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.gate_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
-    KVGRID_RETURN_IF_ERROR(Append(c, p + "mlp.up_proj.weight", {d.inter, d.hidden}, &l.gate_up, &scratch));
-    KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, d.inter}, &l.down));
+    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.gate_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
+    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.up_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
+    KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, full.inter},
+                                          {.dim = 1, .begin = i0, .end = i1}, &l.down));
     w.layers.push_back(std::move(l));
   }
-  return FromWeights(*config, std::move(w));
+  return FromWeights(*config, std::move(w), tp);
+}
+
+absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& config,
+                                                      const LlamaWeights& full_weights,
+                                                      TensorParallel tp) {
+  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  KVGRID_RETURN_IF_ERROR(CheckWeights(config, full_weights, {}));
+  const Dims full = DimsOf(config);
+  const Dims d = DimsOf(config, tp);
+  const int64_t hd = d.head_dim;
+  const int64_t q0 = d.head_begin * hd, q1 = q0 + d.q_dim;
+  const int64_t kv0 = full.q_dim + d.kv_head_begin * hd, kv1 = kv0 + d.kv_dim;
+  const int64_t v0 = kv0 + full.kv_dim, v1 = v0 + d.kv_dim;
+  const int64_t i0 = d.inter_begin, i1 = i0 + d.inter;
+  LlamaWeights w;
+  w.embed = full_weights.embed;
+  w.final_norm = full_weights.final_norm;
+  w.lm_head = full_weights.lm_head;
+  for (const LayerWeights& f : full_weights.layers) {
+    LayerWeights l;
+    l.input_norm = f.input_norm;
+    l.post_norm = f.post_norm;
+    // The fused qkv rows are q (all heads), then k, then v: take this rank's rows of each.
+    for (auto [b, e] : {std::pair{q0, q1}, std::pair{kv0, kv1}, std::pair{v0, v1}}) {
+      const std::vector<float> rows = Rows(f.qkv, d.hidden, b, e);
+      l.qkv.insert(l.qkv.end(), rows.begin(), rows.end());
+      if (!f.qkv_bias.empty()) {
+        const std::vector<float> bias = Rows(f.qkv_bias, 1, b, e);
+        l.qkv_bias.insert(l.qkv_bias.end(), bias.begin(), bias.end());
+      }
+    }
+    l.o = Cols(f.o, d.hidden, full.q_dim, q0, q1);
+    if (tp.rank == 0) l.o_bias = f.o_bias;
+    for (auto [b, e] : {std::pair{i0, i1}, std::pair{full.inter + i0, full.inter + i1}}) {
+      const std::vector<float> rows = Rows(f.gate_up, d.hidden, b, e);
+      l.gate_up.insert(l.gate_up.end(), rows.begin(), rows.end());
+    }
+    l.down = Cols(f.down, d.hidden, full.inter, i0, i1);
+    w.layers.push_back(std::move(l));
+  }
+  return w;
 }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromWeights(
-    const model::ModelConfig& config, LlamaWeights weights) {
-  KVGRID_RETURN_IF_ERROR(CheckWeights(config, weights));
+    const model::ModelConfig& config, LlamaWeights weights, TensorParallel tp) {
+  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  KVGRID_RETURN_IF_ERROR(CheckWeights(config, weights, tp));
   absl::StatusOr<std::vector<double>> inv_freq = cpu::RopeInvFreq(config);
   if (!inv_freq.ok()) return inv_freq.status();
   return std::unique_ptr<LlamaModel>(
-      new LlamaModel(config, std::move(weights), *std::move(inv_freq)));
+      new LlamaModel(config, std::move(weights), *std::move(inv_freq), tp));
 }
 
 LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
-                       std::vector<double> inv_freq)
-    : config_(config), w_(std::move(weights)), inv_freq_(std::move(inv_freq)) {}
+                       std::vector<double> inv_freq, TensorParallel tp)
+    : config_(config), tp_(tp), w_(std::move(weights)), inv_freq_(std::move(inv_freq)) {}
 
 LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t seed) {
   const Dims d = DimsOf(c);
@@ -212,7 +315,7 @@ KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtyp
                                      kernels::KvDType v_dtype) const {
   KvGeometry g;
   g.num_layers = config_.num_hidden_layers;
-  g.num_kv_heads = config_.num_key_value_heads;
+  g.num_kv_heads = DimsOf(config_, tp_).kv_heads;
   g.head_dim = config_.head_dim;
   g.block_size = block_size;
   g.k_dtype = k_dtype;
@@ -221,7 +324,7 @@ KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtyp
 }
 
 absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vector<float>* logits) {
-  const Dims d = DimsOf(config_);
+  const Dims d = DimsOf(config_, tp_);
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slots.size()) != n ||
@@ -324,14 +427,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .block_size = g.block_size,
          .head_dim = d.head_dim,
          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)))}));
-    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = attn_.data(),
-                                        .weight = l.o.data(),
-                                        .bias = l.o_bias.empty() ? nullptr : l.o_bias.data(),
-                                        .output = x_.data(),
-                                        .num_tokens = n,
-                                        .in_features = d.q_dim,
-                                        .out_features = d.hidden,
-                                        .accumulate = true}));
+    KVGRID_RETURN_IF_ERROR(RowParallelLinear(attn_.data(), l.o, l.o_bias, n, d.q_dim, d.hidden));
     KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
                                          .weight = l.post_norm.data(),
                                          .output = h_.data(),
@@ -348,13 +444,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                             .output = act_.data(),
                                             .num_tokens = n,
                                             .intermediate = d.inter}));
-    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = act_.data(),
-                                        .weight = l.down.data(),
-                                        .output = x_.data(),
-                                        .num_tokens = n,
-                                        .in_features = d.inter,
-                                        .out_features = d.hidden,
-                                        .accumulate = true}));
+    KVGRID_RETURN_IF_ERROR(RowParallelLinear(act_.data(), l.down, {}, n, d.inter, d.hidden));
   }
 
   // Only the requested rows go through the final norm and the (large) vocabulary projection.
@@ -379,6 +469,26 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                       .num_tokens = m,
                       .in_features = d.hidden,
                       .out_features = d.vocab});
+}
+
+absl::Status LlamaModel::RowParallelLinear(const float* input, const std::vector<float>& weight,
+                                           const std::vector<float>& bias, int64_t n,
+                                           int64_t in_features, int64_t out_features) {
+  const float* b = bias.empty() ? nullptr : bias.data();
+  if (tp_.size == 1) {  // straight into the residual stream
+    return cpu::Linear({.input = input, .weight = weight.data(), .bias = b, .output = x_.data(),
+                        .num_tokens = n, .in_features = in_features,
+                        .out_features = out_features, .accumulate = true});
+  }
+  // Each rank's partial product over its slice of the inputs, summed across the group.
+  partial_.resize(n * out_features);
+  KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = input, .weight = weight.data(), .bias = b,
+                                      .output = partial_.data(), .num_tokens = n,
+                                      .in_features = in_features,
+                                      .out_features = out_features}));
+  KVGRID_RETURN_IF_ERROR(tp_.comm->AllReduceSum(std::span<float>(partial_)));
+  for (int64_t i = 0; i < n * out_features; ++i) x_[i] += partial_[i];
+  return absl::OkStatus();
 }
 
 }  // namespace kvgrid::worker

@@ -4,6 +4,13 @@
 // GEMMs for attention input/output and two for the MLP. Forward() runs a batch of sequences
 // through every layer, writing their new K/V into a KvPool and returning logits for the rows
 // asked for. Not thread-safe (one engine drives it); the workspace is reused across calls.
+//
+// Tensor parallelism (Megatron-style): rank r of a group of size T holds heads
+// [r H/T, (r+1) H/T) of q and the KV heads they read (KV heads split across ranks, or
+// replicated when T exceeds their number), columns of gate/up [r I/T, (r+1) I/T), and the
+// matching input slices of o_proj and down_proj, whose partial outputs are summed across the
+// group with an all-reduce. Embeddings, norms and lm_head are replicated. Every rank runs the
+// same Forward on the same batch; each holds the KV of its own heads.
 #ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 #define KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 
@@ -16,11 +23,24 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "model/model_config.h"
+#include "worker/comm/communicator.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
 
 namespace kvgrid::worker {
 
+// This process's place in a tensor-parallel group; size 1 is the whole model.
+struct TensorParallel {
+  int rank = 0;
+  int size = 1;
+  Communicator* comm = nullptr;  // not owned; required when size > 1
+
+  // INVALID_ARGUMENT unless the model's heads, KV heads and intermediate size split evenly
+  // over `size` ranks (KV heads may instead divide `size`: then they are replicated).
+  absl::Status Validate(const model::ModelConfig& config) const;
+};
+
+// Shapes below are a rank's: num_heads, num_kv_heads and intermediate are its shares.
 struct LayerWeights {
   std::vector<float> input_norm;  // [hidden]
   std::vector<float> qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
@@ -62,12 +82,19 @@ class LlamaModel {
   // Reads config.json and the safetensors checkpoint in `dir`.
   // Errors: as model::LoadModelConfig and model::Checkpoint (naming file and tensor), plus
   // INVALID_ARGUMENT for a missing or mis-shaped tensor.
-  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir);
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir,
+                                                          TensorParallel tp = {});
 
   // Builds a model from weights in memory (benchmarks, tests).
   // Errors: INVALID_ARGUMENT when a tensor's size disagrees with `config`.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> FromWeights(const model::ModelConfig& config,
-                                                                 LlamaWeights weights);
+                                                                 LlamaWeights weights,
+                                                                 TensorParallel tp = {});
+
+  // Rank tp.rank's share of whole-model weights (benchmarks, tests), sliced as Load slices a
+  // checkpoint. Errors: as TensorParallel::Validate.
+  static absl::StatusOr<LlamaWeights> ShardWeights(const model::ModelConfig& config,
+                                                   const LlamaWeights& full, TensorParallel tp);
 
   // Deterministic random weights (std ~ 1/sqrt(fan_in), norms ~ 1) for benchmarks.
   static LlamaWeights RandomWeights(const model::ModelConfig& config, uint64_t seed);
@@ -76,9 +103,11 @@ class LlamaModel {
   LlamaModel& operator=(const LlamaModel&) = delete;
 
   [[nodiscard]] const model::ModelConfig& config() const { return config_; }
+  [[nodiscard]] const TensorParallel& tensor_parallel() const { return tp_; }
   // Bytes of fp32 weights held.
   [[nodiscard]] int64_t WeightBytes() const;
-  // The KV geometry this model needs (dtypes and block size left to the caller).
+  // The KV geometry this rank needs: its own KV heads (dtypes and block size left to the
+  // caller).
   [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
                                          kernels::KvDType v_dtype) const;
 
@@ -88,13 +117,20 @@ class LlamaModel {
   absl::Status Forward(const ForwardBatch& batch, KvPool& pool, std::vector<float>* logits);
 
  private:
-  LlamaModel(const model::ModelConfig& config, LlamaWeights weights, std::vector<double> inv_freq);
+  LlamaModel(const model::ModelConfig& config, LlamaWeights weights, std::vector<double> inv_freq,
+             TensorParallel tp);
+  // x_ += input x weight^T (+ bias) for a layer whose inputs are split across the group
+  // (o_proj, down_proj): the partial products are all-reduced first.
+  absl::Status RowParallelLinear(const float* input, const std::vector<float>& weight,
+                                 const std::vector<float>& bias, int64_t n, int64_t in_features,
+                                 int64_t out_features);
 
   model::ModelConfig config_;
+  TensorParallel tp_;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]
   // Workspace, reused across steps.
-  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_;
+  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, partial_;
 };
 
 }  // namespace kvgrid::worker

@@ -1,0 +1,116 @@
+// Tensor parallelism in one process: Gloo collectives between threads, and a model sharded
+// over 2 and 4 ranks (KV heads split, then replicated) whose logits match the whole model's.
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gloo/rendezvous/hash_store.h"
+#include "gtest/gtest.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/block_manager.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+namespace {
+
+constexpr auto kTimeout = std::chrono::seconds(30);
+
+// Runs `body(rank, comm)` on `size` threads connected through one in-process store.
+void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", kTimeout);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(GlooCommunicatorTest, Collectives) {
+  RunGroup(3, [](int rank, Communicator& comm) {
+    std::vector<float> v = {1.f * rank, 2.f, -1.f * rank};
+    ASSERT_TRUE(comm.AllReduceSum(std::span<float>(v)).ok());
+    EXPECT_EQ(v, (std::vector<float>{3.f, 6.f, -3.f}));
+    std::vector<float> in = {10.f * rank, 10.f * rank + 1};
+    std::vector<float> out(6);
+    ASSERT_TRUE(comm.AllGather(in, std::span<float>(out)).ok());
+    EXPECT_EQ(out, (std::vector<float>{0, 1, 10, 11, 20, 21}));
+    std::string bytes = rank == 1 ? std::string("the plan of step 7") : std::string();
+    ASSERT_TRUE(BroadcastBytes(comm, &bytes, 1).ok());
+    EXPECT_EQ(bytes, "the plan of step 7");
+    EXPECT_TRUE(comm.Barrier().ok());
+  });
+}
+
+// Logits of a 12-token prefill then one decode step.
+std::vector<float> Logits(const std::string& fixture, TensorParallel tp) {
+  auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture, tp);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return {};
+  auto pool = KvPool::Create((*model)->KvGeometryFor(16, kernels::KvDType::kF32,
+                                                     kernels::KvDType::kF32),
+                             8 << 20);
+  EXPECT_TRUE(pool.ok());
+  BlockManager blocks((*pool)->num_blocks(), 16);
+  EXPECT_TRUE(blocks.Reserve(1, 13).ok());
+  std::vector<int32_t> prompt(12);
+  std::iota(prompt.begin(), prompt.end(), 5);
+  std::vector<float> logits, all;
+  EXPECT_TRUE((*model)->Forward(SingleSequenceBatch(blocks, 1, 0, prompt), **pool, &logits).ok());
+  all = logits;
+  const int32_t next = 42;
+  EXPECT_TRUE((*model)->Forward(SingleSequenceBatch(blocks, 1, 12, std::span(&next, 1)), **pool,
+                                &logits).ok());
+  all.insert(all.end(), logits.begin(), logits.end());
+  return all;
+}
+
+TEST(TensorParallelTest, ShardedModelMatchesTheWholeModel) {
+  for (const std::string fixture : {"llama3-tiny", "qwen2-tiny"}) {
+    const std::vector<float> whole = Logits(fixture, {});
+    ASSERT_FALSE(whole.empty());
+    for (int size : {2, 4}) {
+      std::vector<std::vector<float>> per_rank(size);
+      RunGroup(size, [&](int rank, Communicator& comm) {
+        per_rank[rank] = Logits(fixture, {.rank = rank, .size = size, .comm = &comm});
+      });
+      for (int r = 0; r < size; ++r) {
+        ASSERT_EQ(per_rank[r].size(), whole.size()) << fixture << " tp " << size;
+        float max_rel = 0.f;
+        for (size_t i = 0; i < whole.size(); ++i) {
+          max_rel = std::max(max_rel, std::abs(per_rank[r][i] - whole[i]) /
+                                          std::max(1.f, std::abs(whole[i])));
+        }
+        EXPECT_LT(max_rel, 1e-4f) << fixture << " tp " << size << " rank " << r;
+      }
+    }
+  }
+}
+
+TEST(TensorParallelTest, ShardsHoldTheirShareAndBadSizesAreRefused) {
+  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
+  auto whole = LlamaModel::Load(dir);
+  ASSERT_TRUE(whole.ok());
+  RunGroup(2, [&](int rank, Communicator& comm) {
+    auto shard = LlamaModel::Load(dir, {.rank = rank, .size = 2, .comm = &comm});
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    const auto g = (*shard)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32);
+    EXPECT_EQ(g.num_kv_heads, 1);  // 2 KV heads over 2 ranks
+    // The layers are halved; embeddings, norms and lm_head are replicated.
+    EXPECT_LT((*shard)->WeightBytes(), (*whole)->WeightBytes());
+  });
+  auto bad = LlamaModel::Load(dir, {.rank = 0, .size = 3});
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("num_attention_heads"), std::string::npos)
+      << bad.status();
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
