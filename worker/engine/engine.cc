@@ -53,6 +53,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
     return absl::InvalidArgumentError(
         absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
   }
+  const TensorParallel& tp = model->tensor_parallel();
+  if ((tp.size > 1) != (options.group != nullptr) || (tp.size > 1 && tp.rank != 0)) {
+    return absl::InvalidArgumentError(
+        "group: a tensor-parallel model needs the group's communicator, on rank 0 only");
+  }
   const KvGeometry geometry =
       model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<KvPool> pool,
@@ -216,7 +221,7 @@ absl::Status Engine::PreemptNewest() {
     copies_.clear();
     KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &copies_));
     // Copy now: the freed device blocks may be reallocated and written in this very step.
-    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *swap_pool_, copies_));
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, copies_));
     swapped_.push_front(std::move(victim));
     ++num_swap_outs_;
   } else {
@@ -234,7 +239,7 @@ absl::Status Engine::SwapInReady() {
     if (!blocks_.CanSwapIn(seq->seq_id)) break;
     copies_.clear();
     KVGRID_RETURN_IF_ERROR(blocks_.SwapIn(seq->seq_id, &copies_));
-    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*swap_pool_, *pool_, copies_));
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopySwapToDevice, copies_));
     copies_.clear();
     if (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
                               static_cast<int64_t>(seq->tokens.size()), &copies_)
@@ -242,10 +247,10 @@ absl::Status Engine::SwapInReady() {
       // Back in, but no room for its next token: out again, and it waits for the next step.
       std::vector<BlockCopy> out;
       KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(seq->seq_id, &out));
-      KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *swap_pool_, out));
+      KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
       break;
     }
-    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *pool_, copies_));
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToDevice, copies_));
     running_.push_back(std::move(swapped_.front()));
     swapped_.pop_front();
   }
@@ -359,7 +364,7 @@ absl::Status Engine::Schedule(bool decodes, int64_t* budget) {
       if (preempted_self) break;
     }
     if (preempted_self) break;
-    KVGRID_RETURN_IF_ERROR(CopyKvBlocks(*pool_, *pool_, copies_));
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToDevice, copies_));
     seq->num_scheduled = n;
     *budget -= n;
     ++it;
@@ -453,7 +458,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     ++s;
   }
 
-  KVGRID_RETURN_IF_ERROR(model_->Forward(b, *pool_, &logits_));
+  KVGRID_RETURN_IF_ERROR(RunForward());
 
   // 5. Sample, append, and retire finished sequences.
   const int64_t vocab = model_->config().vocab_size;
@@ -516,6 +521,36 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   }
   running_.splice(running_.end(), forks);
   return outputs;
+}
+
+absl::Status Engine::Copy(PlanKind kind, const std::vector<BlockCopy>& copies) {
+  if (copies.empty()) return absl::OkStatus();
+  if (options_.group != nullptr) {
+    std::string plan = EncodePlan(StepPlan{.kind = kind, .copies = copies});
+    KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
+  }
+  switch (kind) {
+    case PlanKind::kCopyDeviceToSwap:
+      return CopyKvBlocks(*pool_, *swap_pool_, copies);
+    case PlanKind::kCopySwapToDevice:
+      return CopyKvBlocks(*swap_pool_, *pool_, copies);
+    default:
+      return CopyKvBlocks(*pool_, *pool_, copies);
+  }
+}
+
+absl::Status Engine::RunForward() {
+  if (options_.group != nullptr) {
+    std::string plan = EncodePlan(StepPlan{.kind = PlanKind::kForward, .batch = batch_});
+    KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
+  }
+  return model_->Forward(batch_, *pool_, &logits_);
+}
+
+absl::Status Engine::StopFollowers() {
+  if (options_.group == nullptr) return absl::OkStatus();
+  std::string plan = EncodePlan(StepPlan{.kind = PlanKind::kStop});
+  return BroadcastBytes(*options_.group, &plan, /*root=*/0);
 }
 
 EngineStats Engine::Stats() const {

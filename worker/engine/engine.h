@@ -38,6 +38,8 @@
 #include "absl/status/statusor.h"
 #include "kernels/kv_dtype.h"
 #include "model/tokenizer.h"
+#include "worker/comm/communicator.h"
+#include "worker/engine/step_plan.h"
 #include "worker/engine/stop_strings.h"
 #include "worker/executor/llama_model.h"
 #include "worker/executor/sampler.h"
@@ -134,6 +136,10 @@ struct EngineOptions {
   const model::Tokenizer* tokenizer = nullptr;
   int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
   std::vector<int32_t> eos_token_ids;
+  // Tensor-parallel leader (rank 0 of a group of size > 1): every block copy and forward pass
+  // is first broadcast as a StepPlan, which the other ranks run in RunFollower. Not owned; the
+  // model's TensorParallel communicator. Null for a single worker.
+  Communicator* group = nullptr;
 };
 
 struct EngineStats {
@@ -189,6 +195,10 @@ class Engine {
   absl::StatusOr<std::vector<TokenOutput>> Step();
 
   [[nodiscard]] EngineStats Stats() const;
+
+  // Tensor-parallel leader: tells the other ranks to leave RunFollower. Call once, from the
+  // thread that drives the engine, when it will not step again. No-op without a group.
+  absl::Status StopFollowers();
   [[nodiscard]] const LlamaModel& model() const { return *model_; }
   [[nodiscard]] int64_t max_model_len() const { return max_model_len_; }
   [[nodiscard]] const BlockManager& block_manager() const { return blocks_; }
@@ -224,6 +234,9 @@ class Engine {
   // pool is dry; sets their num_scheduled and takes it from `*budget`.
   absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
+  // Block copies and forward passes, announced to the group first when there is one.
+  absl::Status Copy(PlanKind kind, const std::vector<BlockCopy>& copies);
+  absl::Status RunForward();
   // Samples `seq`'s next token from `row` (which it modifies), appends it, and returns the
   // output with logprobs, and usage and timings when the sequence finishes.
   TokenOutput SampleNext(Sequence& seq, std::span<float> row);

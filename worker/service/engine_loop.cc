@@ -6,7 +6,9 @@
 
 namespace kvgrid::worker {
 
-EngineLoop::EngineLoop(std::unique_ptr<Engine> engine) : engine_(std::move(engine)) {
+EngineLoop::EngineLoop(std::unique_ptr<Engine> engine,
+                       std::function<void(const absl::Status&)> on_step_error)
+    : engine_(std::move(engine)), on_step_error_(std::move(on_step_error)) {
   stats_ = engine_->Stats();
   thread_ = std::thread([this] { Run(); });
 }
@@ -119,6 +121,7 @@ void EngineLoop::Run() {
         ++ended;
       }
       active_.clear();
+      if (on_step_error_) on_step_error_(outputs.status());
     } else {
       for (TokenOutput& out : *outputs) {
         auto it = active_.find(out.request_id);
@@ -141,6 +144,9 @@ void EngineLoop::Run() {
     active.sink->OnError(absl::UnavailableError("the worker is shutting down"));
   }
   active_.clear();
+  // A tensor-parallel group's other ranks leave their loops (best effort: a broken group
+  // fails here too).
+  (void)engine_->StopFollowers();
   {
     absl::MutexLock lock(&mu_);
     num_active_ = 0;

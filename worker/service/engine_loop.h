@@ -7,6 +7,7 @@
 #ifndef KVGRID_WORKER_SERVICE_ENGINE_LOOP_H_
 #define KVGRID_WORKER_SERVICE_ENGINE_LOOP_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -33,8 +34,11 @@ class OutputSink {
 
 class EngineLoop {
  public:
-  // Starts the loop's thread.
-  explicit EngineLoop(std::unique_ptr<Engine> engine);
+  // Starts the loop's thread. `on_step_error` (optional) runs on the loop's thread after a
+  // failed step has failed every request: a tensor-parallel worker uses it to shut down, its
+  // group being broken.
+  explicit EngineLoop(std::unique_ptr<Engine> engine,
+                      std::function<void(const absl::Status&)> on_step_error = nullptr);
   // Stops the thread; requests still running get UNAVAILABLE.
   ~EngineLoop();
   EngineLoop(const EngineLoop&) = delete;
@@ -73,6 +77,7 @@ class EngineLoop {
 
   // Loop thread only.
   std::unique_ptr<Engine> engine_;
+  std::function<void(const absl::Status&)> on_step_error_;
   absl::flat_hash_map<std::string, Active> active_;
   std::thread thread_;
 };

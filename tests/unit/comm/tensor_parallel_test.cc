@@ -1,6 +1,8 @@
 // Tensor parallelism in one process: Gloo collectives between threads, and a model sharded
 // over 2 and 4 ranks (KV heads split, then replicated) whose logits match the whole model's.
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -10,6 +12,8 @@
 #include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/step_plan.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
@@ -110,6 +114,77 @@ TEST(TensorParallelTest, ShardsHoldTheirShareAndBadSizesAreRefused) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("num_attention_heads"), std::string::npos)
       << bad.status();
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
+
+namespace kvgrid::worker {
+namespace {
+
+// Greedy outputs of a mixed batch on an engine over a model split `size` ways (size 1: no
+// group), with a pool small enough to preempt by swapping.
+std::map<std::string, std::vector<int32_t>> EngineOutputs(int size, EngineStats* stats) {
+  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
+  EngineOptions options;
+  // 16 blocks per rank (each rank's blocks hold its share of the KV heads).
+  auto pool_bytes = [](const LlamaModel& m) {
+    return 16 * m.KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32)
+                    .BytesPerBlock();
+  };
+  options.swap_space = 64 << 20;
+  options.max_num_batched_tokens = 64;       // chunked prefill
+  std::map<std::string, std::vector<int32_t>> out;
+  auto leader = [&](Communicator* comm) {
+    auto model = LlamaModel::Load(dir, {.rank = 0, .size = size, .comm = comm});
+    ASSERT_TRUE(model.ok()) << model.status();
+    EngineOptions o = options;
+    o.kv_cache_memory = pool_bytes(**model);
+    o.group = size > 1 ? comm : nullptr;
+    auto engine = Engine::Create(*std::move(model), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    for (int i = 0; i < 6; ++i) {
+      GenerationRequest r;
+      r.id = "r" + std::to_string(i);
+      for (int j = 0; j < 20 + 9 * i; ++j) r.prompt.push_back(3 + (j * 7 + i) % 250);
+      r.sampling.temperature = 0;
+      r.stopping.max_new_tokens = 40;
+      r.stopping.ignore_eos = true;
+      ASSERT_TRUE((*engine)->AddRequest(r).ok());
+    }
+    while ((*engine)->HasWork()) {
+      auto step = (*engine)->Step();
+      ASSERT_TRUE(step.ok()) << step.status();
+      for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
+    }
+    *stats = (*engine)->Stats();
+    ASSERT_TRUE((*engine)->StopFollowers().ok());
+  };
+  if (size == 1) {
+    leader(nullptr);
+    return out;
+  }
+  RunGroup(size, [&](int rank, Communicator& comm) {
+    if (rank == 0) return leader(&comm);
+    auto model = LlamaModel::Load(dir, {.rank = rank, .size = size, .comm = &comm});
+    ASSERT_TRUE(model.ok());
+    const auto g = (*model)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32);
+    auto pool = KvPool::Create(g, pool_bytes(**model));
+    auto swap = KvPool::Create(g, options.swap_space);
+    ASSERT_TRUE(pool.ok() && swap.ok());
+    EXPECT_TRUE(RunFollower(**model, **pool, swap->get(), comm).ok());
+  });
+  return out;
+}
+
+TEST(TensorParallelTest, EngineOverTwoRanksGivesTheSameTokensWithPreemption) {
+  EngineStats alone_stats, group_stats;
+  const auto alone = EngineOutputs(1, &alone_stats);
+  const auto group = EngineOutputs(2, &group_stats);
+  EXPECT_EQ(group, alone);
+  EXPECT_EQ(group_stats.blocks_total, alone_stats.blocks_total);
+  EXPECT_GT(group_stats.num_preemptions, 0) << "the pool should be small enough to preempt";
+  EXPECT_EQ(group_stats.blocks_used, 0);
 }
 
 }  // namespace

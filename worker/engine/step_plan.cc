@@ -1,0 +1,121 @@
+#include "worker/engine/step_plan.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
+#include "worker/kv/kv_block_copy.h"
+
+namespace kvgrid::worker {
+namespace {
+
+template <typename T>
+void Put(std::string& out, const std::vector<T>& v) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  out.append(reinterpret_cast<const char*>(&n), sizeof(n));
+  if (n > 0) out.append(reinterpret_cast<const char*>(v.data()), sizeof(T) * v.size());
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& s) : s_(s) {}
+  template <typename T>
+  absl::Status Get(std::vector<T>* v) {
+    int64_t n;
+    if (pos_ + sizeof(n) > s_.size()) return Truncated();
+    std::memcpy(&n, s_.data() + pos_, sizeof(n));
+    pos_ += sizeof(n);
+    if (n < 0 || static_cast<uint64_t>(n) > (s_.size() - pos_) / sizeof(T)) return Truncated();
+    v->resize(static_cast<size_t>(n));
+    if (n > 0) std::memcpy(v->data(), s_.data() + pos_, sizeof(T) * v->size());
+    pos_ += sizeof(T) * v->size();
+    return absl::OkStatus();
+  }
+  absl::Status GetInt(int64_t* x) {
+    if (pos_ + sizeof(*x) > s_.size()) return Truncated();
+    std::memcpy(x, s_.data() + pos_, sizeof(*x));
+    pos_ += sizeof(*x);
+    return absl::OkStatus();
+  }
+  bool done() const { return pos_ == s_.size(); }
+
+ private:
+  static absl::Status Truncated() { return absl::InvalidArgumentError("step plan: truncated"); }
+  const std::string& s_;
+  size_t pos_ = 1;  // after the kind byte
+};
+
+}  // namespace
+
+std::string EncodePlan(const StepPlan& plan) {
+  std::string out(1, static_cast<char>(plan.kind));
+  if (plan.kind == PlanKind::kForward) {
+    const ForwardBatch& b = plan.batch;
+    Put(out, b.token_ids);
+    Put(out, b.positions);
+    Put(out, b.slots);
+    Put(out, b.query_start);
+    Put(out, b.seq_lens);
+    Put(out, b.block_tables);
+    out.append(reinterpret_cast<const char*>(&b.max_blocks_per_seq), sizeof(int64_t));
+    Put(out, b.logit_rows);
+  } else if (plan.kind != PlanKind::kStop) {
+    Put(out, plan.copies);
+  }
+  return out;
+}
+
+absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes) {
+  if (bytes.empty() || static_cast<uint8_t>(bytes[0]) > static_cast<uint8_t>(PlanKind::kStop)) {
+    return absl::InvalidArgumentError("step plan: unknown kind");
+  }
+  StepPlan plan;
+  plan.kind = static_cast<PlanKind>(bytes[0]);
+  Reader r(bytes);
+  if (plan.kind == PlanKind::kForward) {
+    ForwardBatch& b = plan.batch;
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.token_ids));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.positions));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.slots));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.query_start));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.seq_lens));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.block_tables));
+    KVGRID_RETURN_IF_ERROR(r.GetInt(&b.max_blocks_per_seq));
+    KVGRID_RETURN_IF_ERROR(r.Get(&b.logit_rows));
+  } else if (plan.kind != PlanKind::kStop) {
+    KVGRID_RETURN_IF_ERROR(r.Get(&plan.copies));
+  }
+  if (!r.done()) return absl::InvalidArgumentError("step plan: trailing bytes");
+  return plan;
+}
+
+absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Communicator& comm) {
+  std::string bytes;
+  std::vector<float> logits;
+  for (;;) {
+    KVGRID_RETURN_IF_ERROR(BroadcastBytes(comm, &bytes, /*root=*/0));
+    KVGRID_ASSIGN_OR_RETURN(StepPlan plan, DecodePlan(bytes));
+    switch (plan.kind) {
+      case PlanKind::kStop:
+        return absl::OkStatus();
+      case PlanKind::kForward:
+        // The leader validated the batch; a failure here would desynchronize the group.
+        KVGRID_RETURN_IF_ERROR(model.Forward(plan.batch, pool, &logits));
+        break;
+      case PlanKind::kCopyDeviceToDevice:
+        KVGRID_RETURN_IF_ERROR(CopyKvBlocks(pool, pool, plan.copies));
+        break;
+      case PlanKind::kCopyDeviceToSwap:
+      case PlanKind::kCopySwapToDevice:
+        if (swap_pool == nullptr) {
+          return absl::FailedPreconditionError("step plan: a swap without a swap space");
+        }
+        KVGRID_RETURN_IF_ERROR(plan.kind == PlanKind::kCopyDeviceToSwap
+                                   ? CopyKvBlocks(pool, *swap_pool, plan.copies)
+                                   : CopyKvBlocks(*swap_pool, pool, plan.copies));
+        break;
+    }
+  }
+}
+
+}  // namespace kvgrid::worker

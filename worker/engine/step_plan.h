@@ -1,0 +1,49 @@
+// What a tensor-parallel group's leader tells the other ranks, one message per operation
+// that touches the KV cache: block copies (copy-on-write, swap out, swap in) and forward
+// passes, in the order the leader's engine runs them, so every rank's pool holds the same
+// blocks for its own KV heads. The followers run RunFollower until the leader sends kStop.
+//
+// Wire format: one byte of kind, then fixed-width little-endian integers (the group runs on
+// one kind of machine); decoding checks every length against the message.
+#ifndef KVGRID_WORKER_ENGINE_STEP_PLAN_H_
+#define KVGRID_WORKER_ENGINE_STEP_PLAN_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "worker/comm/communicator.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/block_manager.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+
+enum class PlanKind : uint8_t {
+  kCopyDeviceToDevice = 0,
+  kCopyDeviceToSwap = 1,
+  kCopySwapToDevice = 2,
+  kForward = 3,
+  kStop = 4,
+};
+
+struct StepPlan {
+  PlanKind kind = PlanKind::kStop;
+  std::vector<BlockCopy> copies;  // copy kinds
+  ForwardBatch batch;             // kForward
+};
+
+std::string EncodePlan(const StepPlan& plan);
+// Errors: INVALID_ARGUMENT for a truncated or malformed message.
+absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes);
+
+// A follower rank's loop: receives each plan from rank 0 and runs it on this rank's shard and
+// pools (`swap_pool` may be null), until kStop (OK) or a collective fails (UNAVAILABLE: the
+// group is broken).
+absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Communicator& comm);
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_ENGINE_STEP_PLAN_H_
