@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -22,6 +23,9 @@
 #include "model/status_macros.h"
 #include "tools/kvgrid/args.h"
 #include "tools/kvgrid/model_setup.h"
+#include "worker/comm/coordinator_store.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/engine/step_plan.h"
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
@@ -54,7 +58,11 @@ constexpr char kHelp[] =
     "                              shared secret of coordinator and workers: sent to the\n"
     "                              coordinator, and required of every caller of this worker\n"
     "  --tensor-parallel-size N --rank R\n"
-    "                              the worker's group shape (this build: 1 and 0)\n"
+    "                              one of N ranks sharing the model (Megatron sharding over\n"
+    "                              Gloo); rank 0 serves and registers the group, the others\n"
+    "                              follow it. Needs --coordinator and --group\n"
+    "  --collective-timeout-s S    a group collective failing after S s breaks the group\n"
+    "                              (default 30)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
@@ -62,6 +70,54 @@ constexpr char kHelp[] =
     "                              --v-cache-dtype override one)\n"
     "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
     "  --swap-space BYTES --enable-prefix-caching BOOL\n";
+
+// A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
+// the leader's engine broadcasts, until the leader stops it or the group breaks. SIGTERM
+// waits up to the drain timeout for the leader to stop the group.
+absl::Status Follow(kvgrid::worker::LlamaModel& model, kvgrid::worker::EngineOptions options,
+                    const kvgrid::cli::KvDTypeFlags& kv_dtypes,
+                    kvgrid::worker::Communicator& comm, const std::string& group,
+                    double drain_timeout) {
+  kv_dtypes.ApplyTo(model.config(), &options);
+  const kvgrid::worker::KvGeometry geometry =
+      model.KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::KvPool> pool,
+                          kvgrid::worker::KvPool::Create(geometry, options.kv_cache_memory));
+  std::unique_ptr<kvgrid::worker::KvPool> swap;
+  if (options.swap_space > 0) {
+    KVGRID_ASSIGN_OR_RETURN(swap, kvgrid::worker::KvPool::Create(geometry, options.swap_space));
+  }
+  std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
+               comm.rank(), group.c_str(), static_cast<long long>(pool->num_blocks()));
+  std::atomic<bool> done{false};
+  absl::Status status;
+  std::thread follower([&] {
+    status = kvgrid::worker::RunFollower(model, *pool, swap.get(), comm);
+    done.store(true);
+  });
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  const timespec poll = {0, 100'000'000};
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  while (!done.load()) {
+    siginfo_t info;
+    if (sigtimedwait(&signals, &info, &poll) > 0 && !deadline) {
+      deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(drain_timeout));
+    }
+    if (deadline && std::chrono::steady_clock::now() > *deadline) {
+      std::fprintf(stderr, "kvgrid-worker: the leader did not stop the group in time\n");
+      std::_Exit(1);  // the follower thread is blocked in a collective
+    }
+  }
+  follower.join();
+  std::fprintf(stderr, "kvgrid-worker: rank %d stopped (%s)\n", comm.rank(),
+               status.ok() ? "the leader stopped the group" : std::string(status.message()).c_str());
+  return status;
+}
 
 absl::Status Serve(Args& args) {
   const std::filesystem::path dir = kvgrid::cli::ResolveModelDir(args);
@@ -75,6 +131,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto threads, args.GetInt("threads"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_size, args.GetInt("tensor-parallel-size"));
   KVGRID_ASSIGN_OR_RETURN(auto rank, args.GetInt("rank"));
+  KVGRID_ASSIGN_OR_RETURN(auto collective_timeout, args.GetDouble("collective-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
@@ -85,16 +142,19 @@ absl::Status Serve(Args& args) {
                           kvgrid::cli::KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
-  // Tensor-parallel groups (several workers sharing one model) are not part of this build;
-  // refusing here keeps a group's pods from each serving alone.
-  if (tp_size.value_or(1) != 1) {
-    return absl::UnimplementedError(absl::StrCat(
-        "--tensor-parallel-size: this build serves each model on one worker (size 1), got ",
-        *tp_size));
-  }
-  if (rank.value_or(0) != 0) {
+  const int tp = static_cast<int>(tp_size.value_or(1));
+  const int my_rank = static_cast<int>(rank.value_or(0));
+  if (tp < 1 || tp > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--rank: must be 0 with --tensor-parallel-size 1, got ", *rank));
+        absl::StrCat("--tensor-parallel-size: must be in [1, 64], got ", tp));
+  }
+  if (my_rank < 0 || my_rank >= tp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rank: must be in [0, ", tp, "), got ", my_rank));
+  }
+  if (tp > 1 && (!coordinator || group.empty())) {
+    return absl::InvalidArgumentError(
+        "--tensor-parallel-size: a group forms through --coordinator and needs a --group id");
   }
   if (threads) {
     if (*threads < 1 || *threads > 1024) {
@@ -103,7 +163,29 @@ absl::Status Serve(Args& args) {
     }
     kvgrid::kernels::cpu::SetNumThreads(static_cast<int>(*threads));
   }
-  KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded, kvgrid::cli::LoadModelDir(dir));
+  // A tensor-parallel group forms first: its ranks find each other through the coordinator's
+  // store, then each loads only its shard.
+  std::unique_ptr<kvgrid::worker::Communicator> comm;
+  if (tp > 1) {
+    const std::string host = advertise ? advertise->substr(0, advertise->rfind(':'))
+                                       : listen.substr(0, listen.rfind(':'));
+    const auto timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(1000 * collective_timeout.value_or(30.0)));
+    kvgrid::worker::CoordinatorStore store(*coordinator, cluster_token, group,
+                                           std::chrono::milliseconds(120'000));
+    std::fprintf(stderr, "kvgrid-worker: rank %d of group %s (size %d) joining\n", my_rank,
+                 group.c_str(), tp);
+    KVGRID_ASSIGN_OR_RETURN(comm, kvgrid::worker::GlooCommunicator::Connect(
+                                      my_rank, tp, store, host == "0.0.0.0" ? "" : host,
+                                      timeout));
+  }
+  const kvgrid::worker::TensorParallel shard{.rank = my_rank, .size = tp, .comm = comm.get()};
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
+                          kvgrid::cli::LoadModelDir(dir, shard));
+  if (my_rank > 0) {
+    return Follow(*loaded.model, options, kv_dtypes, *comm, group, drain_timeout.value_or(30.0));
+  }
+  options.group = comm.get();
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   options.eos_token_ids =
       kvgrid::model::ResolveEosTokenIds(loaded.generation, loaded.model->config());
@@ -113,7 +195,16 @@ absl::Status Serve(Args& args) {
                           kvgrid::worker::Engine::Create(std::move(loaded.model), options));
   const kvgrid::v1::KvCapacity capacity =
       kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
-  kvgrid::worker::EngineLoop loop(std::move(engine));
+  // A failed step in a group means the group is broken: shut down, so the coordinator's
+  // failover moves the requests and an orchestrator restarts the group.
+  std::atomic<bool> group_broken{false};
+  kvgrid::worker::EngineLoop loop(std::move(engine), [&](const absl::Status& status) {
+    if (tp == 1 || status.code() != absl::StatusCode::kUnavailable) return;
+    std::fprintf(stderr, "kvgrid-worker: the group is broken (%s); shutting down\n",
+                 std::string(status.message()).c_str());
+    group_broken.store(true);
+    kill(getpid(), SIGTERM);
+  });
   const kvgrid::auth::BearerAuth cluster_auth =
       kvgrid::auth::BearerAuth::FromTokens({cluster_token});
   kvgrid::worker::WorkerService service(&loop, &cluster_auth, capacity,
@@ -153,7 +244,7 @@ absl::Status Serve(Args& args) {
     reg.set_model(name);
     reg.set_group_id(group);
     reg.set_rank(0);
-    reg.set_group_size(1);
+    reg.set_group_size(static_cast<uint32_t>(tp));
     *reg.mutable_capacity() = capacity;
     reg.set_vocab_size(vocab);
     reg.set_max_num_seqs(static_cast<int32_t>(options.max_num_seqs));
@@ -184,6 +275,7 @@ absl::Status Serve(Args& args) {
   loop.Stop();  // fails whatever did not finish in time with UNAVAILABLE
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   std::fprintf(stderr, "kvgrid-worker: stopped\n");
+  if (group_broken.load()) return absl::UnavailableError("the tensor-parallel group broke");
   return absl::OkStatus();
 }
 

@@ -16,13 +16,14 @@ std::filesystem::path ResolveModelDir(Args& args) {
   return std::filesystem::path(KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
 }
 
-absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir) {
+absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
+                                         worker::TensorParallel tp) {
   if (!std::filesystem::is_directory(dir)) {
     return absl::NotFoundError(absl::StrCat("model directory ", dir.string(), " does not exist"));
   }
   LoadedModel out;
   out.dir = dir;
-  KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir));
+  KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
   if (std::filesystem::exists(dir / "tokenizer.json")) {
     KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(dir / "tokenizer.json"));
   }

@@ -29,7 +29,9 @@ struct LoadedModel {
 };
 
 // Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
-absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir);
+// `tp`: this rank's shard of the weights (default: the whole model).
+absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
+                                         worker::TensorParallel tp = {});
 
 // Reads --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
 // --max-num-seqs, --max-num-batched-tokens, --max-model-len, --swap-space (bytes) and

@@ -39,7 +39,7 @@ void CoordinatorStore::set(const std::string& key, const std::vector<char>& data
     if (s.ok()) return;
     if (s.error_code() != grpc::StatusCode::UNAVAILABLE ||
         std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error(absl::StrCat("store set '", key, "': ", s.error_message()));
+      throw std::runtime_error(absl::StrCat("store set '", key, "': code ", static_cast<int>(s.error_code()), " ", s.error_message()));
     }
     std::this_thread::sleep_for(kPollInterval * 10);
   }

@@ -547,6 +547,12 @@ absl::Status Engine::RunForward() {
   return model_->Forward(batch_, *pool_, &logits_);
 }
 
+absl::Status Engine::KeepGroupAlive() {
+  if (options_.group == nullptr) return absl::OkStatus();
+  std::string plan = EncodePlan(StepPlan{.kind = PlanKind::kKeepAlive});
+  return BroadcastBytes(*options_.group, &plan, /*root=*/0);
+}
+
 absl::Status Engine::StopFollowers() {
   if (options_.group == nullptr) return absl::OkStatus();
   std::string plan = EncodePlan(StepPlan{.kind = PlanKind::kStop});

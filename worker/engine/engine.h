@@ -199,6 +199,10 @@ class Engine {
   // Tensor-parallel leader: tells the other ranks to leave RunFollower. Call once, from the
   // thread that drives the engine, when it will not step again. No-op without a group.
   absl::Status StopFollowers();
+  // Tensor-parallel leader, while idle: tells the other ranks it is alive, well within their
+  // collective timeout. No-op without a group.
+  absl::Status KeepGroupAlive();
+  [[nodiscard]] bool has_group() const { return options_.group != nullptr; }
   [[nodiscard]] const LlamaModel& model() const { return *model_; }
   [[nodiscard]] int64_t max_model_len() const { return max_model_len_; }
   [[nodiscard]] const BlockManager& block_manager() const { return blocks_; }

@@ -59,14 +59,15 @@ std::string EncodePlan(const StepPlan& plan) {
     Put(out, b.block_tables);
     out.append(reinterpret_cast<const char*>(&b.max_blocks_per_seq), sizeof(int64_t));
     Put(out, b.logit_rows);
-  } else if (plan.kind != PlanKind::kStop) {
+  } else if (plan.kind != PlanKind::kStop && plan.kind != PlanKind::kKeepAlive) {
     Put(out, plan.copies);
   }
   return out;
 }
 
 absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes) {
-  if (bytes.empty() || static_cast<uint8_t>(bytes[0]) > static_cast<uint8_t>(PlanKind::kStop)) {
+  if (bytes.empty() ||
+      static_cast<uint8_t>(bytes[0]) > static_cast<uint8_t>(PlanKind::kKeepAlive)) {
     return absl::InvalidArgumentError("step plan: unknown kind");
   }
   StepPlan plan;
@@ -82,7 +83,7 @@ absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes) {
     KVGRID_RETURN_IF_ERROR(r.Get(&b.block_tables));
     KVGRID_RETURN_IF_ERROR(r.GetInt(&b.max_blocks_per_seq));
     KVGRID_RETURN_IF_ERROR(r.Get(&b.logit_rows));
-  } else if (plan.kind != PlanKind::kStop) {
+  } else if (plan.kind != PlanKind::kStop && plan.kind != PlanKind::kKeepAlive) {
     KVGRID_RETURN_IF_ERROR(r.Get(&plan.copies));
   }
   if (!r.done()) return absl::InvalidArgumentError("step plan: trailing bytes");
@@ -98,6 +99,8 @@ absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Com
     switch (plan.kind) {
       case PlanKind::kStop:
         return absl::OkStatus();
+      case PlanKind::kKeepAlive:
+        break;
       case PlanKind::kForward:
         // The leader validated the batch; a failure here would desynchronize the group.
         KVGRID_RETURN_IF_ERROR(model.Forward(plan.batch, pool, &logits));

@@ -27,6 +27,8 @@ enum class PlanKind : uint8_t {
   kCopySwapToDevice = 2,
   kForward = 3,
   kStop = 4,
+  // Nothing to run: the leader is alive but idle (collectives would otherwise time out).
+  kKeepAlive = 5,
 };
 
 struct StepPlan {

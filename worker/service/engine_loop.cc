@@ -3,8 +3,14 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 
 namespace kvgrid::worker {
+namespace {
+
+constexpr absl::Duration kKeepAliveInterval = absl::Seconds(1);
+
+}  // namespace
 
 EngineLoop::EngineLoop(std::unique_ptr<Engine> engine,
                        std::function<void(const absl::Status&)> on_step_error)
@@ -86,6 +92,8 @@ void EngineLoop::Drain(
 void EngineLoop::Run() {
   std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> submits;
   std::vector<std::string> aborts;
+  bool keep_alive = false;
+  bool group_broken = false;  // a keep-alive failed: the other ranks are gone
   for (;;) {
     bool stop = false;
     {
@@ -93,15 +101,29 @@ void EngineLoop::Run() {
       // Sleep while there is nothing to do; wake on a submission, an abort or Stop.
       const bool busy = engine_->HasWork();
       if (!busy) {
-        mu_.Await(absl::Condition(
+        const absl::Condition wake(
             +[](EngineLoop* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
               return self->stop_ || !self->inbox_.empty() || !self->aborts_.empty();
             },
-            this));
+            this);
+        if (!engine_->has_group()) {
+          mu_.Await(wake);
+        } else {
+          // Idle in a group: the other ranks wait in a collective that would time out.
+          keep_alive = !mu_.AwaitWithTimeout(wake, kKeepAliveInterval);
+        }
       }
       stop = stop_;
       submits.swap(inbox_);
       aborts.swap(aborts_);
+    }
+    if (keep_alive && !group_broken) {
+      keep_alive = false;
+      if (absl::Status alive = engine_->KeepGroupAlive(); !alive.ok()) {
+        group_broken = true;
+        if (on_step_error_) on_step_error_(alive);
+      }
+      continue;
     }
     Drain(submits, aborts);
     if (stop) break;

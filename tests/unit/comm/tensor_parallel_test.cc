@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gloo/rendezvous/hash_store.h"
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/engine.h"
@@ -46,7 +47,8 @@ TEST(GlooCommunicatorTest, Collectives) {
     std::vector<float> out(6);
     ASSERT_TRUE(comm.AllGather(in, std::span<float>(out)).ok());
     EXPECT_EQ(out, (std::vector<float>{0, 1, 10, 11, 20, 21}));
-    std::string bytes = rank == 1 ? std::string("the plan of step 7") : std::string();
+    std::string bytes;
+    if (rank == 1) bytes = "the plan of step 7";
     ASSERT_TRUE(BroadcastBytes(comm, &bytes, 1).ok());
     EXPECT_EQ(bytes, "the plan of step 7");
     EXPECT_TRUE(comm.Barrier().ok());
@@ -145,7 +147,7 @@ std::map<std::string, std::vector<int32_t>> EngineOutputs(int size, EngineStats*
     ASSERT_TRUE(engine.ok()) << engine.status();
     for (int i = 0; i < 6; ++i) {
       GenerationRequest r;
-      r.id = "r" + std::to_string(i);
+      r.id = absl::StrCat("r", i);
       for (int j = 0; j < 20 + 9 * i; ++j) r.prompt.push_back(3 + (j * 7 + i) % 250);
       r.sampling.temperature = 0;
       r.stopping.max_new_tokens = 40;
