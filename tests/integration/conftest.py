@@ -47,6 +47,10 @@ STOP_TIMEOUT_S = 10
 # Default deadline of every client call.
 CALL_TIMEOUT_S = 120
 
+# Several clusters share this machine's few cores while ctest runs tests in parallel: OpenMP
+# threads that spin while waiting would starve the other processes' threads.
+_SHARED_MACHINE_ENV = {"OMP_WAIT_POLICY": "passive"}
+
 _LISTENING = re.compile(r"kvgrid-(?:coordinator|worker): listening on (\S+)")
 _SETPRIV = shutil.which("setpriv")
 
@@ -144,7 +148,7 @@ class Proc:
             prefix = [_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else []
             self.popen = subprocess.Popen(prefix + self.argv, stdin=subprocess.DEVNULL,
                                           stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, **(env or {})})
+                                          env={**os.environ, **_SHARED_MACHINE_ENV, **(env or {})})
         _all_procs.append(self)
 
     @property
