@@ -92,6 +92,7 @@ absl::Status Follow(kvgrid::worker::LlamaModel& model, kvgrid::worker::EngineOpt
   std::atomic<bool> done{false};
   absl::Status status;
   std::thread follower([&] {
+    kvgrid::kernels::cpu::UseConfiguredThreads();
     status = kvgrid::worker::RunFollower(model, *pool, swap.get(), comm);
     done.store(true);
   });

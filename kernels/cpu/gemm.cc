@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <atomic>
 #include <limits>
 
 #include "kernels/cpu/vec.h"
@@ -59,9 +60,18 @@ absl::Status Linear(const LinearParams& p) {
   return absl::OkStatus();
 }
 
+namespace {
+std::atomic<int> configured_threads{0};
+}  // namespace
+
 void SetNumThreads(int threads) {
+  configured_threads.store(threads);
   omp_set_num_threads(threads);
   openblas_set_num_threads(threads);
+}
+
+void UseConfiguredThreads() {
+  if (const int threads = configured_threads.load(); threads > 0) omp_set_num_threads(threads);
 }
 
 }  // namespace kvgrid::kernels::cpu

@@ -30,8 +30,11 @@ inline constexpr int64_t kSmallBatchTokens = 4;
 absl::Status Linear(const LinearParams& params);
 
 // Limits the CPU kernels (our OpenMP loops and OpenBLAS) to `threads` threads, e.g. when
-// several workers share one machine. Call before the first kernel runs. threads >= 1.
+// several workers share one machine. threads >= 1. OpenMP keeps the thread count per thread,
+// so every thread that runs kernels calls UseConfiguredThreads() first.
 void SetNumThreads(int threads);
+// Applies SetNumThreads' setting to the calling thread (no-op when it was never called).
+void UseConfiguredThreads();
 
 // The small-batch path on its own (any num_tokens; exposed for tests and benchmarks).
 absl::Status LinearSmallBatch(const LinearParams& params);

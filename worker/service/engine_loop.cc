@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "kernels/cpu/gemm.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -90,6 +91,7 @@ void EngineLoop::Drain(
 }
 
 void EngineLoop::Run() {
+  kernels::cpu::UseConfiguredThreads();
   std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> submits;
   std::vector<std::string> aborts;
   bool keep_alive = false;
