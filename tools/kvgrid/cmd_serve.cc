@@ -29,13 +29,16 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid serve [--workers N] [--model DIR] [--port P] [worker flags]\n"
+    "usage: kvgrid serve [--workers N [--tp T] | --groups 1,1,2] [--model DIR] [--port P]\n"
+    "                    [worker flags]\n"
     "\n"
     "Starts kvgrid-coordinator on 127.0.0.1:P and N kvgrid-worker processes registered with\n"
     "it, waits until every worker serves, and runs until interrupted (Ctrl-C / SIGTERM), then\n"
     "drains them all. Clients: kvgrid generate --addr 127.0.0.1:P, or any gRPC client.\n"
     "\n"
-    "  --workers N                 worker processes (default 1)\n"
+    "  --workers N                 worker groups (default 1)\n"
+    "  --tp T                      ranks per group: tensor parallelism (default 1)\n"
+    "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
@@ -95,6 +98,8 @@ int ServingWorkers(v1::Generation::Stub& stub) {
 absl::Status Serve(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
   KVGRID_ASSIGN_OR_RETURN(auto workers_flag, args.GetInt("workers"));
+  KVGRID_ASSIGN_OR_RETURN(auto tp_flag, args.GetInt("tp"));
+  KVGRID_ASSIGN_OR_RETURN(auto groups_flag, args.GetIntList("groups"));
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
   const std::optional<std::string> drain = args.GetString("drain-timeout-s");
   KVGRID_ASSIGN_OR_RETURN(auto ready_timeout, args.GetDouble("ready-timeout-s"));
@@ -108,7 +113,26 @@ absl::Status Serve(Args& args) {
   KVGRID_RETURN_IF_ERROR(args.Finish());
   const bool has_threads =
       std::find(forwarded.begin(), forwarded.end(), "--threads") != forwarded.end();
-  const int64_t workers = workers_flag.value_or(1);
+  // Group sizes: --groups lists them; else --workers groups of --tp ranks each.
+  std::vector<int32_t> groups;
+  if (groups_flag) {
+    if (workers_flag || tp_flag) {
+      return absl::InvalidArgumentError("--groups: give it instead of --workers and --tp");
+    }
+    groups = *groups_flag;
+  } else {
+    groups.assign(static_cast<size_t>(std::clamp<int64_t>(workers_flag.value_or(1), 0, 65)),
+                  static_cast<int32_t>(tp_flag.value_or(1)));
+  }
+  int64_t processes = 0;
+  for (int32_t size : groups) {
+    if (size < 1 || size > 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tp/--groups: a group has 1 to 16 ranks, got ", size));
+    }
+    processes += size;
+  }
+  const int64_t workers = static_cast<int64_t>(groups.size());
   if (workers < 1 || workers > 64) {
     return absl::InvalidArgumentError(absl::StrCat("--workers: must be in [1, 64], got ", workers));
   }
@@ -148,22 +172,31 @@ absl::Status Serve(Args& args) {
   if (drain) coordinator.insert(coordinator.end(), {"--drain-timeout-s", *drain});
   KVGRID_ASSIGN_OR_RETURN(pid_t cpid, Spawn(coordinator));
   children.push_back(cpid);
-  for (int64_t i = 0; i < workers; ++i) {
-    std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model", dir.string(),
-                                       "--coordinator", addr, "--listen", "127.0.0.1:0"};
-    if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
-    worker.insert(worker.end(), forwarded.begin(), forwarded.end());
-    if (!has_threads) {
-      const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
-      worker.insert(worker.end(), {"--threads", absl::StrCat(std::max<int64_t>(1, cores / workers))});
+  const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int32_t rank = 0; rank < groups[g]; ++rank) {
+      std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model",
+                                         dir.string(), "--coordinator", addr, "--listen",
+                                         "127.0.0.1:0"};
+      if (groups[g] > 1) {
+        worker.insert(worker.end(), {"--group", absl::StrCat("g", g, "-", getpid()),
+                                     "--tensor-parallel-size", absl::StrCat(groups[g]),
+                                     "--rank", absl::StrCat(rank)});
+      }
+      if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
+      worker.insert(worker.end(), forwarded.begin(), forwarded.end());
+      if (!has_threads) {
+        worker.insert(worker.end(),
+                      {"--threads", absl::StrCat(std::max<int64_t>(1, cores / processes))});
+      }
+      absl::StatusOr<pid_t> wpid = Spawn(worker);
+      if (!wpid.ok()) {
+        stop_all(SIGTERM);
+        wait_all(std::chrono::seconds(10));
+        return wpid.status();
+      }
+      children.push_back(*wpid);
     }
-    absl::StatusOr<pid_t> wpid = Spawn(worker);
-    if (!wpid.ok()) {
-      stop_all(SIGTERM);
-      wait_all(std::chrono::seconds(10));
-      return wpid.status();
-    }
-    children.push_back(*wpid);
   }
 
   auto stub = v1::Generation::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
@@ -178,7 +211,7 @@ absl::Status Serve(Args& args) {
     for (size_t i = 0; i < children.size(); ++i) {
       int wstatus = 0;
       if (children[i] > 0 && waitpid(children[i], &wstatus, WNOHANG) == children[i]) {
-        const std::string what = i == 0 ? "kvgrid-coordinator" : absl::StrCat("worker ", i);
+        const std::string what = i == 0 ? "kvgrid-coordinator" : absl::StrCat("worker process ", i);
         std::fprintf(stderr, "kvgrid serve: %s (pid %d) exited (status %d)\n", what.c_str(),
                      children[i], wstatus);
         children[i] = -children[i];  // reaped
@@ -190,7 +223,7 @@ absl::Status Serve(Args& args) {
       if (ServingWorkers(*stub) >= workers) {
         ready = true;
         std::fprintf(stderr,
-                     "kvgrid serve: ready: %lld worker(s) serving %s; API on %s (Ctrl-C stops)\n",
+                     "kvgrid serve: ready: %lld worker group(s) serving %s; API on %s (Ctrl-C stops)\n",
                      static_cast<long long>(workers), dir.filename().c_str(), addr.c_str());
         std::printf("%s\n", addr.c_str());
         std::fflush(stdout);

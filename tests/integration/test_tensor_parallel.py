@@ -1,0 +1,149 @@
+"""Tensor-parallel groups over Gloo: a two-rank group generates exactly what one worker does
+(trained and fixture models), a request too large for every single worker's KV pool goes to
+the two-rank group (and is refused at once, with the numbers, by a cluster without one), and
+losing either rank of a group takes the whole group down — no process hangs — while its
+request finishes on another worker."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+
+import pytest
+
+from kvgrid_client import pb
+
+from .conftest import MODEL_DIR, Proc, collect, executable, rpc_error, wait_until
+
+FOLLOWING = "following"
+
+
+@pytest.fixture(scope="module")
+def fixtures_dir():
+    """The generated tiny models (ctest's tiny_models fixture makes them)."""
+    d = os.environ.get("KVGRID_FIXTURES")
+    if not d or not (Path(d) / "llama3-tiny" / "config.json").exists():
+        pytest.fail("KVGRID_FIXTURES must hold the tiny fixture models (ctest sets it)")
+    return Path(d)
+
+
+def start_group(c, size: int, name: str, extra=()):
+    """Starts ranks 0..size-1 of group `name` registered with cluster `c`; returns the Procs
+    (leader first) once the leader listens and every follower follows."""
+    procs = []
+    for rank in range(size):
+        p = Proc(f"{name}-rank{rank}",
+                 [executable("kvgrid-worker"), "--model", c.model_dir, "--coordinator", c.addr,
+                  "--listen", "127.0.0.1:0", "--group", name, "--tensor-parallel-size", size,
+                  "--rank", rank, "--threads", "1", *extra],
+                 c.log_dir / f"{name}-rank{rank}.log")
+        c.workers.append(p)  # stopped with the cluster
+        procs.append(p)
+    procs[0].wait_listening()
+    for p in procs[1:]:
+        assert wait_until(lambda: FOLLOWING in p.log() or not p.alive(), timeout=60), p.describe()
+        assert p.alive(), p.describe()
+    return procs
+
+
+def run_json(model_dir, *flags):
+    argv = [str(executable("kvgrid")), "run", "--model", str(model_dir), "--json",
+            *[str(f) for f in flags]]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+def test_two_ranks_generate_what_one_worker_does(cluster, fixtures_dir):
+    c = cluster(workers=0)
+    start_group(c, 2, "tp2")
+    c.wait_serving(1)
+    group = [g for g in c.status().groups][0]
+    assert group.size == 2
+    for prompt in ["In the beginning", "And God said, Let there be light"]:
+        got = c.client.generate_text(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
+        want = run_json(MODEL_DIR, "--prompt", prompt, "--max-new-tokens", 48, "--temperature",
+                        0, "--ignore-eos")
+        assert got.token_ids == want["token_ids"], prompt
+        assert got.text == want["text"]
+
+    # The fixture model (bf16 weights, llama3 RoPE): token ids in, token ids out.
+    model = fixtures_dir / "llama3-tiny"
+    f = cluster(workers=0, model_dir=model)
+    start_group(f, 2, "tp2f")
+    f.wait_serving(1)
+    ids = [5, 17, 33, 60, 91, 7, 12]
+    got = f.client.generate_text(prompt_token_ids=ids, max_new_tokens=40, temperature=0,
+                                 ignore_eos=True)
+    want = run_json(model, "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", 40,
+                    "--temperature", 0, "--ignore-eos")
+    assert got.token_ids == want["token_ids"]
+
+
+# llama3-tiny keeps 512 bytes of fp32 KV per token: 512 KiB holds 1024 tokens on one worker,
+# and 2048 on each rank of a two-rank group (half the KV heads each).
+POOL = ["--kv-cache-memory", "512KiB"]
+PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(1400)]
+
+
+def test_oversize_request_goes_to_the_two_rank_group(cluster, fixtures_dir):
+    model = fixtures_dir / "llama3-tiny"
+    small = cluster(workers=2, model_dir=model, worker_args=POOL + ["--threads", "1"])
+    e = rpc_error(lambda: small.client.generate_text(prompt_token_ids=PROMPT, max_new_tokens=100,
+                                                     temperature=0, ignore_eos=True))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+    assert "1500 tokens" in e.details() and "1024 tokens" in e.details(), e.details()
+
+    c = cluster(workers=2, model_dir=model, worker_args=POOL + ["--threads", "1"])
+    leader = start_group(c, 2, "big", POOL)[0]
+    c.wait_serving(3)
+    status = c.status()
+    big = [g for g in status.groups if g.size == 2][0]
+    assert big.capacity.tokens_capacity == 2 * max(
+        g.capacity.tokens_capacity for g in status.groups if g.size == 1)
+    done = collect(c.client.generate(prompt_token_ids=PROMPT, max_new_tokens=100, temperature=0,
+                                     ignore_eos=True))
+    assert len(done.token_ids) == 100 and done.finish_reason == "length"
+    assert set(done.worker_ids) == {w.worker_id for w in status.workers if w.group_id == "big"}
+    want = run_json(model, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", 100,
+                    "--temperature", 0, "--ignore-eos", "--kv-cache-memory", "4MiB")
+    assert done.token_ids == want["token_ids"]
+    assert leader.alive()
+
+
+def _fail_over_after_killing(cluster, victim_rank: int):
+    c = cluster(workers=0)
+    group = start_group(c, 2, "g")
+    c.wait_serving(1)
+    want = run_json(MODEL_DIR, "--prompt", "In the beginning", "--max-new-tokens", 300,
+                    "--temperature", 0, "--ignore-eos")
+    stream = c.client.generate("In the beginning", max_new_tokens=300, temperature=0,
+                               ignore_eos=True)
+    first = next(stream)
+    # Somewhere to fail over to, then the group loses a rank mid-stream.
+    c.add_worker(["--threads", "1"])
+    c.wait_serving(2)
+    group[victim_rank].popen.send_signal(signal.SIGKILL)
+    rest = collect(stream)
+    tokens = list(first.token_ids) + rest.token_ids
+    assert tokens == want["token_ids"], "tokens lost or repeated across the failover"
+    assert rest.finish_reason == "length"
+    # The surviving rank leaves by itself: no hang.
+    survivor = group[1 - victim_rank]
+    deadline = time.monotonic() + 60
+    while survivor.alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not survivor.alive(), survivor.describe()
+    assert survivor.popen.returncode != 0, survivor.describe()
+
+
+def test_losing_a_follower_takes_the_group_down_and_fails_over(cluster):
+    _fail_over_after_killing(cluster, victim_rank=1)
+
+
+def test_losing_the_leader_takes_the_group_down_and_fails_over(cluster):
+    _fail_over_after_killing(cluster, victim_rank=0)
