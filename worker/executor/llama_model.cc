@@ -461,8 +461,32 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                        .num_tokens = m,
                                        .hidden = d.hidden,
                                        .eps = eps}));
-  logits->resize(m * d.vocab);
   const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
+  if (tp_.size > 1 && d.vocab % tp_.size == 0) {
+    // Vocabulary-parallel head: each rank projects onto its slice of the vocabulary and the
+    // slices are gathered, so the largest GEMM of a decode step is split like the layers.
+    const int64_t local = d.vocab / tp_.size;
+    partial_.resize(m * local);
+    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = rows_.data(),
+                                        .weight = head.data() + tp_.rank * local * d.hidden,
+                                        .output = partial_.data(),
+                                        .num_tokens = m,
+                                        .in_features = d.hidden,
+                                        .out_features = local}));
+    gathered_.resize(tp_.size * m * local);
+    KVGRID_RETURN_IF_ERROR(tp_.comm->AllGather(partial_, std::span<float>(gathered_)));
+    if (tp_.rank != 0) return absl::OkStatus();  // only the leader samples
+    logits->resize(m * d.vocab);
+    for (int64_t r = 0; r < tp_.size; ++r) {
+      for (int64_t i = 0; i < m; ++i) {
+        std::memcpy(logits->data() + i * d.vocab + r * local,
+                    gathered_.data() + (r * m + i) * local, sizeof(float) * local);
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (tp_.rank != 0) return absl::OkStatus();  // only the leader samples
+  logits->resize(m * d.vocab);
   return cpu::Linear({.input = rows_.data(),
                       .weight = head.data(),
                       .output = logits->data(),

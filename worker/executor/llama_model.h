@@ -9,8 +9,10 @@
 // [r H/T, (r+1) H/T) of q and the KV heads they read (KV heads split across ranks, or
 // replicated when T exceeds their number), columns of gate/up [r I/T, (r+1) I/T), and the
 // matching input slices of o_proj and down_proj, whose partial outputs are summed across the
-// group with an all-reduce. Embeddings, norms and lm_head are replicated. Every rank runs the
-// same Forward on the same batch; each holds the KV of its own heads.
+// group with an all-reduce. Embeddings, norms and lm_head are replicated; the head's GEMM is
+// split by vocabulary rows and gathered when the vocabulary divides evenly. Every rank runs
+// the same Forward on the same batch and holds the KV of its own heads; only rank 0 gets
+// logits.
 #ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 #define KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 
@@ -112,8 +114,9 @@ class LlamaModel {
                                          kernels::KvDType v_dtype) const;
 
   // Runs `batch`; writes K/V of its tokens into `pool`; fills `logits` with
-  // [batch.logit_rows.size(), vocab] floats. Errors: INVALID_ARGUMENT for malformed batches
-  // (token id outside the vocabulary, slots outside the pool, inconsistent sizes).
+  // [batch.logit_rows.size(), vocab] floats (rank 0 of a group; other ranks get none).
+  // Errors: INVALID_ARGUMENT for malformed batches (token id outside the vocabulary, slots
+  // outside the pool, inconsistent sizes); UNAVAILABLE when a group collective fails.
   absl::Status Forward(const ForwardBatch& batch, KvPool& pool, std::vector<float>* logits);
 
  private:
@@ -130,7 +133,7 @@ class LlamaModel {
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]
   // Workspace, reused across steps.
-  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, partial_;
+  std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, partial_, gathered_;
 };
 
 }  // namespace kvgrid::worker
