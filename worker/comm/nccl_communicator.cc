@@ -1,0 +1,140 @@
+#include "worker/comm/nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gloo/rendezvous/store.h"
+#include "kernels/cuda/cuda_status.h"
+
+namespace kvgrid::worker {
+namespace {
+
+absl::Status NcclStatus(ncclResult_t result, const char* call, const char* file, int line) {
+  if (result == ncclSuccess) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(call, " failed at ", file, ":", line, ": ",
+                                             ncclGetErrorString(result)));
+}
+
+#define KVGRID_NCCL_RETURN_IF_ERROR(call)                                                 \
+  do {                                                                                    \
+    ::absl::Status kvgrid_nccl_status_ = NcclStatus((call), #call, __FILE__, __LINE__);   \
+    if (!kvgrid_nccl_status_.ok()) return kvgrid_nccl_status_;                            \
+  } while (0)
+
+}  // namespace
+
+struct NcclCommunicator::State {
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  int device = 0;
+  bool aborted = false;
+  float* barrier_buffer = nullptr;  // one float all-reduced as a barrier
+};
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Connect(
+    int rank, int size, int device, gloo::rendezvous::Store& store,
+    std::chrono::milliseconds timeout) {
+  if (size < 1 || rank < 0 || rank >= size || device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", size, " on device ",
+                                                   device, " is not a valid place in a group"));
+  }
+  ncclUniqueId id;
+  try {
+    if (rank == 0) {
+      KVGRID_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+      store.set("nccl_unique_id", std::vector<char>(id.internal, id.internal + sizeof(id)));
+    } else {
+      store.wait({"nccl_unique_id"}, timeout);
+      const std::vector<char> bytes = store.get("nccl_unique_id");
+      if (bytes.size() != sizeof(id)) {
+        return absl::UnavailableError("the group's NCCL id in the store has the wrong size");
+      }
+      std::memcpy(id.internal, bytes.data(), sizeof(id));
+    }
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(absl::StrCat("sharing the NCCL id: ", e.what()));
+  }
+  auto state = std::make_unique<State>();
+  state->device = device;
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
+  KVGRID_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(reinterpret_cast<void**>(&state->barrier_buffer), sizeof(float)));
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclCommInitRank(&state->comm, size, id, rank));
+  return std::unique_ptr<NcclCommunicator>(
+      new NcclCommunicator(std::move(state), rank, size, timeout));
+}
+
+NcclCommunicator::NcclCommunicator(std::unique_ptr<State> state, int rank, int size,
+                                   std::chrono::milliseconds timeout)
+    : state_(std::move(state)), rank_(rank), size_(size), timeout_(timeout) {}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (state_->comm != nullptr) {
+    if (state_->aborted) {
+      (void)ncclCommAbort(state_->comm);
+    } else {
+      (void)ncclCommDestroy(state_->comm);
+    }
+  }
+  if (state_->barrier_buffer != nullptr) (void)cudaFree(state_->barrier_buffer);
+  if (state_->stream != nullptr) (void)cudaStreamDestroy(state_->stream);
+}
+
+absl::Status NcclCommunicator::Wait(const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (;;) {
+    const cudaError_t done = cudaStreamQuery(state_->stream);
+    if (done == cudaSuccess) return absl::OkStatus();
+    if (done != cudaErrorNotReady) {
+      return kernels::cuda::CudaStatus(done, "cudaStreamQuery", __FILE__, __LINE__);
+    }
+    ncclResult_t async = ncclSuccess;
+    KVGRID_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(state_->comm, &async));
+    if (async != ncclSuccess || std::chrono::steady_clock::now() > deadline) {
+      state_->aborted = true;
+      (void)ncclCommAbort(state_->comm);
+      state_->comm = nullptr;
+      return absl::UnavailableError(absl::StrCat(
+          "nccl ", what, ": ",
+          async != ncclSuccess ? ncclGetErrorString(async) : "timed out (a peer is gone?)"));
+    }
+    std::this_thread::yield();
+  }
+}
+
+absl::Status NcclCommunicator::AllReduceSum(std::span<float> data) {
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32,
+                                            ncclSum, state_->comm, state_->stream));
+  return Wait("allreduce");
+}
+
+absl::Status NcclCommunicator::AllGather(std::span<const float> in, std::span<float> out) {
+  if (out.size() != in.size() * static_cast<size_t>(size_)) {
+    return absl::InvalidArgumentError("AllGather: out must hold size() * in.size() values");
+  }
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllGather(in.data(), out.data(), in.size(), ncclFloat32,
+                                            state_->comm, state_->stream));
+  return Wait("allgather");
+}
+
+absl::Status NcclCommunicator::Broadcast(std::span<char> data, int root) {
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclBroadcast(data.data(), data.data(), data.size(), ncclInt8,
+                                            root, state_->comm, state_->stream));
+  return Wait("broadcast");
+}
+
+absl::Status NcclCommunicator::Barrier() {
+  return AllReduceSum(std::span<float>(state_->barrier_buffer, 1));
+}
+
+}  // namespace kvgrid::worker

@@ -1,0 +1,58 @@
+// Communicator over NCCL, for GPU worker groups: one rank per device. The spans passed to the
+// collectives are device memory (the CUDA backend's buffers). Rank 0 makes the NCCL unique id
+// and shares it through the group's rendezvous store (the coordinator's, in a cluster).
+//
+// Every NCCL and CUDA call is checked and becomes a Status naming the call; a collective that
+// does not finish within the timeout (a peer died) aborts the communicator and returns
+// UNAVAILABLE — nothing aborts the process.
+//
+// Built wherever the CUDA toolkit (with NCCL) is found; its tests carry the `gpu` label.
+#ifndef KVGRID_WORKER_COMM_NCCL_COMMUNICATOR_H_
+#define KVGRID_WORKER_COMM_NCCL_COMMUNICATOR_H_
+
+#include <chrono>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "worker/comm/communicator.h"
+
+namespace gloo::rendezvous {
+class Store;
+}  // namespace gloo::rendezvous
+
+namespace kvgrid::worker {
+
+class NcclCommunicator final : public Communicator {
+ public:
+  // Joins rank `rank` of `size` on CUDA device `device`. Errors: INVALID_ARGUMENT for
+  // rank/size/device; UNAVAILABLE when the id cannot be shared or NCCL cannot connect
+  // (naming the call).
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Connect(
+      int rank, int size, int device, gloo::rendezvous::Store& store,
+      std::chrono::milliseconds timeout);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  absl::Status AllReduceSum(std::span<float> data) override;
+  absl::Status AllGather(std::span<const float> in, std::span<float> out) override;
+  absl::Status Broadcast(std::span<char> data, int root) override;
+  absl::Status Barrier() override;
+
+ private:
+  struct State;
+  NcclCommunicator(std::unique_ptr<State> state, int rank, int size,
+                   std::chrono::milliseconds timeout);
+  // Waits for the stream's work, failing (and aborting the communicator) past the timeout or
+  // on an asynchronous NCCL error.
+  absl::Status Wait(const char* what);
+
+  std::unique_ptr<State> state_;
+  int rank_;
+  int size_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_COMM_NCCL_COMMUNICATOR_H_
