@@ -26,6 +26,9 @@ struct Dims {
   int64_t hidden, heads, kv_heads, head_dim, inter, vocab, q_dim, kv_dim, qkv_dim;
   // Where this rank's shares start in the whole model: q head, KV head, intermediate column.
   int64_t head_begin = 0, kv_head_begin = 0, inter_begin = 0;
+  // The rows of the embedding and the head this rank holds: a slice of the vocabulary when it
+  // divides evenly over the ranks, else all of it.
+  int64_t vocab_begin = 0, vocab_local = 0;
 };
 
 // The dimensions rank tp.rank computes (tp.Validate must have passed).
@@ -46,6 +49,8 @@ Dims DimsOf(const model::ModelConfig& c, const TensorParallel& tp = {}) {
   d.head_begin = r * d.heads;
   d.kv_head_begin = c.num_key_value_heads >= t ? r * d.kv_heads : r * c.num_key_value_heads / t;
   d.inter_begin = r * d.inter;
+  d.vocab_local = c.vocab_size % t == 0 ? c.vocab_size / t : c.vocab_size;
+  d.vocab_begin = c.vocab_size % t == 0 ? r * d.vocab_local : 0;
   return d;
 }
 
@@ -60,10 +65,10 @@ absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std:
 absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
                           const TensorParallel& tp) {
   const Dims d = DimsOf(c, tp);
-  KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab * d.hidden, "embed_tokens"));
+  KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab_local * d.hidden, "embed_tokens"));
   KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
   if (!c.tie_word_embeddings || !w.lm_head.empty()) {
-    KVGRID_RETURN_IF_ERROR(CheckSize(w.lm_head, d.vocab * d.hidden, "lm_head"));
+    KVGRID_RETURN_IF_ERROR(CheckSize(w.lm_head, d.vocab_local * d.hidden, "lm_head"));
   }
   if (static_cast<int64_t>(w.layers.size()) != c.num_hidden_layers) {
     return absl::InvalidArgumentError(absl::StrCat("weights have ", w.layers.size(),
@@ -165,11 +170,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
 
   LlamaWeights w;
   std::vector<float> scratch;
-  KVGRID_RETURN_IF_ERROR(c.ReadF32("model.embed_tokens.weight", std::vector<int64_t>{d.vocab, d.hidden}, &w.embed));
+  const int64_t v0 = d.vocab_begin, v1 = d.vocab_begin + d.vocab_local;
+  KVGRID_RETURN_IF_ERROR(c.ReadF32Slice("model.embed_tokens.weight", std::vector<int64_t>{d.vocab, d.hidden},
+                                        {.dim = 0, .begin = v0, .end = v1}, &w.embed));
   KVGRID_RETURN_IF_ERROR(c.ReadF32("model.norm.weight", std::vector<int64_t>{d.hidden}, &w.final_norm));
   // Some tied checkpoints still store lm_head; use it when present.
   if (c.Contains("lm_head.weight")) {
-    KVGRID_RETURN_IF_ERROR(c.ReadF32("lm_head.weight", std::vector<int64_t>{d.vocab, d.hidden}, &w.lm_head));
+    KVGRID_RETURN_IF_ERROR(c.ReadF32Slice("lm_head.weight", std::vector<int64_t>{d.vocab, d.hidden},
+                                          {.dim = 0, .begin = v0, .end = v1}, &w.lm_head));
   } else if (!config->tie_word_embeddings) {
     return absl::InvalidArgumentError(absl::StrCat(
         dir.string(), ": lm_head.weight is missing and tie_word_embeddings is false"));
@@ -228,9 +236,11 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
   const int64_t v0 = kv0 + full.kv_dim, v1 = v0 + d.kv_dim;
   const int64_t i0 = d.inter_begin, i1 = i0 + d.inter;
   LlamaWeights w;
-  w.embed = full_weights.embed;
+  w.embed = Rows(full_weights.embed, d.hidden, d.vocab_begin, d.vocab_begin + d.vocab_local);
   w.final_norm = full_weights.final_norm;
-  w.lm_head = full_weights.lm_head;
+  if (!full_weights.lm_head.empty()) {
+    w.lm_head = Rows(full_weights.lm_head, d.hidden, d.vocab_begin, d.vocab_begin + d.vocab_local);
+  }
   for (const LayerWeights& f : full_weights.layers) {
     LayerWeights l;
     l.input_norm = f.input_norm;
@@ -356,12 +366,33 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   gate_up_.resize(n * 2 * d.inter);
   act_.resize(n * d.inter);
 
-  KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed.data(),
-                                         .ids = b.token_ids.data(),
-                                         .output = x_.data(),
-                                         .vocab = d.vocab,
-                                         .hidden = d.hidden,
-                                         .num_tokens = n}));
+  if (d.vocab_local == d.vocab) {
+    KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed.data(),
+                                           .ids = b.token_ids.data(),
+                                           .output = x_.data(),
+                                           .vocab = d.vocab,
+                                           .hidden = d.hidden,
+                                           .num_tokens = n}));
+  } else {
+    // Vocabulary-parallel embedding: each rank fills the rows of the ids in its slice and
+    // zeros elsewhere; the sum over the group is the full lookup.
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t id = b.token_ids[t];
+      if (id < 0 || id >= d.vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", id, " at index ", t,
+                                                       " is outside the vocabulary [0, ",
+                                                       d.vocab, ")"));
+      }
+      float* row = x_.data() + t * d.hidden;
+      if (id >= d.vocab_begin && id < d.vocab_begin + d.vocab_local) {
+        std::memcpy(row, w_.embed.data() + (id - d.vocab_begin) * d.hidden,
+                    sizeof(float) * d.hidden);
+      } else {
+        std::fill(row, row + d.hidden, 0.f);
+      }
+    }
+    KVGRID_RETURN_IF_ERROR(tp_.comm->AllReduceSum(std::span<float>(x_)));
+  }
   const float eps = static_cast<float>(config_.rms_norm_eps);
   for (int64_t layer = 0; layer < config_.num_hidden_layers; ++layer) {
     const LayerWeights& l = w_.layers[layer];
@@ -462,13 +493,13 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                        .hidden = d.hidden,
                                        .eps = eps}));
   const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
-  if (tp_.size > 1 && d.vocab % tp_.size == 0) {
+  if (d.vocab_local < d.vocab) {
     // Vocabulary-parallel head: each rank projects onto its slice of the vocabulary and the
     // slices are gathered, so the largest GEMM of a decode step is split like the layers.
-    const int64_t local = d.vocab / tp_.size;
+    const int64_t local = d.vocab_local;
     partial_.resize(m * local);
     KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = rows_.data(),
-                                        .weight = head.data() + tp_.rank * local * d.hidden,
+                                        .weight = head.data(),
                                         .output = partial_.data(),
                                         .num_tokens = m,
                                         .in_features = d.hidden,

@@ -9,8 +9,9 @@
 // [r H/T, (r+1) H/T) of q and the KV heads they read (KV heads split across ranks, or
 // replicated when T exceeds their number), columns of gate/up [r I/T, (r+1) I/T), and the
 // matching input slices of o_proj and down_proj, whose partial outputs are summed across the
-// group with an all-reduce. Embeddings, norms and lm_head are replicated; the head's GEMM is
-// split by vocabulary rows and gathered when the vocabulary divides evenly. Every rank runs
+// group with an all-reduce. The embedding and the head are split by vocabulary rows when the
+// vocabulary divides evenly (the lookup is all-reduced, the head's logits gathered), else
+// replicated; norms are replicated. So a rank holds about 1/T of the weights. Every rank runs
 // the same Forward on the same batch and holds the KV of its own heads; only rank 0 gets
 // logits.
 #ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
@@ -55,10 +56,10 @@ struct LayerWeights {
 };
 
 struct LlamaWeights {
-  std::vector<float> embed;       // [vocab, hidden]
+  std::vector<float> embed;       // [vocab, hidden] (a rank's slice of the vocabulary)
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [hidden]
-  std::vector<float> lm_head;     // [vocab, hidden]; empty when tied to `embed`
+  std::vector<float> lm_head;     // [vocab, hidden] (sliced like embed); empty when tied
 };
 
 // One step's work, laid out for the kernels. Sequence s owns tokens

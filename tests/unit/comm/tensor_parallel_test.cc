@@ -109,8 +109,10 @@ TEST(TensorParallelTest, ShardsHoldTheirShareAndBadSizesAreRefused) {
     ASSERT_TRUE(shard.ok()) << shard.status();
     const auto g = (*shard)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32);
     EXPECT_EQ(g.num_kv_heads, 1);  // 2 KV heads over 2 ranks
-    // The layers are halved; embeddings, norms and lm_head are replicated.
-    EXPECT_LT((*shard)->WeightBytes(), (*whole)->WeightBytes());
+    // Layers, embedding and head are split; only the norms are replicated.
+    const double share = static_cast<double>((*shard)->WeightBytes()) /
+                         static_cast<double>((*whole)->WeightBytes());
+    EXPECT_NEAR(share, 0.5, 0.02);
   });
   auto bad = LlamaModel::Load(dir, {.rank = 0, .size = 3});
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
