@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "bench/bench_models.h"
 #include "nlohmann/json.hpp"
 #include "worker/engine/engine.h"
@@ -33,7 +34,7 @@ Row Measure(kvgrid::worker::Engine& engine, int64_t concurrency, int64_t prompt_
             int64_t new_tokens, int32_t vocab) {
   for (int64_t i = 0; i < concurrency; ++i) {
     kvgrid::worker::GenerationRequest r;
-    r.id = "c" + std::to_string(concurrency) + "-" + std::to_string(i);
+    r.id = absl::StrCat("c", concurrency, "-", i);
     for (int64_t j = 0; j < prompt_len; ++j) {
       r.prompt.push_back(static_cast<int32_t>((i * 131 + j * 17 + 7) % vocab));
     }

@@ -44,7 +44,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -83,10 +82,10 @@
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/args.h"
 #include "tools/kvgrid/model_setup.h"
+#include "tools/kvgrid/process.h"
 #include "worker/engine/engine.h"
 #include "worker/service/engine_loop.h"
 
-extern char** environ;
 
 namespace {
 
@@ -142,12 +141,6 @@ void StopChildrenAndExit(int sig) {
   _exit(128 + sig);
 }
 
-std::filesystem::path SelfDir() {
-  std::error_code ec;
-  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::filesystem::current_path() : exe.parent_path();
-}
-
 // A port on 127.0.0.1 that was free a moment ago. Errors: INTERNAL with errno's text.
 absl::StatusOr<int> FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -165,26 +158,6 @@ absl::StatusOr<int> FreePort() {
   }
   close(fd);
   return static_cast<int>(ntohs(addr.sin_port));
-}
-
-// Errors: INTERNAL with errno's text.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv) {
-  std::vector<char*> cargv;
-  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-  cargv.push_back(nullptr);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t empty;
-  sigemptyset(&empty);
-  posix_spawnattr_setsigmask(&attr, &empty);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, cargv[0], nullptr, &attr, cargv.data(), environ);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
-  }
-  return pid;
 }
 
 // CPU time (user + system) a process has used so far, from /proc/<pid>/stat.
@@ -220,9 +193,9 @@ class LocalCluster {
     auto cluster = std::unique_ptr<LocalCluster>(new LocalCluster());
     KVGRID_ASSIGN_OR_RETURN(const int port, FreePort());
     cluster->addr_ = absl::StrCat("127.0.0.1:", port);
-    const std::filesystem::path bin = SelfDir();
+    const std::filesystem::path bin = kvgrid::cli::SelfDir();
     KVGRID_ASSIGN_OR_RETURN(const pid_t cpid,
-                            Spawn({(bin / "kvgrid-coordinator").string(), "--model",
+                            kvgrid::cli::Spawn({(bin / "kvgrid-coordinator").string(), "--model",
                                    model_dir.string(), "--listen", cluster->addr_}));
     cluster->Track(cpid);
     for (int i = 0; i < workers; ++i) {
@@ -234,7 +207,7 @@ class LocalCluster {
                                        "--listen",
                                        "127.0.0.1:0"};
       argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
-      KVGRID_ASSIGN_OR_RETURN(const pid_t wpid, Spawn(argv));
+      KVGRID_ASSIGN_OR_RETURN(const pid_t wpid, kvgrid::cli::Spawn(argv));
       cluster->Track(wpid);
     }
     KVGRID_RETURN_IF_ERROR(cluster->WaitServing(workers, std::chrono::seconds(120)));

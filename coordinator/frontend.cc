@@ -19,6 +19,19 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
   return reactor;
 }
 
+// The model named `name`, which must have a tokenizer. Errors: as ModelCatalog::Find, and
+// FAILED_PRECONDITION without tokenizer.json.
+absl::StatusOr<const ServedModel*> WithTokenizer(const ModelCatalog& catalog,
+                                                 const std::string& name) {
+  absl::StatusOr<const ServedModel*> m = catalog.Find(name);
+  if (!m.ok()) return m.status();
+  if (!(*m)->tokenizer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model '", (*m)->name, "' has no tokenizer.json"));
+  }
+  return m;
+}
+
 }  // namespace
 
 GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
@@ -131,12 +144,8 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
     reactor->Finish(auth);
     return reactor;
   }
-  absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
+  absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
   if (!m.ok()) return Done(context, m.status());
-  if (!(*m)->tokenizer) {
-    return Done(context, absl::FailedPreconditionError(absl::StrCat(
-                             "model '", (*m)->name, "' has no tokenizer.json")));
-  }
   if (request->add_bos()) {
     if (!(*m)->bos_token_id) {
       return Done(context, absl::InvalidArgumentError(absl::StrCat(
@@ -156,12 +165,8 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
     reactor->Finish(auth);
     return reactor;
   }
-  absl::StatusOr<const ServedModel*> m = catalog_->Find(request->model());
+  absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
   if (!m.ok()) return Done(context, m.status());
-  if (!(*m)->tokenizer) {
-    return Done(context, absl::FailedPreconditionError(absl::StrCat(
-                             "model '", (*m)->name, "' has no tokenizer.json")));
-  }
   const std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
   absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(ids, request->skip_special_tokens());
   if (!text.ok()) {

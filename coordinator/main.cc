@@ -3,8 +3,6 @@
 // Serves grpc.health.v1 (overall, "kvgrid.v1.Generation" and one entry per model) and server
 // reflection. SIGTERM/SIGINT drain: health NOT_SERVING, new requests refused with
 // UNAVAILABLE, running ones finish within --drain-timeout-s, then exit.
-#include <pthread.h>
-#include <signal.h>
 
 #include <atomic>
 #include <chrono>
@@ -30,6 +28,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/args.h"
+#include "tools/kvgrid/process.h"
 
 namespace {
 
@@ -215,12 +214,7 @@ absl::Status Serve(Args& args) {
     }
   });
 
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  int signal = 0;
-  sigwait(&signals, &signal);
+  kvgrid::cli::WaitForShutdownSignal();
 
   std::fprintf(stderr, "kvgrid-coordinator: draining (%lld requests in flight)\n",
                static_cast<long long>(generation.InFlight()));
@@ -245,17 +239,5 @@ absl::Status Serve(Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // Block the signals before any thread starts; Serve waits for them with sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  auto args = Args::Parse(argc, argv, 1);
-  if (!args.ok()) {
-    std::fprintf(stderr, "kvgrid-coordinator: %s\n", std::string(args.status().message()).c_str());
-    return 2;
-  }
-  args->UseEnvironment("KVGRID_");
-  return kvgrid::cli::RunSubcommand(*args, "coordinator", kHelp, Serve);
+  return kvgrid::cli::ServiceMain(argc, argv, "coordinator", kHelp, Serve);
 }

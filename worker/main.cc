@@ -1,7 +1,6 @@
 // kvgrid-worker: one engine (one device) behind the Worker gRPC service, registered with a
 // coordinator. Runs until SIGTERM or SIGINT, then drains: refuses new requests, finishes
 // running ones within --drain-timeout-s, and exits.
-#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,6 +21,7 @@
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/args.h"
+#include "tools/kvgrid/process.h"
 #include "tools/kvgrid/model_setup.h"
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/gloo_communicator.h"
@@ -255,13 +255,7 @@ absl::Status Serve(Args& args) {
         [&service] { return service.draining(); });
   }
 
-  // Signals were blocked before any thread started; only this thread receives them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  int signal = 0;
-  sigwait(&signals, &signal);
+  kvgrid::cli::WaitForShutdownSignal();
 
   std::fprintf(stderr, "kvgrid-worker: draining (%d requests running)\n",
                static_cast<int>(loop.NumActive()));
@@ -283,16 +277,5 @@ absl::Status Serve(Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
-  auto args = Args::Parse(argc, argv, 1);
-  if (!args.ok()) {
-    std::fprintf(stderr, "kvgrid-worker: %s\n", std::string(args.status().message()).c_str());
-    return 2;
-  }
-  args->UseEnvironment("KVGRID_");
-  return kvgrid::cli::RunSubcommand(*args, "worker", kHelp, Serve);
+  return kvgrid::cli::ServiceMain(argc, argv, "worker", kHelp, Serve);
 }

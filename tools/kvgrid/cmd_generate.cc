@@ -15,6 +15,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/grpc_status.h"
 #include "tools/kvgrid/commands.h"
+#include "tools/kvgrid/sampling_flags.h"
 
 namespace kvgrid::cli {
 namespace {
@@ -44,24 +45,15 @@ absl::Status Generate(Args& args) {
   v1::GenerateRequest req;
   if (auto model = args.GetString("model")) req.set_model(*model);
   const std::optional<std::string> prompt = args.GetString("prompt");
-  KVGRID_ASSIGN_OR_RETURN(auto prompt_ids, args.GetIntList("prompt-ids"));
+  const absl::StatusOr<std::optional<std::vector<int32_t>>> prompt_ids =
+      args.GetIntList("prompt-ids");
+  if (!prompt_ids.ok()) return prompt_ids.status();
   KVGRID_ASSIGN_OR_RETURN(bool add_bos, args.GetBool("add-bos", false));
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
-  KVGRID_ASSIGN_OR_RETURN(bool ignore_eos, args.GetBool("ignore-eos", false));
-  KVGRID_ASSIGN_OR_RETURN(bool include_stop, args.GetBool("include-stop-str-in-output", false));
-  KVGRID_ASSIGN_OR_RETURN(auto max_new_tokens, args.GetInt("max-new-tokens"));
-  KVGRID_ASSIGN_OR_RETURN(auto min_tokens, args.GetInt("min-tokens"));
-  KVGRID_ASSIGN_OR_RETURN(auto temperature, args.GetDouble("temperature"));
-  KVGRID_ASSIGN_OR_RETURN(auto top_p, args.GetDouble("top-p"));
-  KVGRID_ASSIGN_OR_RETURN(auto top_k, args.GetInt("top-k"));
-  KVGRID_ASSIGN_OR_RETURN(auto min_p, args.GetDouble("min-p"));
-  KVGRID_ASSIGN_OR_RETURN(auto repetition_penalty, args.GetDouble("repetition-penalty"));
-  KVGRID_ASSIGN_OR_RETURN(auto seed, args.GetInt("seed"));
+  KVGRID_ASSIGN_OR_RETURN(const SamplingFlags f, ReadSamplingFlags(args));
   KVGRID_ASSIGN_OR_RETURN(auto logprobs, args.GetInt("logprobs"));
   KVGRID_ASSIGN_OR_RETURN(auto n, args.GetInt("n"));
   KVGRID_ASSIGN_OR_RETURN(auto priority, args.GetInt("priority"));
-  KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
-  const std::optional<std::string> stop = args.GetString("stop");
   KVGRID_ASSIGN_OR_RETURN(auto timeout_s, args.GetDouble("timeout-s"));
   std::optional<std::string> api_key = args.GetString("api-key");
   if (!api_key) {
@@ -72,27 +64,29 @@ absl::Status Generate(Args& args) {
                                  .ca = args.GetString("tls-ca")};
   KVGRID_ASSIGN_OR_RETURN(const bool tls, args.GetBool("tls", tls_files.ca.has_value()));
   KVGRID_RETURN_IF_ERROR(args.Finish());
-  if (prompt.has_value() == prompt_ids.has_value()) {
+  if (prompt.has_value() == prompt_ids->has_value()) {
     return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
   }
   if (prompt) req.set_prompt(*prompt);
-  if (prompt_ids) for (int32_t id : *prompt_ids) req.add_prompt_token_ids(id);
+  if (prompt_ids->has_value()) {
+    req.mutable_prompt_token_ids()->Add((*prompt_ids)->begin(), (*prompt_ids)->end());
+  }
   req.set_add_bos(add_bos);
   v1::SamplingParams* s = req.mutable_sampling();
-  if (temperature) s->set_temperature(static_cast<float>(*temperature));
-  if (top_p) s->set_top_p(static_cast<float>(*top_p));
-  if (top_k) s->set_top_k(static_cast<int32_t>(*top_k));
-  if (min_p) s->set_min_p(static_cast<float>(*min_p));
-  if (repetition_penalty) s->set_repetition_penalty(static_cast<float>(*repetition_penalty));
-  if (seed) s->set_seed(static_cast<uint64_t>(*seed));
+  if (f.temperature) s->set_temperature(static_cast<float>(*f.temperature));
+  if (f.top_p) s->set_top_p(static_cast<float>(*f.top_p));
+  if (f.top_k) s->set_top_k(static_cast<int32_t>(*f.top_k));
+  if (f.min_p) s->set_min_p(static_cast<float>(*f.min_p));
+  if (f.repetition_penalty) s->set_repetition_penalty(static_cast<float>(*f.repetition_penalty));
+  if (f.seed) s->set_seed(static_cast<uint64_t>(*f.seed));
   if (logprobs) s->set_logprobs(static_cast<int32_t>(*logprobs));
   v1::StoppingParams* st = req.mutable_stopping();
-  if (max_new_tokens) st->set_max_new_tokens(static_cast<int32_t>(*max_new_tokens));
-  if (min_tokens) st->set_min_tokens(static_cast<int32_t>(*min_tokens));
-  st->set_ignore_eos(ignore_eos);
-  if (stop_ids) for (int32_t id : *stop_ids) st->add_stop_token_ids(id);
-  if (stop) st->add_stop(*stop);
-  st->set_include_stop_str_in_output(include_stop);
+  if (f.max_new_tokens) st->set_max_new_tokens(static_cast<int32_t>(*f.max_new_tokens));
+  if (f.min_tokens) st->set_min_tokens(static_cast<int32_t>(*f.min_tokens));
+  st->set_ignore_eos(f.ignore_eos);
+  if (f.stop_token_ids) for (int32_t id : *f.stop_token_ids) st->add_stop_token_ids(id);
+  if (f.stop) st->add_stop(*f.stop);
+  st->set_include_stop_str_in_output(f.include_stop_str_in_output);
   if (n) req.set_n(static_cast<uint32_t>(std::max<int64_t>(0, *n)));
   if (priority) req.set_priority(static_cast<int32_t>(*priority));
 

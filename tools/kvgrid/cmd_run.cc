@@ -13,6 +13,7 @@
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
+#include "tools/kvgrid/sampling_flags.h"
 
 namespace kvgrid::cli {
 namespace {
@@ -140,18 +141,7 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto prompt_ids_flag, args.GetIntList("prompt-ids"));
   KVGRID_ASSIGN_OR_RETURN(bool add_bos, args.GetBool("add-bos", false));
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
-  KVGRID_ASSIGN_OR_RETURN(bool ignore_eos, args.GetBool("ignore-eos", false));
-  KVGRID_ASSIGN_OR_RETURN(auto max_new_tokens, args.GetInt("max-new-tokens"));
-  KVGRID_ASSIGN_OR_RETURN(auto temperature, args.GetDouble("temperature"));
-  KVGRID_ASSIGN_OR_RETURN(auto top_p, args.GetDouble("top-p"));
-  KVGRID_ASSIGN_OR_RETURN(auto top_k, args.GetInt("top-k"));
-  KVGRID_ASSIGN_OR_RETURN(auto min_p, args.GetDouble("min-p"));
-  KVGRID_ASSIGN_OR_RETURN(auto repetition_penalty, args.GetDouble("repetition-penalty"));
-  KVGRID_ASSIGN_OR_RETURN(auto seed, args.GetInt("seed"));
-  KVGRID_ASSIGN_OR_RETURN(auto stop_ids, args.GetIntList("stop-token-ids"));
-  const std::optional<std::string> stop_string = args.GetString("stop");
-  KVGRID_ASSIGN_OR_RETURN(bool include_stop, args.GetBool("include-stop-str-in-output", false));
-  KVGRID_ASSIGN_OR_RETURN(auto min_tokens, args.GetInt("min-tokens"));
+  KVGRID_ASSIGN_OR_RETURN(const SamplingFlags f, ReadSamplingFlags(args));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
@@ -198,20 +188,20 @@ absl::Status Run(Args& args) {
   if (gen.top_k) sp.top_k = *gen.top_k;
   if (gen.min_p) sp.min_p = *gen.min_p;
   if (gen.repetition_penalty) sp.repetition_penalty = *gen.repetition_penalty;
-  if (temperature) sp.temperature = *temperature;
-  if (top_p) sp.top_p = *top_p;
-  if (top_k) sp.top_k = *top_k;
-  if (min_p) sp.min_p = *min_p;
-  if (repetition_penalty) sp.repetition_penalty = *repetition_penalty;
-  if (seed) sp.seed = static_cast<uint64_t>(*seed);
-  request.stopping.max_new_tokens = max_new_tokens ? *max_new_tokens
+  if (f.temperature) sp.temperature = *f.temperature;
+  if (f.top_p) sp.top_p = *f.top_p;
+  if (f.top_k) sp.top_k = *f.top_k;
+  if (f.min_p) sp.min_p = *f.min_p;
+  if (f.repetition_penalty) sp.repetition_penalty = *f.repetition_penalty;
+  if (f.seed) sp.seed = static_cast<uint64_t>(*f.seed);
+  request.stopping.max_new_tokens = f.max_new_tokens ? *f.max_new_tokens
                                     : gen.max_new_tokens ? *gen.max_new_tokens
                                                          : 64;
-  request.stopping.ignore_eos = ignore_eos;
-  if (stop_ids) request.stopping.stop_token_ids = *stop_ids;
-  if (stop_string) request.stopping.stop_strings = {*stop_string};
-  request.stopping.include_stop_str_in_output = include_stop;
-  if (min_tokens) request.stopping.min_tokens = *min_tokens;
+  request.stopping.ignore_eos = f.ignore_eos;
+  if (f.stop_token_ids) request.stopping.stop_token_ids = *f.stop_token_ids;
+  if (f.stop) request.stopping.stop_strings = {*f.stop};
+  request.stopping.include_stop_str_in_output = f.include_stop_str_in_output;
+  if (f.min_tokens) request.stopping.min_tokens = *f.min_tokens;
 
   options.eos_token_ids = model::ResolveEosTokenIds(gen, loaded.model->config());
 

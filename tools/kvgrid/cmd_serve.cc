@@ -3,7 +3,6 @@
 // SIGTERM, then drains every process and exits.
 #include <pthread.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,14 +15,15 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "kvgrid/v1/generation.grpc.pb.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
-
-extern char** environ;
+#include "tools/kvgrid/process.h"
 
 namespace kvgrid::cli {
 namespace {
@@ -54,36 +54,6 @@ constexpr const char* kWorkerFlags[] = {
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads"};
 
-std::filesystem::path SelfDir() {
-  std::error_code ec;
-  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
-  return ec ? std::filesystem::current_path() : exe.parent_path();
-}
-
-// Starts `argv` with default signal handling and mask. Errors: INTERNAL with errno's text.
-absl::StatusOr<pid_t> Spawn(const std::vector<std::string>& argv) {
-  std::vector<char*> cargv;
-  for (const std::string& a : argv) cargv.push_back(const_cast<char*>(a.c_str()));
-  cargv.push_back(nullptr);
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t empty, defaults;
-  sigemptyset(&empty);
-  sigemptyset(&defaults);
-  sigaddset(&defaults, SIGTERM);
-  sigaddset(&defaults, SIGINT);
-  posix_spawnattr_setsigmask(&attr, &empty);
-  posix_spawnattr_setsigdefault(&attr, &defaults);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, cargv[0], nullptr, &attr, cargv.data(), environ);
-  posix_spawnattr_destroy(&attr);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("cannot start ", argv[0], ": ", std::strerror(rc)));
-  }
-  return pid;
-}
-
 // Workers in state SERVING, or -1 while the coordinator does not answer.
 int ServingWorkers(v1::Generation::Stub& stub) {
   grpc::ClientContext ctx;
@@ -99,7 +69,7 @@ absl::Status Serve(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
   KVGRID_ASSIGN_OR_RETURN(auto workers_flag, args.GetInt("workers"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_flag, args.GetInt("tp"));
-  KVGRID_ASSIGN_OR_RETURN(auto groups_flag, args.GetIntList("groups"));
+  const std::optional<std::string> groups_flag = args.GetString("groups");
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
   const std::optional<std::string> drain = args.GetString("drain-timeout-s");
   KVGRID_ASSIGN_OR_RETURN(auto ready_timeout, args.GetDouble("ready-timeout-s"));
@@ -119,7 +89,14 @@ absl::Status Serve(Args& args) {
     if (workers_flag || tp_flag) {
       return absl::InvalidArgumentError("--groups: give it instead of --workers and --tp");
     }
-    groups = *groups_flag;
+    for (absl::string_view part : absl::StrSplit(*groups_flag, ',', absl::SkipWhitespace())) {
+      int32_t size = 0;
+      if (!absl::SimpleAtoi(part, &size)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--groups: '", std::string(part), "' is not a group size"));
+      }
+      groups.push_back(size);
+    }
   } else {
     groups.assign(static_cast<size_t>(std::clamp<int64_t>(workers_flag.value_or(1), 0, 65)),
                   static_cast<int32_t>(tp_flag.value_or(1)));

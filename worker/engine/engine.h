@@ -135,7 +135,7 @@ struct EngineOptions {
   // outlive the engine. May be null (ids only).
   const model::Tokenizer* tokenizer = nullptr;
   int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
-  std::vector<int32_t> eos_token_ids;
+  std::vector<int32_t> eos_token_ids = {};
   // Tensor-parallel leader (rank 0 of a group of size > 1): every block copy and forward pass
   // is first broadcast as a StepPlan, which the other ranks run in RunFollower. Not owned; the
   // model's TensorParallel communicator. Null for a single worker.

@@ -33,8 +33,8 @@ enum class PlanKind : uint8_t {
 
 struct StepPlan {
   PlanKind kind = PlanKind::kStop;
-  std::vector<BlockCopy> copies;  // copy kinds
-  ForwardBatch batch;             // kForward
+  std::vector<BlockCopy> copies = {};  // copy kinds
+  ForwardBatch batch = {};             // kForward
 };
 
 std::string EncodePlan(const StepPlan& plan);

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 
@@ -26,7 +27,7 @@ std::unique_ptr<Engine> MakeEngine() {
 
 GenerationRequest Request(int i, int64_t max_new = 12) {
   GenerationRequest r;
-  r.id = "r" + std::to_string(i);
+  r.id = absl::StrCat("r", i);
   for (int j = 0; j < 4 + 3 * i; ++j) r.prompt.push_back(10 + (j * 13 + i * 7) % 200);
   r.sampling.temperature = 0;
   r.stopping.max_new_tokens = max_new;
@@ -88,7 +89,7 @@ TEST(EngineLoopTest, ConcurrentSubmissionsMatchTheEngineAlone) {
   for (int i = 0; i < 8; ++i) {
     sinks[i]->Wait();
     EXPECT_TRUE(sinks[i]->error().ok()) << sinks[i]->error();
-    EXPECT_EQ(sinks[i]->tokens(), alone["r" + std::to_string(i)]) << "request " << i;
+    EXPECT_EQ(sinks[i]->tokens(), alone[absl::StrCat("r", i)]) << "request " << i;
   }
   // The loop counts a request done once the step that finished it is over.
   for (int i = 0; i < 500 && loop.NumActive() > 0; ++i) {
