@@ -1,0 +1,234 @@
+#include "kernels/cpu/quant_linear.h"
+
+#include <cblas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/vec.h"
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+constexpr int64_t kTileRows = 64;  // rows dequantized per SGEMM tile
+
+float Scale(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, sizeof(h));
+  return model::F16ToF32(h);
+}
+
+void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
+  const int64_t blocks = m.cols / kQuantBlock;
+  const int64_t bb = QuantMatrix::BlockBytes(m.dtype);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bb;
+    const float d = Scale(block);
+    float* o = out + b * kQuantBlock;
+    if (m.dtype == WeightDType::kQ8_0) {
+      for (int i = 0; i < 32; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(block[2 + i]));
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        o[i] = d * static_cast<float>((block[2 + i] & 0x0F) - 8);
+        o[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
+      }
+    }
+  }
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma,f16c"))) void DequantRowAvx2(const QuantMatrix& m,
+                                                               const uint8_t* row, float* out) {
+  const int64_t blocks = m.cols / kQuantBlock;
+  const int64_t bb = QuantMatrix::BlockBytes(m.dtype);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bb;
+    const __m256 d = _mm256_set1_ps(Scale(block));
+    float* o = out + b * kQuantBlock;
+    __m128i lo, hi;  // 16 int8 values each: block values 0..15 and 16..31
+    if (m.dtype == WeightDType::kQ8_0) {
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    } else {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      const __m128i eight = _mm_set1_epi8(8);
+      lo = _mm_sub_epi8(_mm_and_si128(packed, mask), eight);
+      hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), eight);
+    }
+    for (int half = 0; half < 2; ++half) {
+      const __m128i v = half == 0 ? lo : hi;
+      const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+      const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+      _mm256_storeu_ps(o + 16 * half, _mm256_mul_ps(a, d));
+      _mm256_storeu_ps(o + 16 * half + 8, _mm256_mul_ps(c, d));
+    }
+  }
+}
+#endif
+
+using DequantFn = void (*)(const QuantMatrix&, const uint8_t*, float*);
+
+DequantFn BestDequant() {
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return DequantRowAvx2;
+  }
+#endif
+  return DequantRowPortable;
+}
+
+}  // namespace
+
+std::string_view WeightDTypeName(WeightDType dtype) {
+  switch (dtype) {
+    case WeightDType::kF32:
+      return "fp32";
+    case WeightDType::kQ8_0:
+      return "q8_0";
+    case WeightDType::kQ4_0:
+      return "q4_0";
+  }
+  return "?";
+}
+
+absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name) {
+  if (name == "fp32" || name == "f32") return WeightDType::kF32;
+  if (name == "q8_0") return WeightDType::kQ8_0;
+  if (name == "q4_0") return WeightDType::kQ4_0;
+  return absl::InvalidArgumentError(
+      absl::StrCat("weight dtype '", std::string(name), "': expected fp32, q8_0 or q4_0"));
+}
+
+int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
+  return dtype == WeightDType::kQ4_0 ? 2 + 16 : 2 + 32;
+}
+
+absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t cols,
+                                           WeightDType dtype) {
+  if (dtype == WeightDType::kF32) {
+    return absl::InvalidArgumentError("QuantizeMatrix: fp32 is not a quantized dtype");
+  }
+  if (cols <= 0 || cols % kQuantBlock != 0 || rows < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantizeMatrix: ", cols, " columns are not a multiple of the block size 32"));
+  }
+  QuantMatrix m;
+  m.dtype = dtype;
+  m.rows = rows;
+  m.cols = cols;
+  m.data.resize(static_cast<size_t>(rows * m.RowBytes()));
+  const int64_t bb = QuantMatrix::BlockBytes(dtype);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < cols / kQuantBlock; ++b) {
+      const float* x = w + r * cols + b * kQuantBlock;
+      uint8_t* block = m.data.data() + r * m.RowBytes() + b * bb;
+      if (dtype == WeightDType::kQ8_0) {
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+        // Quantize against the scale as stored (fp16), so the error stays within half a step.
+        const uint16_t h = model::F32ToF16(amax / 127.f);
+        const float d = model::F16ToF32(h);
+        std::memcpy(block, &h, sizeof(h));
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        for (int i = 0; i < 32; ++i) {
+          block[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(
+              std::clamp(std::lround(x[i] * inv), -127l, 127l)));
+        }
+      } else {
+        float max = 0.f;  // the value of largest magnitude, with its sign
+        for (int i = 0; i < 32; ++i) {
+          if (std::fabs(x[i]) > std::fabs(max)) max = x[i];
+        }
+        const uint16_t h = model::F32ToF16(max / -8.f);
+        const float d = model::F16ToF32(h);
+        std::memcpy(block, &h, sizeof(h));
+        const float inv = d != 0.f ? 1.f / d : 0.f;
+        for (int i = 0; i < 16; ++i) {
+          const auto q = [&](float v) {
+            return static_cast<uint8_t>(std::clamp(std::lround(v * inv) + 8, 0l, 15l));
+          };
+          block[2 + i] = static_cast<uint8_t>(q(x[i]) | (q(x[i + 16]) << 4));
+        }
+      }
+    }
+  }
+  return m;
+}
+
+void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
+  static const DequantFn dequant = BestDequant();
+  dequant(m, m.data.data() + row * m.RowBytes(), out);
+}
+
+absl::Status QuantLinearParams::Validate() const {
+  if (!input || !weight || !output) {
+    return absl::InvalidArgumentError("QuantLinearParams: null input, weight or output");
+  }
+  if (weight->dtype == WeightDType::kF32 || weight->cols % kQuantBlock != 0 ||
+      static_cast<int64_t>(weight->data.size()) != weight->rows * weight->RowBytes() ||
+      num_tokens < 0) {
+    return absl::InvalidArgumentError("QuantLinearParams: malformed weight or sizes");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status QuantLinear(const QuantLinearParams& p) {
+  if (absl::Status s = p.Validate(); !s.ok()) return s;
+  const QuantMatrix& w = *p.weight;
+  const int64_t m = p.num_tokens, n = w.rows, k = w.cols;
+  if (m == 0) return absl::OkStatus();
+  if (m <= kSmallBatchTokens) {
+    // Decode: each row is read once (quantized), dequantized into L1 and dotted with every
+    // token.
+    const VecOps& vec = Vec();
+#pragma omp parallel
+    {
+      std::vector<float> row(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+      for (int64_t j = 0; j < n; ++j) {
+        DequantizeRow(w, j, row.data());
+        const float b = p.bias ? p.bias[j] : 0.f;
+        for (int64_t t = 0; t < m; ++t) {
+          float* y = p.output + t * n + j;
+          const float dot = vec.dot(p.input + t * k, row.data(), k) + b;
+          *y = p.accumulate ? *y + dot : dot;
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  // Prefill and large batches: tiles of rows dequantized and multiplied with SGEMM.
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+#pragma omp parallel
+  {
+    std::vector<float> tile(static_cast<size_t>(kTileRows * k));
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = t * kTileRows, rows = std::min(kTileRows, n - r0);
+      for (int64_t r = 0; r < rows; ++r) DequantizeRow(w, r0 + r, tile.data() + r * k);
+      float* out = p.output + r0;
+      if (p.bias) {
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t r = 0; r < rows; ++r) {
+            out[i * n + r] = (p.accumulate ? out[i * n + r] : 0.f) + p.bias[r0 + r];
+          }
+        }
+      }
+      const float beta = (p.accumulate || p.bias) ? 1.f : 0.f;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
+                  static_cast<int>(rows), static_cast<int>(k), 1.f, p.input, static_cast<int>(k),
+                  tile.data(), static_cast<int>(k), beta, out, static_cast<int>(n));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvgrid::kernels::cpu

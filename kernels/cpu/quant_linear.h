@@ -1,0 +1,66 @@
+// Linear layers with 8- and 4-bit weights: ggml's Q8_0 and Q4_0 block formats (blocks of 32
+// weights along a row, one fp16 scale each; Q8_0 stores 32 int8, Q4_0 32 nibbles offset by 8
+// with value i in the low and value i + 16 in the high nibble of byte i). Computing dequantizes
+// one row (or one tile of rows) at a time into a small buffer, never the whole matrix, so a
+// decode step reads only the quantized bytes from memory.
+#ifndef KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
+#define KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvgrid::kernels::cpu {
+
+enum class WeightDType : uint8_t { kF32, kQ8_0, kQ4_0 };
+std::string_view WeightDTypeName(WeightDType dtype);
+// "fp32"/"f32", "q8_0", "q4_0". Errors: INVALID_ARGUMENT listing the choices.
+absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name);
+
+inline constexpr int64_t kQuantBlock = 32;
+
+// A [rows, cols] matrix in Q8_0 or Q4_0 blocks, rows contiguous; cols % 32 == 0.
+struct QuantMatrix {
+  WeightDType dtype = WeightDType::kQ8_0;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<uint8_t> data = {};  // [rows, cols / 32] blocks
+
+  [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);  // 34 or 18
+  [[nodiscard]] int64_t RowBytes() const { return cols / kQuantBlock * BlockBytes(dtype); }
+  [[nodiscard]] bool empty() const { return rows == 0; }
+};
+
+// Round-to-nearest quantization of row-major fp32 `weight` ([rows, cols]): Q8_0 scales each
+// block by max|w| / 127 (error <= half a step); Q4_0 by the signed value of largest magnitude
+// / -8 (error <= half a step, one step for values near the opposite extreme, which clamp at
+// +7).
+// Errors: INVALID_ARGUMENT when cols is not a multiple of 32 or dtype is not quantized.
+absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* weight, int64_t rows, int64_t cols,
+                                           WeightDType dtype);
+
+// out[0, cols) = row `row` of `m` as fp32.
+void DequantizeRow(const QuantMatrix& m, int64_t row, float* out);
+
+struct QuantLinearParams {
+  const float* input = nullptr;        // [num_tokens, weight->cols]
+  const QuantMatrix* weight = nullptr;  // [out_features, in_features]
+  const float* bias = nullptr;         // [out_features] or null
+  float* output = nullptr;             // [num_tokens, weight->rows]; must not alias input
+  int64_t num_tokens = 0;
+  bool accumulate = false;             // output += instead of output =
+
+  absl::Status Validate() const;
+};
+
+// output = input x dequant(weight)^T (+ bias). Up to a few tokens each row is dequantized into
+// a per-thread buffer and dotted with every token; above, tiles of rows go through SGEMM.
+// Parallel over rows.
+absl::Status QuantLinear(const QuantLinearParams& params);
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
