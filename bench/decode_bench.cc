@@ -3,6 +3,7 @@
 // the roofline it implies for decode (every weight byte is read once per token).
 //
 //   build/bin/decode_bench [--json] [--prompt-len 128] [--decode-tokens 32] [--repeats 5]
+//                          [--weight-dtype fp32|q8_0|q4_0]
 #include <omp.h>
 
 #include <algorithm>
@@ -55,6 +56,7 @@ double TriadBandwidth(int repeats) {
 int main(int argc, char** argv) {
   bool json = false;
   int64_t prompt_len = 128, decode_tokens = 32, repeats = 5;
+  kvgrid::kernels::cpu::WeightDType weight_dtype = kvgrid::kernels::cpu::WeightDType::kF32;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> int64_t {
@@ -68,9 +70,17 @@ int main(int argc, char** argv) {
     else if (a == "--prompt-len") prompt_len = next();
     else if (a == "--decode-tokens") decode_tokens = next();
     else if (a == "--repeats") repeats = next();
+    else if (a == "--weight-dtype" && i + 1 < argc) {
+      auto d = kvgrid::kernels::cpu::ParseWeightDType(argv[++i]);
+      if (!d.ok()) {
+        std::fprintf(stderr, "decode_bench: --%s\n", std::string(d.status().message()).c_str());
+        return 2;
+      }
+      weight_dtype = *d;
+    }
     else {
       std::fprintf(stderr, "usage: decode_bench [--json] [--prompt-len N] [--decode-tokens N] "
-                           "[--repeats N]\n");
+                           "[--repeats N] [--weight-dtype fp32|q8_0|q4_0]\n");
       return 2;
     }
   }
@@ -84,6 +94,10 @@ int main(int argc, char** argv) {
       config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
   if (!model.ok()) {
     std::fprintf(stderr, "decode_bench: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  if (auto s = (*model)->QuantizeWeights(weight_dtype); !s.ok()) {
+    std::fprintf(stderr, "decode_bench: %s\n", std::string(s.message()).c_str());
     return 1;
   }
   const int64_t weight_bytes = (*model)->WeightBytes();
@@ -140,7 +154,8 @@ int main(int argc, char** argv) {
   // Per decode token: every weight once, plus the K/V of the context read by attention.
   const double roofline = best_bandwidth / bytes_per_token;
   nlohmann::json j = {
-      {"model", "qwen2-0.5b-shape (random weights, fp32)"},
+      {"model", "qwen2-0.5b-shape (random weights)"},
+      {"weight_dtype", std::string(kvgrid::kernels::cpu::WeightDTypeName(weight_dtype))},
       {"threads", omp_get_max_threads()},
       {"prompt_len", prompt_len},
       {"decode_tokens", decode_tokens},

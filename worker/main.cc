@@ -66,6 +66,8 @@ constexpr char kHelp[] =
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
+    "  --weight-dtype DT           fp32 (default), q8_0 or q4_0: quantize the layers'\n"
+    "                              weights at load\n"
     "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
     "                              --v-cache-dtype override one)\n"
     "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
@@ -141,6 +143,8 @@ absl::Status Serve(Args& args) {
                           kvgrid::cli::EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::cli::KvDTypeFlags kv_dtypes,
                           kvgrid::cli::KvDTypesFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const kvgrid::kernels::cpu::WeightDType weight_dtype,
+                          kvgrid::cli::WeightDTypeFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
   const int tp = static_cast<int>(tp_size.value_or(1));
@@ -182,7 +186,7 @@ absl::Status Serve(Args& args) {
   }
   const kvgrid::worker::TensorParallel shard{.rank = my_rank, .size = tp, .comm = comm.get()};
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
-                          kvgrid::cli::LoadModelDir(dir, shard));
+                          kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
   if (my_rank > 0) {
     return Follow(*loaded.model, options, kv_dtypes, *comm, group, drain_timeout.value_or(30.0));
   }

@@ -24,10 +24,12 @@ namespace {
 
 constexpr char kHelp[] =
     "usage: kvgrid perplexity [--model DIR] --text-file F [--window N] [--chunk N]\n"
-    "                         [--kv-cache-dtype D] [--block-size B] [--max-tokens N] [--json]\n"
+    "                         [--kv-cache-dtype D] [--weight-dtype W] [--block-size B]\n"
+    "                         [--max-tokens N] [--json]\n"
     "  --window N      tokens per window (default min(512, max_position_embeddings))\n"
     "  --chunk N       tokens per forward pass inside a window (default 128)\n"
     "  --max-tokens N  evaluate only the first N tokens of the file\n"
+    "  --weight-dtype W    fp32 (default), q8_0 or q4_0 (layers quantized at load)\n"
     "  --kv-cache-dtype D  fp32 (default), fp16, bf16, int8, int4, or auto (the model's dtype);\n"
     "                  --k-cache-dtype / --v-cache-dtype choose separately\n";
 
@@ -40,6 +42,7 @@ absl::Status Perplexity(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const kernels::cpu::WeightDType weight_dtype, WeightDTypeFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!text_file) return absl::InvalidArgumentError("--text-file: required");
 
@@ -48,7 +51,7 @@ absl::Status Perplexity(Args& args) {
   std::stringstream buffer;
   buffer << in.rdbuf();
 
-  KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
+  KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir, {}, weight_dtype));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   if (!loaded.tokenizer) {
     return absl::FailedPreconditionError(

@@ -37,6 +37,8 @@ constexpr char kHelp[] =
     "  --stop TEXT                 a stop string (left out of the text unless\n"
     "                              --include-stop-str-in-output)\n"
     "  --min-tokens N              no EOS, stop id or stop string before N tokens\n"
+    "  --weight-dtype D            fp32 (default), q8_0 or q4_0: quantize the layers' weights\n"
+    "                              at load (round to nearest)\n"
     "  --kv-cache-dtype D          fp32 (default), fp16, bf16, int8, int4, or auto (the model's\n"
     "                              dtype); --k-cache-dtype / --v-cache-dtype choose separately\n"
     "  --kv-cache-memory BYTES     KV pool size, e.g. 256MiB (default 256MiB)\n"
@@ -144,13 +146,14 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(const SamplingFlags f, ReadSamplingFlags(args));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const kernels::cpu::WeightDType weight_dtype, WeightDTypeFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (prompt_text.has_value() + prompt_ids_flag.has_value() + prompts_file.has_value() != 1) {
     return absl::InvalidArgumentError(
         "give exactly one of --prompt, --prompt-ids and --prompts-file");
   }
 
-  KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir));
+  KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir, {}, weight_dtype));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   const model::GenerationConfig& gen = loaded.generation;
 

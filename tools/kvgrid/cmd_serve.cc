@@ -52,7 +52,8 @@ constexpr char kHelp[] =
 constexpr const char* kWorkerFlags[] = {
     "kv-cache-memory",        "kv-cache-dtype", "k-cache-dtype", "v-cache-dtype",
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
-    "max-model-len",          "swap-space",     "enable-prefix-caching", "threads"};
+    "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
+    "weight-dtype"};
 
 // Workers in state SERVING, or -1 while the coordinator does not answer.
 int ServingWorkers(v1::Generation::Stub& stub) {

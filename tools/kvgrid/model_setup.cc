@@ -16,14 +16,24 @@ std::filesystem::path ResolveModelDir(Args& args) {
   return std::filesystem::path(KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
 }
 
+absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args) {
+  const std::optional<std::string> v = args.GetString("weight-dtype");
+  if (!v) return kernels::cpu::WeightDType::kF32;
+  absl::StatusOr<kernels::cpu::WeightDType> d = kernels::cpu::ParseWeightDType(*v);
+  if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("--", d.status().message()));
+  return d;
+}
+
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
-                                         worker::TensorParallel tp) {
+                                         worker::TensorParallel tp,
+                                         kernels::cpu::WeightDType weight_dtype) {
   if (!std::filesystem::is_directory(dir)) {
     return absl::NotFoundError(absl::StrCat("model directory ", dir.string(), " does not exist"));
   }
   LoadedModel out;
   out.dir = dir;
   KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
+  KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
   if (std::filesystem::exists(dir / "tokenizer.json")) {
     KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(dir / "tokenizer.json"));
   }

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/quant_linear.h"
 #include "kernels/kv_dtype.h"
 #include "model/generation_config.h"
 #include "model/model_config.h"
@@ -29,9 +30,14 @@ struct LoadedModel {
 };
 
 // Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
-// `tp`: this rank's shard of the weights (default: the whole model).
-absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
-                                         worker::TensorParallel tp = {});
+// `tp`: this rank's shard of the weights (default: the whole model). `weight_dtype`: Q8_0 or
+// Q4_0 quantizes the layers' linear weights at load (round to nearest).
+absl::StatusOr<LoadedModel> LoadModelDir(
+    const std::filesystem::path& dir, worker::TensorParallel tp = {},
+    kernels::cpu::WeightDType weight_dtype = kernels::cpu::WeightDType::kF32);
+
+// --weight-dtype fp32 (default) | q8_0 | q4_0. Errors: INVALID_ARGUMENT naming the flag.
+absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args);
 
 // Reads --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
 // --max-num-seqs, --max-num-batched-tokens, --max-model-len, --swap-space (bytes) and

@@ -314,11 +314,34 @@ LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t see
 
 int64_t LlamaModel::WeightBytes() const {
   int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
+  int64_t quantized = 0;
   for (const LayerWeights& l : w_.layers) {
     n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
          l.post_norm.size() + l.gate_up.size() + l.down.size();
+    for (const cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
+      quantized += static_cast<int64_t>(q->data.size());
+    }
   }
-  return n * static_cast<int64_t>(sizeof(float));
+  return n * static_cast<int64_t>(sizeof(float)) + quantized;
+}
+
+absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
+  if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
+  const Dims d = DimsOf(config_, tp_);
+  auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
+                          cpu::QuantMatrix* out) -> absl::Status {
+    if (w.empty() || cols % cpu::kQuantBlock != 0) return absl::OkStatus();  // stays fp32
+    KVGRID_ASSIGN_OR_RETURN(*out, cpu::QuantizeMatrix(w.data(), rows, cols, dtype));
+    std::vector<float>().swap(w);
+    return absl::OkStatus();
+  };
+  for (LayerWeights& l : w_.layers) {
+    KVGRID_RETURN_IF_ERROR(quantize(l.qkv, d.qkv_dim, d.hidden, &l.qkv_q));
+    KVGRID_RETURN_IF_ERROR(quantize(l.o, d.hidden, d.q_dim, &l.o_q));
+    KVGRID_RETURN_IF_ERROR(quantize(l.gate_up, 2 * d.inter, d.hidden, &l.gate_up_q));
+    KVGRID_RETURN_IF_ERROR(quantize(l.down, d.hidden, d.inter, &l.down_q));
+  }
+  return absl::OkStatus();
 }
 
 KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
@@ -402,13 +425,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                          .num_tokens = n,
                                          .hidden = d.hidden,
                                          .eps = eps}));
-    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = h_.data(),
-                                        .weight = l.qkv.data(),
-                                        .bias = l.qkv_bias.empty() ? nullptr : l.qkv_bias.data(),
-                                        .output = qkv_.data(),
-                                        .num_tokens = n,
-                                        .in_features = d.hidden,
-                                        .out_features = d.qkv_dim}));
+    KVGRID_RETURN_IF_ERROR(AnyLinear(h_.data(), l.qkv, l.qkv_q,
+                                     l.qkv_bias.empty() ? nullptr : l.qkv_bias.data(),
+                                     qkv_.data(), n, d.hidden, d.qkv_dim, false));
     for (int64_t t = 0; t < n; ++t) {
       const float* row = qkv_.data() + t * d.qkv_dim;
       std::memcpy(q_.data() + t * d.q_dim, row, sizeof(float) * d.q_dim);
@@ -458,24 +477,20 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .block_size = g.block_size,
          .head_dim = d.head_dim,
          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim)))}));
-    KVGRID_RETURN_IF_ERROR(RowParallelLinear(attn_.data(), l.o, l.o_bias, n, d.q_dim, d.hidden));
+    KVGRID_RETURN_IF_ERROR(RowParallelLinear(attn_.data(), l.o, l.o_q, l.o_bias, n, d.q_dim, d.hidden));
     KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
                                          .weight = l.post_norm.data(),
                                          .output = h_.data(),
                                          .num_tokens = n,
                                          .hidden = d.hidden,
                                          .eps = eps}));
-    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = h_.data(),
-                                        .weight = l.gate_up.data(),
-                                        .output = gate_up_.data(),
-                                        .num_tokens = n,
-                                        .in_features = d.hidden,
-                                        .out_features = 2 * d.inter}));
+    KVGRID_RETURN_IF_ERROR(AnyLinear(h_.data(), l.gate_up, l.gate_up_q, nullptr,
+                                     gate_up_.data(), n, d.hidden, 2 * d.inter, false));
     KVGRID_RETURN_IF_ERROR(cpu::SiluAndMul({.gate_up = gate_up_.data(),
                                             .output = act_.data(),
                                             .num_tokens = n,
                                             .intermediate = d.inter}));
-    KVGRID_RETURN_IF_ERROR(RowParallelLinear(act_.data(), l.down, {}, n, d.inter, d.hidden));
+    KVGRID_RETURN_IF_ERROR(RowParallelLinear(act_.data(), l.down, l.down_q, {}, n, d.inter, d.hidden));
   }
 
   // Only the requested rows go through the final norm and the (large) vocabulary projection.
@@ -526,21 +541,31 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                       .out_features = d.vocab});
 }
 
+absl::Status LlamaModel::AnyLinear(const float* input, const std::vector<float>& weight,
+                                   const cpu::QuantMatrix& quantized, const float* bias,
+                                   float* output, int64_t n, int64_t in_features,
+                                   int64_t out_features, bool accumulate) {
+  if (!quantized.empty()) {
+    return cpu::QuantLinear({.input = input, .weight = &quantized, .bias = bias,
+                             .output = output, .num_tokens = n, .accumulate = accumulate});
+  }
+  return cpu::Linear({.input = input, .weight = weight.data(), .bias = bias, .output = output,
+                      .num_tokens = n, .in_features = in_features,
+                      .out_features = out_features, .accumulate = accumulate});
+}
+
 absl::Status LlamaModel::RowParallelLinear(const float* input, const std::vector<float>& weight,
+                                           const cpu::QuantMatrix& quantized,
                                            const std::vector<float>& bias, int64_t n,
                                            int64_t in_features, int64_t out_features) {
   const float* b = bias.empty() ? nullptr : bias.data();
   if (tp_.size == 1) {  // straight into the residual stream
-    return cpu::Linear({.input = input, .weight = weight.data(), .bias = b, .output = x_.data(),
-                        .num_tokens = n, .in_features = in_features,
-                        .out_features = out_features, .accumulate = true});
+    return AnyLinear(input, weight, quantized, b, x_.data(), n, in_features, out_features, true);
   }
   // Each rank's partial product over its slice of the inputs, summed across the group.
   partial_.resize(n * out_features);
-  KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = input, .weight = weight.data(), .bias = b,
-                                      .output = partial_.data(), .num_tokens = n,
-                                      .in_features = in_features,
-                                      .out_features = out_features}));
+  KVGRID_RETURN_IF_ERROR(AnyLinear(input, weight, quantized, b, partial_.data(), n, in_features,
+                                   out_features, false));
   KVGRID_RETURN_IF_ERROR(tp_.comm->AllReduceSum(std::span<float>(partial_)));
   for (int64_t i = 0; i < n * out_features; ++i) x_[i] += partial_[i];
   return absl::OkStatus();

@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cpu/quant_linear.h"
 #include "model/model_config.h"
 #include "worker/comm/communicator.h"
 #include "worker/kv/block_manager.h"
@@ -53,6 +54,9 @@ struct LayerWeights {
   std::vector<float> post_norm;   // [hidden]
   std::vector<float> gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
   std::vector<float> down;        // [hidden, intermediate]
+  // After QuantizeWeights: the same matrices in Q8_0/Q4_0 (their fp32 vectors then empty); a
+  // matrix whose input width is not a multiple of 32 stays fp32.
+  kernels::cpu::QuantMatrix qkv_q, o_q, gate_up_q, down_q;
 };
 
 struct LlamaWeights {
@@ -107,8 +111,12 @@ class LlamaModel {
 
   [[nodiscard]] const model::ModelConfig& config() const { return config_; }
   [[nodiscard]] const TensorParallel& tensor_parallel() const { return tp_; }
-  // Bytes of fp32 weights held.
+  // Bytes of weights held (fp32 and quantized).
   [[nodiscard]] int64_t WeightBytes() const;
+
+  // Quantizes the layers' linear weights (q/k/v, o, gate/up, down) to Q8_0 or Q4_0 by
+  // round-to-nearest, in place; embeddings, norms and the head stay fp32. fp32 is a no-op.
+  absl::Status QuantizeWeights(kernels::cpu::WeightDType dtype);
   // The KV geometry this rank needs: its own KV heads (dtypes and block size left to the
   // caller).
   [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
@@ -123,9 +131,15 @@ class LlamaModel {
  private:
   LlamaModel(const model::ModelConfig& config, LlamaWeights weights, std::vector<double> inv_freq,
              TensorParallel tp);
+  // output (+)= input x weight^T (+ bias), with the quantized weight when there is one.
+  absl::Status AnyLinear(const float* input, const std::vector<float>& weight,
+                         const kernels::cpu::QuantMatrix& quantized, const float* bias,
+                         float* output, int64_t n, int64_t in_features, int64_t out_features,
+                         bool accumulate);
   // x_ += input x weight^T (+ bias) for a layer whose inputs are split across the group
   // (o_proj, down_proj): the partial products are all-reduced first.
   absl::Status RowParallelLinear(const float* input, const std::vector<float>& weight,
+                                 const kernels::cpu::QuantMatrix& quantized,
                                  const std::vector<float>& bias, int64_t n, int64_t in_features,
                                  int64_t out_features);
 
