@@ -72,14 +72,82 @@ __attribute__((target("avx2,fma,f16c"))) void DequantRowAvx2(const QuantMatrix& 
 }
 #endif
 
+#if defined(__x86_64__)
+// Decode: row `row` of `m` dotted with each of T (<= 4) inputs, dequantizing each block in
+// registers (no store): y[t] = sum_blocks d * sum_i q_i x_t,i. With fewer tokens each keeps
+// more independent accumulators, so the FMA latency stays hidden.
+template <int T>
+__attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, const uint8_t* row,
+                                                           const float* x, float* y) {
+  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per token
+  const int64_t blocks = m.cols / kQuantBlock;
+  const int64_t bb = QuantMatrix::BlockBytes(m.dtype);
+  const int64_t k = m.cols;
+  __m256 acc[T][A];
+  for (int t = 0; t < T; ++t) {
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+  }
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i eight = _mm_set1_epi8(8);
+  const bool q8 = m.dtype == WeightDType::kQ8_0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * bb;
+    const __m256 d = _mm256_set1_ps(Scale(block));
+    __m128i lo, hi;
+    if (q8) {
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
+    } else {
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+      lo = _mm_sub_epi8(_mm_and_si128(packed, mask), eight);
+      hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), eight);
+    }
+    const __m256 w[4] = {
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d)};
+    const float* xb = x + b * kQuantBlock;
+    for (int t = 0; t < T; ++t) {
+      for (int i = 0; i < 4; ++i) {
+        acc[t][i % A] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + t * k + 8 * i), acc[t][i % A]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 sum = acc[t][0];
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    y[t] = _mm_cvtss_f32(v);
+  }
+}
+
+void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t tokens, float* y) {
+  switch (tokens) {
+    case 1: return DotRowAvx2<1>(m, row, x, y);
+    case 2: return DotRowAvx2<2>(m, row, x, y);
+    case 3: return DotRowAvx2<3>(m, row, x, y);
+    default: return DotRowAvx2<4>(m, row, x, y);
+  }
+}
+#endif
+
+bool HaveAvx2() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
 using DequantFn = void (*)(const QuantMatrix&, const uint8_t*, float*);
 
 DequantFn BestDequant() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return DequantRowAvx2;
-  }
+  if (HaveAvx2()) return DequantRowAvx2;
 #endif
   return DequantRowPortable;
 }
@@ -186,20 +254,29 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
   const int64_t m = p.num_tokens, n = w.rows, k = w.cols;
   if (m == 0) return absl::OkStatus();
   if (m <= kSmallBatchTokens) {
-    // Decode: each row is read once (quantized), dequantized into L1 and dotted with every
-    // token.
+    // Decode: each row is read once (quantized) and dotted with every token, dequantized in
+    // registers (AVX2) or into an L1-resident row (portable).
+    static const bool avx2 = HaveAvx2();
     const VecOps& vec = Vec();
-#pragma omp parallel
+#pragma omp parallel if (n * k > 32768)
     {
-      std::vector<float> row(static_cast<size_t>(k));
+      std::vector<float> row(avx2 ? 0 : static_cast<size_t>(k));
+      float dots[kSmallBatchTokens];
 #pragma omp for schedule(static)
       for (int64_t j = 0; j < n; ++j) {
-        DequantizeRow(w, j, row.data());
+#if defined(__x86_64__)
+        if (avx2) {
+          DotRow(w, w.data.data() + j * w.RowBytes(), p.input, m, dots);
+        } else
+#endif
+        {
+          DequantizeRow(w, j, row.data());
+          for (int64_t t = 0; t < m; ++t) dots[t] = vec.dot(p.input + t * k, row.data(), k);
+        }
         const float b = p.bias ? p.bias[j] : 0.f;
         for (int64_t t = 0; t < m; ++t) {
           float* y = p.output + t * n + j;
-          const float dot = vec.dot(p.input + t * k, row.data(), k) + b;
-          *y = p.accumulate ? *y + dot : dot;
+          *y = p.accumulate ? *y + dots[t] + b : dots[t] + b;
         }
       }
     }

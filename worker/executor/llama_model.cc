@@ -322,6 +322,7 @@ int64_t LlamaModel::WeightBytes() const {
       quantized += static_cast<int64_t>(q->data.size());
     }
   }
+  quantized += static_cast<int64_t>(w_.lm_head_q.data.size());
   return n * static_cast<int64_t>(sizeof(float)) + quantized;
 }
 
@@ -335,6 +336,12 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
     std::vector<float>().swap(w);
     return absl::OkStatus();
   };
+  if (d.hidden % cpu::kQuantBlock == 0) {
+    const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
+    KVGRID_ASSIGN_OR_RETURN(w_.lm_head_q, cpu::QuantizeMatrix(head.data(), d.vocab_local,
+                                                              d.hidden, cpu::WeightDType::kQ8_0));
+    std::vector<float>().swap(w_.lm_head);
+  }
   for (LayerWeights& l : w_.layers) {
     KVGRID_RETURN_IF_ERROR(quantize(l.qkv, d.qkv_dim, d.hidden, &l.qkv_q));
     KVGRID_RETURN_IF_ERROR(quantize(l.o, d.hidden, d.q_dim, &l.o_q));
@@ -513,12 +520,8 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
     // slices are gathered, so the largest GEMM of a decode step is split like the layers.
     const int64_t local = d.vocab_local;
     partial_.resize(m * local);
-    KVGRID_RETURN_IF_ERROR(cpu::Linear({.input = rows_.data(),
-                                        .weight = head.data(),
-                                        .output = partial_.data(),
-                                        .num_tokens = m,
-                                        .in_features = d.hidden,
-                                        .out_features = local}));
+    KVGRID_RETURN_IF_ERROR(AnyLinear(rows_.data(), head, w_.lm_head_q, nullptr, partial_.data(),
+                                     m, d.hidden, local, false));
     gathered_.resize(tp_.size * m * local);
     KVGRID_RETURN_IF_ERROR(tp_.comm->AllGather(partial_, std::span<float>(gathered_)));
     if (tp_.rank != 0) return absl::OkStatus();  // only the leader samples
@@ -533,12 +536,8 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   }
   if (tp_.rank != 0) return absl::OkStatus();  // only the leader samples
   logits->resize(m * d.vocab);
-  return cpu::Linear({.input = rows_.data(),
-                      .weight = head.data(),
-                      .output = logits->data(),
-                      .num_tokens = m,
-                      .in_features = d.hidden,
-                      .out_features = d.vocab});
+  return AnyLinear(rows_.data(), head, w_.lm_head_q, nullptr, logits->data(), m, d.hidden, d.vocab,
+                   false);
 }
 
 absl::Status LlamaModel::AnyLinear(const float* input, const std::vector<float>& weight,

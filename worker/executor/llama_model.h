@@ -64,6 +64,9 @@ struct LlamaWeights {
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [hidden]
   std::vector<float> lm_head;     // [vocab, hidden] (sliced like embed); empty when tied
+  // After QuantizeWeights: the head in Q8_0 (a copy of `embed` when tied, which stays fp32 for
+  // the lookup); lm_head is then empty.
+  kernels::cpu::QuantMatrix lm_head_q;
 };
 
 // One step's work, laid out for the kernels. Sequence s owns tokens
@@ -115,7 +118,8 @@ class LlamaModel {
   [[nodiscard]] int64_t WeightBytes() const;
 
   // Quantizes the layers' linear weights (q/k/v, o, gate/up, down) to Q8_0 or Q4_0 by
-  // round-to-nearest, in place; embeddings, norms and the head stay fp32. fp32 is a no-op.
+  // round-to-nearest, in place, and the head to Q8_0 (as llama.cpp keeps the output layer at
+  // higher precision than 4 bits); the embedding lookup and norms stay fp32. fp32 is a no-op.
   absl::Status QuantizeWeights(kernels::cpu::WeightDType dtype);
   // The KV geometry this rank needs: its own KV heads (dtypes and block size left to the
   // caller).
