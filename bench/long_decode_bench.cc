@@ -1,10 +1,12 @@
-// long_decode_bench: whole-model decode speed (batch 1) at long contexts for each KV dtype, on
+// long_decode_bench: whole-model decode speed at long contexts for each KV dtype, on
 // a Qwen2-0.5B-shaped model with random weights. The cache is filled directly with random K/V
 // rows through KvWrite (quantized as the dtype requires) instead of prefilling thousands of
 // tokens: decode cost does not depend on what the cached values are. Each (context, dtype)
 // then decodes --steps tokens; dtypes alternate within each repeat, best of --repeats.
 //
 //   build/bin/long_decode_bench [--json] [--contexts 1024,4096,8192] [--steps 8] [--repeats 2]
+//                               [--batch 1] [--weight-dtype fp32|q8_0|q4_0]
+// With --batch B, B sequences each at the context decode together (output tokens/s counted).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -28,15 +30,18 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using kvgrid::kernels::KvDType;
 
-// Tokens per second decoding `steps` tokens after a synthetic context of `context` tokens.
+// Output tokens per second decoding `steps` tokens for each of `batch` sequences after a
+// synthetic context of `context` tokens each.
 double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t context,
-                  int64_t steps) {
+                  int64_t steps, int64_t batch) {
   const kvgrid::worker::KvGeometry g = model.KvGeometryFor(16, dtype, dtype);
   const int64_t tokens = context + steps;
-  auto pool = kvgrid::worker::KvPool::Create(g, (tokens / 16 + 2) * g.BytesPerBlock());
+  auto pool = kvgrid::worker::KvPool::Create(g, batch * (tokens / 16 + 2) * g.BytesPerBlock());
   if (!pool.ok()) return 0;
   kvgrid::worker::BlockManager blocks((*pool)->num_blocks(), 16);
-  if (!blocks.Reserve(1, tokens).ok()) return 0;
+  for (int64_t s = 1; s <= batch; ++s) {
+    if (!blocks.Reserve(s, tokens).ok()) return 0;
+  }
 
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-2.f, 2.f);
@@ -45,7 +50,8 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
   for (float& x : k) x = u(rng);
   for (float& x : v) x = u(rng);
   std::vector<int64_t> slots(context);
-  for (int64_t p = 0; p < context; ++p) slots[p] = blocks.Slot(1, p);
+  for (int64_t seq = 1; seq <= batch; ++seq) {
+  for (int64_t p = 0; p < context; ++p) slots[p] = blocks.Slot(seq, p);
   for (int64_t layer = 0; layer < g.num_layers; ++layer) {
     auto s = kvgrid::kernels::cpu::KvWrite({.key = k.data(),
                                             .value = v.data(),
@@ -63,16 +69,28 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
                                             .head_dim = g.head_dim});
     if (!s.ok()) return 0;
   }
+  }
   std::vector<float> logits;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t pos = context + i;
-    const int32_t token = static_cast<int32_t>((pos * 7919) % 150000);
-    const kvgrid::worker::ForwardBatch b =
-        kvgrid::worker::SingleSequenceBatch(blocks, 1, pos, std::span<const int32_t>(&token, 1));
+    kvgrid::worker::ForwardBatch b;
+    b.query_start.push_back(0);
+    b.max_blocks_per_seq = static_cast<int64_t>(blocks.BlockTable(1).size());
+    for (int64_t s = 1; s <= batch; ++s) {
+      b.token_ids.push_back(static_cast<int32_t>((pos * 7919 + s) % 150000));
+      b.positions.push_back(static_cast<int32_t>(pos));
+      b.slots.push_back(blocks.Slot(s, pos));
+      b.query_start.push_back(static_cast<int32_t>(s));
+      b.seq_lens.push_back(static_cast<int32_t>(pos + 1));
+      b.logit_rows.push_back(static_cast<int32_t>(s - 1));
+      const std::vector<int32_t>& table = blocks.BlockTable(s);
+      b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
+    }
     if (!model.Forward(b, **pool, &logits).ok()) return 0;
   }
-  return steps / std::chrono::duration<double>(Clock::now() - t0).count();
+  return static_cast<double>(steps * batch) /
+         std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
 }  // namespace
@@ -80,7 +98,8 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
 int main(int argc, char** argv) {
   bool json = false;
   std::vector<int64_t> contexts = {1024, 4096, 8192};
-  int64_t steps = 8, repeats = 2;
+  int64_t steps = 8, repeats = 2, batch = 1;
+  kvgrid::kernels::cpu::WeightDType weight_dtype = kvgrid::kernels::cpu::WeightDType::kF32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -93,17 +112,26 @@ int main(int argc, char** argv) {
       steps = std::max<int64_t>(1, std::atoll(argv[++i]));
     } else if (a == "--repeats" && i + 1 < argc) {
       repeats = std::max<int64_t>(1, std::atoll(argv[++i]));
+    } else if (a == "--batch" && i + 1 < argc) {
+      batch = std::max<int64_t>(1, std::atoll(argv[++i]));
+    } else if (a == "--weight-dtype" && i + 1 < argc) {
+      auto d = kvgrid::kernels::cpu::ParseWeightDType(argv[++i]);
+      if (!d.ok()) {
+        std::fprintf(stderr, "long_decode_bench: --%s\n", std::string(d.status().message()).c_str());
+        return 2;
+      }
+      weight_dtype = *d;
     } else {
       std::fprintf(stderr, "usage: long_decode_bench [--json] [--contexts 1024,4096,8192] "
-                           "[--steps N] [--repeats N]\n");
+                           "[--steps N] [--repeats N] [--batch N] [--weight-dtype W]\n");
       return 2;
     }
   }
   const kvgrid::model::ModelConfig config = kvgrid::bench::Qwen2HalfBConfig();
   auto model = kvgrid::worker::LlamaModel::FromWeights(
       config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
-  if (!model.ok()) {
-    std::fprintf(stderr, "long_decode_bench: %s\n", std::string(model.status().message()).c_str());
+  if (!model.ok() || !(*model)->QuantizeWeights(weight_dtype).ok()) {
+    std::fprintf(stderr, "long_decode_bench: cannot build the model\n");
     return 1;
   }
   const std::pair<const char*, KvDType> dtypes[] = {{"fp32", KvDType::kF32},
@@ -116,7 +144,7 @@ int main(int argc, char** argv) {
     std::map<std::string, double> best;
     for (int64_t r = 0; r < repeats; ++r) {
       for (const auto& [name, dtype] : dtypes) {
-        best[name] = std::max(best[name], DecodeRate(**model, dtype, context, steps));
+        best[name] = std::max(best[name], DecodeRate(**model, dtype, context, steps, batch));
       }
     }
     for (const auto& [name, dtype] : dtypes) {
@@ -126,7 +154,9 @@ int main(int argc, char** argv) {
                       {"vs_fp16", best[name] / best["fp16"]}});
     }
   }
-  nlohmann::json j = {{"model", "qwen2-0.5b-shape (random weights, fp32), batch 1"},
+  nlohmann::json j = {{"model", "qwen2-0.5b-shape (random weights)"},
+                      {"weight_dtype", std::string(kvgrid::kernels::cpu::WeightDTypeName(weight_dtype))},
+                      {"batch", batch},
                       {"steps", steps},
                       {"repeats", repeats},
                       {"results", rows}};
