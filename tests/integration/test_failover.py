@@ -1,5 +1,8 @@
 """A worker killed (SIGKILL) in the middle of a stream: the coordinator resumes the sequence on
-the other worker and the client's stream goes on with no token lost or repeated."""
+the other worker and the client's stream goes on with no token lost or repeated. A worker that
+stops heartbeating is taken out, and registers again when it comes back."""
+
+import signal
 
 from .conftest import wait_until
 from kvgrid_client import Completion, pb
@@ -73,3 +76,23 @@ def test_worker_killed_mid_stream(cluster):
     again = client.generate_text(PROMPT, temperature=0, max_new_tokens=16)
     assert again.token_ids == unfailed.token_ids[:16]
     assert again.worker_ids and again.worker_ids[0] != victim_id
+
+
+def test_a_worker_that_stops_heartbeating_is_taken_out(cluster):
+    """Missed heartbeats take a worker out of placement (and health), and a worker that
+    comes back registers again."""
+    c = cluster(workers=2, coordinator_args=["--heartbeat-interval-ms", "100",
+                                             "--heartbeat-timeout-ms", "600"])
+    frozen = c.workers[0]
+    frozen.popen.send_signal(signal.SIGSTOP)  # alive, but silent
+    try:
+        assert wait_until(lambda: len(c.serving_workers()) == 1, timeout=10), c.status()
+        lost = [w for w in c.status().workers if w.state == pb.WORKER_STATE_LOST]
+        assert len(lost) == 1 and lost[0].address.endswith(f":{frozen.port}"), c.status()
+        # Requests go to the live one meanwhile.
+        done = c.client.generate_text("In the beginning", max_new_tokens=4, temperature=0)
+        assert done.finish_reason == "length"
+        assert done.worker_ids == [w.worker_id for w in c.serving_workers()]
+    finally:
+        frozen.popen.send_signal(signal.SIGCONT)
+    assert wait_until(lambda: len(c.serving_workers()) == 2, timeout=10), c.status()
