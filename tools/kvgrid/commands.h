@@ -19,6 +19,8 @@ int TokenizeCommand(Args& args);
 int ServeCommand(Args& args);
 // generate: stream a continuation from a running cluster.
 int GenerateCommand(Args& args);
+// gguf-info: the metadata and tensors of a GGUF file, or one tensor's values.
+int GgufInfoCommand(Args& args);
 // plan: KV bytes per token, max tokens and max sequences per dtype for a memory budget.
 int PlanCommand(Args& args);
 

@@ -19,6 +19,7 @@ constexpr char kUsage[] =
     "  perplexity held-out perplexity of a text file\n"
     "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
     "  plan       KV capacity per dtype for a model and a memory budget\n"
+    "  gguf-info  the metadata and tensors of a GGUF file\n"
     "\n"
     "run 'kvgrid <command> --help' for the flags of a command.\n";
 
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
   if (command == "perplexity") return kvgrid::cli::PerplexityCommand(*args);
   if (command == "tokenize") return kvgrid::cli::TokenizeCommand(*args);
   if (command == "plan") return kvgrid::cli::PlanCommand(*args);
+  if (command == "gguf-info") return kvgrid::cli::GgufInfoCommand(*args);
   std::fprintf(stderr, "kvgrid: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return 2;
 }

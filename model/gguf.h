@@ -1,0 +1,92 @@
+// A GGUF (version 2 or 3) file from llama.cpp: memory-mapped, with its metadata and tensor
+// directory checked against the file before anything is exposed — every count, string length,
+// dimension and offset is bounded by the file's size, and every tensor lies inside the data
+// section at the file's alignment without overlapping another.
+//
+// Tensor dimensions are GGUF's: ne[0] is the innermost (a PyTorch [out, in] weight is
+// ne = {in, out}). Block formats are exposed as bytes: Q8_0/Q4_0 match
+// kernels::cpu::QuantMatrix.
+//
+// Thread-safety: immutable after Open.
+#ifndef KVGRID_MODEL_GGUF_H_
+#define KVGRID_MODEL_GGUF_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvgrid::model {
+
+// ggml tensor types kvgrid reads.
+enum class GgmlType : uint32_t {
+  kF32 = 0,
+  kF16 = 1,
+  kQ4_0 = 2,
+  kQ8_0 = 8,
+  kBF16 = 30,
+};
+
+struct GgufTensor {
+  std::string name;
+  GgmlType type = GgmlType::kF32;
+  std::vector<int64_t> ne;             // GGUF order: ne[0] innermost
+  std::span<const std::byte> data;     // inside the mapping
+  [[nodiscard]] int64_t NumElements() const;
+};
+
+// A metadata value: scalars widened (integers to int64_t, floats to double), strings, or
+// arrays of those.
+using GgufValue = std::variant<int64_t, uint64_t, double, bool, std::string,
+                               std::vector<int64_t>, std::vector<double>,
+                               std::vector<std::string>>;
+
+class GgufFile {
+ public:
+  // Errors: NOT_FOUND for a missing file; INVALID_ARGUMENT naming the file and what is wrong
+  // (bad magic, unsupported version, a count, string, dimension or offset the file cannot hold,
+  // overlapping tensors, duplicate names); UNIMPLEMENTED for tensor types other than
+  // F32/F16/BF16/Q8_0/Q4_0 (naming the tensor and type).
+  static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::filesystem::path& path);
+  ~GgufFile();
+  GgufFile(const GgufFile&) = delete;
+  GgufFile& operator=(const GgufFile&) = delete;
+
+  [[nodiscard]] uint32_t version() const { return version_; }
+  [[nodiscard]] const std::map<std::string, GgufValue>& metadata() const { return metadata_; }
+  [[nodiscard]] const std::map<std::string, GgufTensor>& tensors() const { return tensors_; }
+
+  // Typed metadata lookups. Errors: NOT_FOUND naming the key; INVALID_ARGUMENT when the value
+  // has another type.
+  absl::StatusOr<int64_t> GetInt(const std::string& key) const;
+  absl::StatusOr<double> GetFloat(const std::string& key) const;  // integers convert
+  absl::StatusOr<std::string> GetString(const std::string& key) const;
+  // Errors: NOT_FOUND naming the tensor and the file.
+  absl::StatusOr<const GgufTensor*> Find(const std::string& name) const;
+
+ private:
+  GgufFile() = default;
+  absl::Status Parse();
+
+  std::filesystem::path path_;
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  uint32_t version_ = 0;
+  std::map<std::string, GgufValue> metadata_;
+  std::map<std::string, GgufTensor> tensors_;
+};
+
+// Bytes of `n` elements of `type` (n a multiple of the block size for block types), or
+// nullopt for an unsupported type or a count that is not whole blocks.
+std::optional<int64_t> GgmlBytes(GgmlType type, int64_t n);
+
+}  // namespace kvgrid::model
+
+#endif  // KVGRID_MODEL_GGUF_H_
