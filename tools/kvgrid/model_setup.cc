@@ -27,17 +27,26 @@ absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args) {
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
                                          worker::TensorParallel tp,
                                          kernels::cpu::WeightDType weight_dtype) {
-  if (!std::filesystem::is_directory(dir)) {
-    return absl::NotFoundError(absl::StrCat("model directory ", dir.string(), " does not exist"));
+  // A .gguf file, with tokenizer.json and generation_config.json beside it, or a Hugging Face
+  // directory.
+  const bool gguf = std::filesystem::is_regular_file(dir) && dir.extension() == ".gguf";
+  if (!gguf && !std::filesystem::is_directory(dir)) {
+    return absl::NotFoundError(absl::StrCat("model ", dir.string(),
+                                            " is neither a directory nor a .gguf file"));
   }
+  const std::filesystem::path home = gguf ? dir.parent_path() : dir;
   LoadedModel out;
-  out.dir = dir;
-  KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
-  KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
-  if (std::filesystem::exists(dir / "tokenizer.json")) {
-    KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(dir / "tokenizer.json"));
+  out.dir = home;
+  if (gguf) {
+    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::LoadGguf(dir, tp));
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
   }
-  KVGRID_ASSIGN_OR_RETURN(out.generation, model::LoadGenerationConfig(dir));
+  KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
+  if (std::filesystem::exists(home / "tokenizer.json")) {
+    KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(home / "tokenizer.json"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(out.generation, model::LoadGenerationConfig(home));
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "worker/executor/llama_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -14,6 +15,8 @@
 #include "kernels/cpu/kv_write.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/rope.h"
+#include "model/dtype.h"
+#include "model/gguf.h"
 #include "model/safetensors.h"
 #include "model/status_macros.h"
 
@@ -67,7 +70,7 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
   const Dims d = DimsOf(c, tp);
   KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab_local * d.hidden, "embed_tokens"));
   KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
-  if (!c.tie_word_embeddings || !w.lm_head.empty()) {
+  if ((!c.tie_word_embeddings || !w.lm_head.empty()) && w.lm_head_q.empty()) {
     KVGRID_RETURN_IF_ERROR(CheckSize(w.lm_head, d.vocab_local * d.hidden, "lm_head"));
   }
   if (static_cast<int64_t>(w.layers.size()) != c.num_hidden_layers) {
@@ -78,13 +81,23 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
     const LayerWeights& l = w.layers[i];
     const std::string p = absl::StrCat("layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(CheckSize(l.input_norm, d.hidden, p + "input_layernorm"));
-    KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv, d.qkv_dim * d.hidden, p + "qkv"));
+    auto check = [&](const std::vector<float>& w, const cpu::QuantMatrix& q, int64_t rows,
+                     int64_t cols, const std::string& what) -> absl::Status {
+      if (q.empty()) return CheckSize(w, rows * cols, what);
+      if (q.rows != rows || q.cols != cols) {
+        return absl::InvalidArgumentError(absl::StrCat("weight ", what, " is [", q.rows, ", ",
+                                                       q.cols, "], the config implies [", rows,
+                                                       ", ", cols, "]"));
+      }
+      return absl::OkStatus();
+    };
+    KVGRID_RETURN_IF_ERROR(check(l.qkv, l.qkv_q, d.qkv_dim, d.hidden, p + "qkv"));
     if (!l.qkv_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv_bias, d.qkv_dim, p + "qkv_bias"));
     if (!l.o_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.o_bias, d.hidden, p + "o_proj.bias"));
-    KVGRID_RETURN_IF_ERROR(CheckSize(l.o, d.hidden * d.q_dim, p + "o_proj"));
+    KVGRID_RETURN_IF_ERROR(check(l.o, l.o_q, d.hidden, d.q_dim, p + "o_proj"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.post_norm, d.hidden, p + "post_attention_layernorm"));
-    KVGRID_RETURN_IF_ERROR(CheckSize(l.gate_up, 2 * d.inter * d.hidden, p + "gate_up"));
-    KVGRID_RETURN_IF_ERROR(CheckSize(l.down, d.hidden * d.inter, p + "down_proj"));
+    KVGRID_RETURN_IF_ERROR(check(l.gate_up, l.gate_up_q, 2 * d.inter, d.hidden, p + "gate_up"));
+    KVGRID_RETURN_IF_ERROR(check(l.down, l.down_q, d.hidden, d.inter, p + "down_proj"));
   }
   return absl::OkStatus();
 }
@@ -223,6 +236,206 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
   return FromWeights(*config, std::move(w), tp);
 }
 
+namespace {
+
+// One GGUF tensor as fp32 (F32/F16/BF16, or dequantized blocks), checking its GGUF shape
+// (ne[0] innermost).
+absl::Status GgufF32(const model::GgufFile& f, const std::string& name,
+                     std::vector<int64_t> ne, std::vector<float>* out) {
+  KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* t, f.Find(name));
+  if (t->ne != ne) {
+    return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "' has the wrong shape"));
+  }
+  out->resize(static_cast<size_t>(t->NumElements()));
+  const std::byte* p = t->data.data();
+  switch (t->type) {
+    case model::GgmlType::kF32:
+      std::memcpy(out->data(), p, out->size() * sizeof(float));
+      return absl::OkStatus();
+    case model::GgmlType::kF16:
+    case model::GgmlType::kBF16:
+      for (size_t i = 0; i < out->size(); ++i) {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        (*out)[i] = t->type == model::GgmlType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
+      }
+      return absl::OkStatus();
+    case model::GgmlType::kQ8_0:
+    case model::GgmlType::kQ4_0: {
+      cpu::QuantMatrix m;
+      m.dtype = t->type == model::GgmlType::kQ8_0 ? cpu::WeightDType::kQ8_0
+                                                  : cpu::WeightDType::kQ4_0;
+      m.cols = ne[0];
+      m.rows = t->NumElements() / ne[0];
+      m.data.assign(reinterpret_cast<const uint8_t*>(p),
+                    reinterpret_cast<const uint8_t*>(p) + t->data.size());
+      for (int64_t r = 0; r < m.rows; ++r) cpu::DequantizeRow(m, r, out->data() + r * m.cols);
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "': unsupported type"));
+}
+
+// GGML keeps llama's q/k rows of each head with the two RoPE halves interleaved; HF (and
+// kvgrid) keep them as two halves: row r of a head comes from row 2r (first half) or
+// 2(r - half) + 1 (second half).
+int64_t UnpermutedRow(int64_t row, int64_t head_dim) {
+  const int64_t h = row / head_dim, r = row % head_dim, half = head_dim / 2;
+  return h * head_dim + (r < half ? 2 * r : 2 * (r - half) + 1);
+}
+
+// A linear weight [rows, cols] (GGUF ne {cols, rows}), rows reordered with `source_row` when
+// given; quantized blocks are kept as they are, other types become fp32.
+absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64_t rows,
+                        int64_t cols, int64_t permute_head_dim, std::vector<float>* fp32,
+                        cpu::QuantMatrix* quant) {
+  KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* t, f.Find(name));
+  if (t->ne != std::vector<int64_t>{cols, rows}) {
+    return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "' is not [", rows,
+                                                   ", ", cols, "]"));
+  }
+  const auto src_row = [&](int64_t r) {
+    return permute_head_dim > 0 ? UnpermutedRow(r, permute_head_dim) : r;
+  };
+  if (t->type == model::GgmlType::kQ8_0 || t->type == model::GgmlType::kQ4_0) {
+    quant->dtype = t->type == model::GgmlType::kQ8_0 ? cpu::WeightDType::kQ8_0
+                                                     : cpu::WeightDType::kQ4_0;
+    quant->rows = rows;
+    quant->cols = cols;
+    const int64_t rb = quant->RowBytes();
+    quant->data.resize(static_cast<size_t>(rows * rb));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(quant->data.data() + r * rb, t->data.data() + src_row(r) * rb,
+                  static_cast<size_t>(rb));
+    }
+    return absl::OkStatus();
+  }
+  std::vector<float> all;
+  KVGRID_RETURN_IF_ERROR(GgufF32(f, name, {cols, rows}, &all));
+  fp32->resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(fp32->data() + r * cols, all.data() + src_row(r) * cols, sizeof(float) * cols);
+  }
+  return absl::OkStatus();
+}
+
+// Stacks matrices by rows: all quantized alike stay quantized, else everything becomes fp32.
+absl::Status Stack(std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> parts,
+                   int64_t cols, std::vector<float>* fp32, cpu::QuantMatrix* quant) {
+  const bool quantized = std::all_of(parts.begin(), parts.end(), [&](const auto& p) {
+    return !p.second.empty() && p.second.dtype == parts.front().second.dtype;
+  });
+  if (quantized) {
+    quant->dtype = parts.front().second.dtype;
+    quant->cols = cols;
+    for (auto& [f, q] : parts) {
+      quant->rows += q.rows;
+      quant->data.insert(quant->data.end(), q.data.begin(), q.data.end());
+    }
+    return absl::OkStatus();
+  }
+  for (auto& [f, q] : parts) {
+    if (!q.empty()) {
+      f.resize(static_cast<size_t>(q.rows * cols));
+      for (int64_t r = 0; r < q.rows; ++r) cpu::DequantizeRow(q, r, f.data() + r * cols);
+    }
+    fp32->insert(fp32->end(), f.begin(), f.end());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::filesystem::path& path,
+                                                                 TensorParallel tp) {
+  if (tp.size != 1) {
+    return absl::UnimplementedError("GGUF models run on one worker (tensor parallel size 1)");
+  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<model::GgufFile> file, model::GgufFile::Open(path));
+  const model::GgufFile& f = *file;
+  KVGRID_ASSIGN_OR_RETURN(const std::string arch, f.GetString("general.architecture"));
+  if (arch != "llama" && arch != "qwen2") {
+    return absl::UnimplementedError(absl::StrCat(path.string(), ": architecture '", arch,
+                                                 "' (llama and qwen2 are supported)"));
+  }
+  if (f.tensors().contains("rope_freqs.weight")) {
+    return absl::UnimplementedError(absl::StrCat(path.string(),
+                                                 ": rope_freqs (RoPE scaling) is not supported"));
+  }
+  model::ModelConfig c;
+  c.model_type = arch;
+  KVGRID_ASSIGN_OR_RETURN(c.hidden_size, f.GetInt(arch + ".embedding_length"));
+  KVGRID_ASSIGN_OR_RETURN(c.intermediate_size, f.GetInt(arch + ".feed_forward_length"));
+  KVGRID_ASSIGN_OR_RETURN(c.num_hidden_layers, f.GetInt(arch + ".block_count"));
+  KVGRID_ASSIGN_OR_RETURN(c.num_attention_heads, f.GetInt(arch + ".attention.head_count"));
+  c.num_key_value_heads = f.GetInt(arch + ".attention.head_count_kv").value_or(c.num_attention_heads);
+  KVGRID_ASSIGN_OR_RETURN(c.max_position_embeddings, f.GetInt(arch + ".context_length"));
+  KVGRID_ASSIGN_OR_RETURN(c.rms_norm_eps, f.GetFloat(arch + ".attention.layer_norm_rms_epsilon"));
+  c.rope_theta = f.GetFloat(arch + ".rope.freq_base").value_or(10000.0);
+  KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* embed, f.Find("token_embd.weight"));
+  if (embed->ne.size() != 2 || embed->ne[0] != c.hidden_size) {
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": token_embd.weight is not [vocab, ",
+                                                   c.hidden_size, "]"));
+  }
+  c.vocab_size = embed->ne[1];
+  if (c.num_attention_heads <= 0 || c.num_key_value_heads <= 0 || c.hidden_size <= 0 ||
+      c.num_attention_heads % c.num_key_value_heads != 0 || c.num_hidden_layers <= 0 ||
+      c.num_hidden_layers > 1024 || c.intermediate_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": inconsistent hyperparameters"));
+  }
+  c.head_dim = f.GetInt(arch + ".attention.key_length").value_or(c.hidden_size / c.num_attention_heads);
+  c.tie_word_embeddings = !f.tensors().contains("output.weight");
+  c.attention_bias = f.tensors().contains("blk.0.attn_q.bias");
+  if (auto bos = f.GetInt("tokenizer.ggml.bos_token_id"); bos.ok()) c.bos_token_id = *bos;
+  if (auto eos = f.GetInt("tokenizer.ggml.eos_token_id"); eos.ok()) c.eos_token_ids = {*eos};
+  KVGRID_RETURN_IF_ERROR(tp.Validate(c));
+
+  const Dims d = DimsOf(c);
+  const int64_t hd = d.head_dim;
+  // GGML permutes llama's q/k for its interleaved RoPE; Qwen2 uses the halves as HF does.
+  const int64_t permute = arch == "llama" ? hd : 0;
+  LlamaWeights w;
+  KVGRID_RETURN_IF_ERROR(GgufF32(f, "token_embd.weight", {d.hidden, d.vocab}, &w.embed));
+  KVGRID_RETURN_IF_ERROR(GgufF32(f, "output_norm.weight", {d.hidden}, &w.final_norm));
+  if (!c.tie_word_embeddings) {
+    KVGRID_RETURN_IF_ERROR(
+        GgufLinear(f, "output.weight", d.vocab, d.hidden, 0, &w.lm_head, &w.lm_head_q));
+  }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string b = absl::StrCat("blk.", i, ".");
+    LayerWeights l;
+    KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "attn_norm.weight", {d.hidden}, &l.input_norm));
+    KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "ffn_norm.weight", {d.hidden}, &l.post_norm));
+    std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> qkv(3), gate_up(2);
+    KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "attn_q.weight", d.q_dim, d.hidden, permute,
+                                      &qkv[0].first, &qkv[0].second));
+    KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "attn_k.weight", d.kv_dim, d.hidden, permute,
+                                      &qkv[1].first, &qkv[1].second));
+    KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "attn_v.weight", d.kv_dim, d.hidden, 0,
+                                      &qkv[2].first, &qkv[2].second));
+    KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q));
+    if (c.attention_bias) {
+      std::vector<float> bias;
+      for (auto [name, n] : {std::pair{"attn_q.bias", d.q_dim}, std::pair{"attn_k.bias", d.kv_dim},
+                             std::pair{"attn_v.bias", d.kv_dim}}) {
+        KVGRID_RETURN_IF_ERROR(GgufF32(f, b + name, {n}, &bias));
+        l.qkv_bias.insert(l.qkv_bias.end(), bias.begin(), bias.end());
+      }
+    }
+    KVGRID_RETURN_IF_ERROR(
+        GgufLinear(f, b + "attn_output.weight", d.hidden, d.q_dim, 0, &l.o, &l.o_q));
+    KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "ffn_gate.weight", d.inter, d.hidden, 0,
+                                      &gate_up[0].first, &gate_up[0].second));
+    KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "ffn_up.weight", d.inter, d.hidden, 0,
+                                      &gate_up[1].first, &gate_up[1].second));
+    KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q));
+    KVGRID_RETURN_IF_ERROR(
+        GgufLinear(f, b + "ffn_down.weight", d.hidden, d.inter, 0, &l.down, &l.down_q));
+    w.layers.push_back(std::move(l));
+  }
+  return FromWeights(c, std::move(w), tp);
+}
+
 absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& config,
                                                       const LlamaWeights& full_weights,
                                                       TensorParallel tp) {
@@ -336,7 +549,7 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
     std::vector<float>().swap(w);
     return absl::OkStatus();
   };
-  if (d.hidden % cpu::kQuantBlock == 0) {
+  if (w_.lm_head_q.empty() && d.hidden % cpu::kQuantBlock == 0) {
     const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
     KVGRID_ASSIGN_OR_RETURN(w_.lm_head_q, cpu::QuantizeMatrix(head.data(), d.vocab_local,
                                                               d.hidden, cpu::WeightDType::kQ8_0));

@@ -95,6 +95,15 @@ class LlamaModel {
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir,
                                                           TensorParallel tp = {});
 
+  // Reads a GGUF file from llama.cpp (architecture llama, mistral or qwen2): the config from its
+  // metadata, F32/F16/BF16 tensors converted to fp32, Q8_0/Q4_0 linear weights kept in their
+  // blocks (used directly by the quantized kernels), llama's q/k rows un-permuted from GGML's
+  // interleaved RoPE order. Tensor parallelism is not supported for GGUF yet.
+  // Errors: as model::GgufFile::Open; INVALID_ARGUMENT naming a missing or mis-shaped tensor or
+  // metadata key; UNIMPLEMENTED for other architectures, RoPE scaling tensors or tp > 1.
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadGguf(const std::filesystem::path& path,
+                                                              TensorParallel tp = {});
+
   // Builds a model from weights in memory (benchmarks, tests).
   // Errors: INVALID_ARGUMENT when a tensor's size disagrees with `config`.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> FromWeights(const model::ModelConfig& config,
