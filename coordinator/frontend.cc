@@ -136,14 +136,19 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
   return relay;
 }
 
+grpc::ServerUnaryReactor* GenerationService::RefuseUnauthenticated(
+    grpc::CallbackServerContext* context) const {
+  const grpc::Status auth = api_keys_->Check(*context);
+  if (auth.ok()) return nullptr;
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  reactor->Finish(auth);
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
                                                       const v1::TokenizeRequest* request,
                                                       v1::TokenizeResponse* response) {
-  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(auth);
-    return reactor;
-  }
+  if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
   absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
   if (!m.ok()) return Done(context, m.status());
   if (request->add_bos()) {
@@ -160,11 +165,7 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
                                                         const v1::DetokenizeRequest* request,
                                                         v1::DetokenizeResponse* response) {
-  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(auth);
-    return reactor;
-  }
+  if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
   absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
   if (!m.ok()) return Done(context, m.status());
   const std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
@@ -180,11 +181,7 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* context,
                                                         const v1::ListModelsRequest* request,
                                                         v1::ListModelsResponse* response) {
-  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(auth);
-    return reactor;
-  }
+  if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
   for (const auto& m : catalog_->models()) {
     v1::ModelInfo* info = response->add_models();
     info->set_id(m->name);
@@ -198,11 +195,7 @@ grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerCont
 grpc::ServerUnaryReactor* GenerationService::ClusterStatus(
     grpc::CallbackServerContext* context, const v1::ClusterStatusRequest* request,
     v1::ClusterStatusResponse* response) {
-  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(auth);
-    return reactor;
-  }
+  if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
   registry_->FillStatus(response);
   response->set_in_flight(static_cast<int32_t>(in_flight_.load()));
   response->set_draining(draining_.load());

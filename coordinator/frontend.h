@@ -54,6 +54,10 @@ class GenerationService final : public v1::Generation::CallbackService {
                                                     const ServedModel** model) const;
 
  private:
+  // A reactor finished with UNAUTHENTICATED when the call carries no accepted API key, else
+  // null.
+  grpc::ServerUnaryReactor* RefuseUnauthenticated(grpc::CallbackServerContext* context) const;
+
   const ModelCatalog* catalog_;
   WorkerRegistry* registry_;
   CoordinatorMetrics* metrics_;

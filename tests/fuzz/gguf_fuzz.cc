@@ -1,14 +1,11 @@
-// libFuzzer target for the GGUF reader. Each input goes into an in-memory file (memfd) opened
-// through /proc/self/fd, so the real open/fstat/mmap path runs.
-#include <sys/mman.h>
-#include <unistd.h>
-
+// libFuzzer target for the GGUF reader (inputs through an in-memory file: memfd_input.h).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "model/gguf.h"
+#include "tests/fuzz/memfd_input.h"
 
 namespace {
 
@@ -19,18 +16,9 @@ void Check(bool condition) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const int fd = memfd_create("gguf_fuzz", MFD_CLOEXEC);
-  if (fd < 0) return 0;
-  size_t written = 0;
-  while (written < size) {
-    const ssize_t n = write(fd, data + written, size - written);
-    if (n <= 0) {
-      close(fd);
-      return 0;
-    }
-    written += static_cast<size_t>(n);
-  }
-  auto file = kvgrid::model::GgufFile::Open("/proc/self/fd/" + std::to_string(fd));
+  const kvgrid::fuzz::MemfdInput input(data, size);
+  if (input.path().empty()) return 0;
+  auto file = kvgrid::model::GgufFile::Open(input.path());
   if (file.ok()) {
     // Every accepted tensor describes bytes that exist and that its type and shape imply.
     unsigned sum = 0;
@@ -42,6 +30,5 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     volatile unsigned sink = sum;
     (void)sink;
   }
-  close(fd);
   return 0;
 }
