@@ -30,9 +30,12 @@ absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
   // A .gguf file, with tokenizer.json and generation_config.json beside it, or a Hugging Face
   // directory.
   const bool gguf = std::filesystem::is_regular_file(dir) && dir.extension() == ".gguf";
+  if (!std::filesystem::exists(dir)) {
+    return absl::NotFoundError(absl::StrCat("model ", dir.string(), " does not exist"));
+  }
   if (!gguf && !std::filesystem::is_directory(dir)) {
-    return absl::NotFoundError(absl::StrCat("model ", dir.string(),
-                                            " is neither a directory nor a .gguf file"));
+    return absl::InvalidArgumentError(absl::StrCat("model ", dir.string(),
+                                                   " is neither a directory nor a .gguf file"));
   }
   const std::filesystem::path home = gguf ? dir.parent_path() : dir;
   LoadedModel out;
