@@ -39,8 +39,10 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
   auto pool = kvgrid::worker::KvPool::Create(g, batch * (tokens / 16 + 2) * g.BytesPerBlock());
   if (!pool.ok()) return 0;
   kvgrid::worker::BlockManager blocks((*pool)->num_blocks(), 16);
+  std::vector<kvgrid::worker::SequenceId> seqs;
   for (int64_t s = 1; s <= batch; ++s) {
     if (!blocks.Reserve(s, tokens).ok()) return 0;
+    seqs.push_back(s);
   }
 
   std::mt19937 rng(7);
@@ -50,43 +52,35 @@ double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t cont
   for (float& x : k) x = u(rng);
   for (float& x : v) x = u(rng);
   std::vector<int64_t> slots(context);
-  for (int64_t seq = 1; seq <= batch; ++seq) {
-  for (int64_t p = 0; p < context; ++p) slots[p] = blocks.Slot(seq, p);
-  for (int64_t layer = 0; layer < g.num_layers; ++layer) {
-    auto s = kvgrid::kernels::cpu::KvWrite({.key = k.data(),
-                                            .value = v.data(),
-                                            .slots = slots.data(),
-                                            .k_cache = (*pool)->k(layer),
-                                            .v_cache = (*pool)->v(layer),
-                                            .k_meta = (*pool)->k_meta(layer),
-                                            .v_meta = (*pool)->v_meta(layer),
-                                            .k_dtype = dtype,
-                                            .v_dtype = dtype,
-                                            .num_tokens = context,
-                                            .num_blocks = (*pool)->num_blocks(),
-                                            .num_kv_heads = g.num_kv_heads,
-                                            .block_size = 16,
-                                            .head_dim = g.head_dim});
-    if (!s.ok()) return 0;
-  }
+  for (int64_t seq = 1; seq <= batch; ++seq) {  // every sequence holds the same context
+    for (int64_t p = 0; p < context; ++p) slots[p] = blocks.Slot(seq, p);
+    for (int64_t layer = 0; layer < g.num_layers; ++layer) {
+      auto s = kvgrid::kernels::cpu::KvWrite({.key = k.data(),
+                                              .value = v.data(),
+                                              .slots = slots.data(),
+                                              .k_cache = (*pool)->k(layer),
+                                              .v_cache = (*pool)->v(layer),
+                                              .k_meta = (*pool)->k_meta(layer),
+                                              .v_meta = (*pool)->v_meta(layer),
+                                              .k_dtype = dtype,
+                                              .v_dtype = dtype,
+                                              .num_tokens = context,
+                                              .num_blocks = (*pool)->num_blocks(),
+                                              .num_kv_heads = g.num_kv_heads,
+                                              .block_size = 16,
+                                              .head_dim = g.head_dim});
+      if (!s.ok()) return 0;
+    }
   }
   std::vector<float> logits;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < steps; ++i) {
     const int64_t pos = context + i;
-    kvgrid::worker::ForwardBatch b;
-    b.query_start.push_back(0);
-    b.max_blocks_per_seq = static_cast<int64_t>(blocks.BlockTable(1).size());
+    std::vector<int32_t> next;
     for (int64_t s = 1; s <= batch; ++s) {
-      b.token_ids.push_back(static_cast<int32_t>((pos * 7919 + s) % 150000));
-      b.positions.push_back(static_cast<int32_t>(pos));
-      b.slots.push_back(blocks.Slot(s, pos));
-      b.query_start.push_back(static_cast<int32_t>(s));
-      b.seq_lens.push_back(static_cast<int32_t>(pos + 1));
-      b.logit_rows.push_back(static_cast<int32_t>(s - 1));
-      const std::vector<int32_t>& table = blocks.BlockTable(s);
-      b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
+      next.push_back(static_cast<int32_t>((pos * 7919 + s) % 150000));
     }
+    const kvgrid::worker::ForwardBatch b = kvgrid::worker::DecodeBatch(blocks, seqs, pos, next);
     if (!model.Forward(b, **pool, &logits).ok()) return 0;
   }
   return static_cast<double>(steps * batch) /

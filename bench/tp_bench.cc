@@ -112,27 +112,21 @@ StepTimes Decode(const kvgrid::model::ModelConfig& config, const kvgrid::worker:
   auto pool = kvgrid::worker::KvPool::Create(g, (tokens / 16 + 1) * g.BytesPerBlock());
   if (!pool.ok()) return {};
   kvgrid::worker::BlockManager blocks((*pool)->num_blocks(), 16);
-  for (int64_t s = 0; s < batch; ++s) (void)blocks.Reserve(s + 1, context + steps);
+  std::vector<kvgrid::worker::SequenceId> seqs;
+  for (int64_t s = 0; s < batch; ++s) {
+    seqs.push_back(s + 1);
+    (void)blocks.Reserve(s + 1, context + steps);
+  }
   // The cache is left as allocated (zeros): decode cost does not depend on its values.
   std::vector<float> logits;
   StepTimes t;
   for (int64_t i = 0; i < steps; ++i) {
-    kvgrid::worker::ForwardBatch b;
-    b.query_start.push_back(0);
+    std::vector<int32_t> tokens;
     for (int64_t s = 0; s < batch; ++s) {
-      const int64_t pos = context + i;
-      b.token_ids.push_back(static_cast<int32_t>((s * 7919 + i) % config.vocab_size));
-      b.positions.push_back(static_cast<int32_t>(pos));
-      b.slots.push_back(blocks.Slot(s + 1, pos));
-      b.query_start.push_back(static_cast<int32_t>(s + 1));
-      b.seq_lens.push_back(static_cast<int32_t>(pos + 1));
-      b.logit_rows.push_back(static_cast<int32_t>(s));
+      tokens.push_back(static_cast<int32_t>((s * 7919 + i) % config.vocab_size));
     }
-    b.max_blocks_per_seq = static_cast<int64_t>(blocks.BlockTable(1).size());
-    for (int64_t s = 0; s < batch; ++s) {
-      const auto& table = blocks.BlockTable(s + 1);
-      b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
-    }
+    const kvgrid::worker::ForwardBatch b =
+        kvgrid::worker::DecodeBatch(blocks, seqs, context + i, tokens);
     const double before = timed.seconds;
     const auto t0 = Clock::now();
     if (!(*model)->Forward(b, **pool, &logits).ok()) return {};

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
 #include "proto/grpc_status.h"
 
 namespace kvgrid::coordinator {
@@ -63,14 +64,9 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
       return absl::InvalidArgumentError(absl::StrCat(
           "prompt: model '", m.name, "' has no tokenizer.json; send prompt_token_ids"));
     }
-    if (request.add_bos()) {
-      if (!m.bos_token_id) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("add_bos: model '", m.name, "' defines no BOS token"));
-      }
-      out.add_prompt_token_ids(*m.bos_token_id);
-    }
-    for (int32_t id : m.tokenizer->Encode(request.prompt())) out.add_prompt_token_ids(id);
+    KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids,
+                            EncodeText(m, request.prompt(), request.add_bos()));
+    out.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
   } else {
     const int64_t vocab = m.config.vocab_size;
     for (int i = 0; i < request.prompt_token_ids_size(); ++i) {
@@ -151,14 +147,9 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
   if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
   absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
   if (!m.ok()) return Done(context, m.status());
-  if (request->add_bos()) {
-    if (!(*m)->bos_token_id) {
-      return Done(context, absl::InvalidArgumentError(absl::StrCat(
-                               "add_bos: model '", (*m)->name, "' defines no BOS token")));
-    }
-    response->add_token_ids(*(*m)->bos_token_id);
-  }
-  for (int32_t id : (*m)->tokenizer->Encode(request->text())) response->add_token_ids(id);
+  absl::StatusOr<std::vector<int32_t>> ids = EncodeText(**m, request->text(), request->add_bos());
+  if (!ids.ok()) return Done(context, ids.status());
+  response->mutable_token_ids()->Add(ids->begin(), ids->end());
   return Done(context, absl::OkStatus());
 }
 

@@ -48,6 +48,21 @@ absl::StatusOr<const ServedModel*> ModelCatalog::Find(const std::string& name) c
                                           absl::StrJoin(names, ", "), ")"));
 }
 
+absl::StatusOr<std::vector<int32_t>> EncodeText(const ServedModel& m, std::string_view text,
+                                                bool add_bos) {
+  std::vector<int32_t> ids;
+  if (add_bos) {
+    if (!m.bos_token_id) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("add_bos: model '", m.name, "' defines no BOS token"));
+    }
+    ids.push_back(*m.bos_token_id);
+  }
+  const std::vector<int32_t> text_ids = m.tokenizer->Encode(text);
+  ids.insert(ids.end(), text_ids.begin(), text_ids.end());
+  return ids;
+}
+
 void ApplyGenerationDefaults(const model::GenerationConfig& g, v1::SamplingParams* sampling,
                              v1::StoppingParams* stopping) {
   if (!sampling->has_temperature()) {

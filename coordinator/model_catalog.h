@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,6 +47,11 @@ class ModelCatalog {
  private:
   std::vector<std::unique_ptr<ServedModel>> models_;
 };
+
+// Token ids of `text` with `model`'s tokenizer (which must be present), after its BOS token
+// when `add_bos`. Errors: INVALID_ARGUMENT naming add_bos when the model defines no BOS.
+absl::StatusOr<std::vector<int32_t>> EncodeText(const ServedModel& model, std::string_view text,
+                                                bool add_bos);
 
 // Fills the sampling fields a request left unset from the model's generation_config.json
 // (as the CLI does), so the cluster samples like `kvgrid run` by default.

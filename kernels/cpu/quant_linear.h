@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/gguf.h"
 
 namespace kvgrid::kernels::cpu {
 
@@ -44,6 +45,14 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* weight, int64_t rows, in
 
 // out[0, cols) = row `row` of `m` as fp32.
 void DequantizeRow(const QuantMatrix& m, int64_t row, float* out);
+
+// A GGUF Q8_0/Q4_0 tensor as a QuantMatrix of rows of ne[0] (ggml's block layout is this
+// one). Errors: INVALID_ARGUMENT for other types or rows that are not whole blocks.
+absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& tensor);
+
+// A GGUF tensor's elements as fp32 in storage order: F32/F16/BF16 converted, Q8_0/Q4_0
+// dequantized. Errors: as QuantMatrixFromGguf.
+absl::Status GgufTensorToF32(const model::GgufTensor& tensor, std::vector<float>* out);
 
 struct QuantLinearParams {
   const float* input = nullptr;        // [num_tokens, weight->cols]

@@ -1,14 +1,12 @@
 // kvgrid gguf-info: what a GGUF file holds — metadata and tensor directory — and, with
 // --dump NAME, one tensor's values as fp32 (block formats dequantized by kvgrid's kernels).
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <variant>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/quant_linear.h"
-#include "model/dtype.h"
 #include "model/gguf.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -35,39 +33,6 @@ const char* TypeName(model::GgmlType t) {
   return "?";
 }
 
-// The tensor's elements as fp32, in storage order.
-std::vector<float> Values(const model::GgufTensor& t) {
-  const int64_t n = t.NumElements();
-  std::vector<float> out(static_cast<size_t>(n));
-  const std::byte* p = t.data.data();
-  switch (t.type) {
-    case model::GgmlType::kF32:
-      std::memcpy(out.data(), p, out.size() * 4);
-      break;
-    case model::GgmlType::kF16:
-    case model::GgmlType::kBF16:
-      for (int64_t i = 0; i < n; ++i) {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * i, 2);
-        out[i] = t.type == model::GgmlType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
-      }
-      break;
-    case model::GgmlType::kQ8_0:
-    case model::GgmlType::kQ4_0: {
-      kernels::cpu::QuantMatrix m;
-      m.dtype = t.type == model::GgmlType::kQ8_0 ? kernels::cpu::WeightDType::kQ8_0
-                                                 : kernels::cpu::WeightDType::kQ4_0;
-      m.cols = t.ne[0];
-      m.rows = n / t.ne[0];
-      m.data.assign(reinterpret_cast<const uint8_t*>(p),
-                    reinterpret_cast<const uint8_t*>(p) + t.data.size());
-      for (int64_t r = 0; r < m.rows; ++r) kernels::cpu::DequantizeRow(m, r, out.data() + r * m.cols);
-      break;
-    }
-  }
-  return out;
-}
-
 nlohmann::json ToJson(const model::GgufValue& v) {
   return std::visit([](const auto& x) { return nlohmann::json(x); }, v);
 }
@@ -81,12 +46,9 @@ absl::Status GgufInfo(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<model::GgufFile> gguf, model::GgufFile::Open(*file));
   if (dump) {
     KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* t, gguf->Find(*dump));
-    if (t->ne[0] % kernels::cpu::kQuantBlock != 0 && (t->type == model::GgmlType::kQ8_0 ||
-                                                      t->type == model::GgmlType::kQ4_0)) {
-      return absl::InvalidArgumentError(absl::StrCat("--dump: '", *dump, "' has rows of ",
-                                                     t->ne[0], " values, not whole blocks"));
-    }
-    std::printf("%s\n", nlohmann::json(Values(*t)).dump().c_str());
+    std::vector<float> values;
+    KVGRID_RETURN_IF_ERROR(kernels::cpu::GgufTensorToF32(*t, &values));
+    std::printf("%s\n", nlohmann::json(values).dump().c_str());
     return absl::OkStatus();
   }
   nlohmann::json meta = nlohmann::json::object(), tensors = nlohmann::json::array();

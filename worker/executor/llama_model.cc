@@ -130,6 +130,28 @@ std::vector<float> Cols(const std::vector<float>& m, int64_t rows, int64_t cols,
 
 }  // namespace
 
+ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
+                         int64_t position, std::span<const int32_t> tokens) {
+  ForwardBatch b;
+  b.query_start.push_back(0);
+  for (SequenceId seq : seqs) {
+    b.max_blocks_per_seq =
+        std::max(b.max_blocks_per_seq, static_cast<int64_t>(blocks.BlockTable(seq).size()));
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    b.token_ids.push_back(tokens[i]);
+    b.positions.push_back(static_cast<int32_t>(position));
+    b.slots.push_back(blocks.Slot(seqs[i], position));
+    b.query_start.push_back(static_cast<int32_t>(i + 1));
+    b.seq_lens.push_back(static_cast<int32_t>(position + 1));
+    b.logit_rows.push_back(static_cast<int32_t>(i));
+    std::vector<int32_t> table = blocks.BlockTable(seqs[i]);
+    table.resize(static_cast<size_t>(b.max_blocks_per_seq), 0);
+    b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
+  }
+  return b;
+}
+
 absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
@@ -246,34 +268,7 @@ absl::Status GgufF32(const model::GgufFile& f, const std::string& name,
   if (t->ne != ne) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "' has the wrong shape"));
   }
-  out->resize(static_cast<size_t>(t->NumElements()));
-  const std::byte* p = t->data.data();
-  switch (t->type) {
-    case model::GgmlType::kF32:
-      std::memcpy(out->data(), p, out->size() * sizeof(float));
-      return absl::OkStatus();
-    case model::GgmlType::kF16:
-    case model::GgmlType::kBF16:
-      for (size_t i = 0; i < out->size(); ++i) {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * i, 2);
-        (*out)[i] = t->type == model::GgmlType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
-      }
-      return absl::OkStatus();
-    case model::GgmlType::kQ8_0:
-    case model::GgmlType::kQ4_0: {
-      cpu::QuantMatrix m;
-      m.dtype = t->type == model::GgmlType::kQ8_0 ? cpu::WeightDType::kQ8_0
-                                                  : cpu::WeightDType::kQ4_0;
-      m.cols = ne[0];
-      m.rows = t->NumElements() / ne[0];
-      m.data.assign(reinterpret_cast<const uint8_t*>(p),
-                    reinterpret_cast<const uint8_t*>(p) + t->data.size());
-      for (int64_t r = 0; r < m.rows; ++r) cpu::DequantizeRow(m, r, out->data() + r * m.cols);
-      return absl::OkStatus();
-    }
-  }
-  return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", name, "': unsupported type"));
+  return cpu::GgufTensorToF32(*t, out);
 }
 
 // GGML keeps llama's q/k rows of each head with the two RoPE halves interleaved; HF (and
@@ -298,14 +293,15 @@ absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64
     return permute_head_dim > 0 ? UnpermutedRow(r, permute_head_dim) : r;
   };
   if (t->type == model::GgmlType::kQ8_0 || t->type == model::GgmlType::kQ4_0) {
-    quant->dtype = t->type == model::GgmlType::kQ8_0 ? cpu::WeightDType::kQ8_0
-                                                     : cpu::WeightDType::kQ4_0;
-    quant->rows = rows;
-    quant->cols = cols;
+    KVGRID_ASSIGN_OR_RETURN(cpu::QuantMatrix stored, cpu::QuantMatrixFromGguf(*t));
+    if (permute_head_dim == 0) {
+      *quant = std::move(stored);
+      return absl::OkStatus();
+    }
+    *quant = stored;  // rows reordered below
     const int64_t rb = quant->RowBytes();
-    quant->data.resize(static_cast<size_t>(rows * rb));
     for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(quant->data.data() + r * rb, t->data.data() + src_row(r) * rb,
+      std::memcpy(quant->data.data() + r * rb, stored.data.data() + src_row(r) * rb,
                   static_cast<size_t>(rb));
     }
     return absl::OkStatus();

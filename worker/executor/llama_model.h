@@ -87,6 +87,11 @@ struct ForwardBatch {
 ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int64_t begin,
                                  std::span<const int32_t> tokens);
 
+// One decode step for several sequences (blocks reserved): sequence seqs[i] computes tokens[i]
+// at `position`, with logits for each, in order.
+ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
+                         int64_t position, std::span<const int32_t> tokens);
+
 class LlamaModel {
  public:
   // Reads config.json and the safetensors checkpoint in `dir`.
