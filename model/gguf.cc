@@ -102,6 +102,7 @@ std::optional<int64_t> GgmlBytes(GgmlType type, int64_t n) {
     case GgmlType::kF16: case GgmlType::kBF16: return n * 2;
     case GgmlType::kQ8_0: if (n % 32) return std::nullopt; return n / 32 * 34;
     case GgmlType::kQ4_0: if (n % 32) return std::nullopt; return n / 32 * 18;
+    case GgmlType::kQ4_1: if (n % 32) return std::nullopt; return n / 32 * 20;
   }
   return std::nullopt;
 }
@@ -252,10 +253,10 @@ absl::Status GgufFile::Parse() {
     info.t.type = static_cast<GgmlType>(type);
     const std::optional<int64_t> bytes = GgmlBytes(info.t.type, n);
     if (!bytes) {
-      if (type != 0 && type != 1 && type != 2 && type != 8 && type != 30) {
+      if (type != 0 && type != 1 && type != 2 && type != 3 && type != 8 && type != 30) {
         return absl::UnimplementedError(absl::StrCat(
             path_.string(), ": tensor '", info.t.name, "' has ggml type ", type,
-            "; kvgrid reads F32, F16, BF16, Q8_0 and Q4_0"));
+            "; kvgrid reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1"));
       }
       return bad("tensor '", info.t.name, "': ", n, " elements are not whole blocks of 32");
     }

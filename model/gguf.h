@@ -4,7 +4,7 @@
 // section at the file's alignment without overlapping another.
 //
 // Tensor dimensions are GGUF's: ne[0] is the innermost (a PyTorch [out, in] weight is
-// ne = {in, out}). Block formats are exposed as bytes: Q8_0/Q4_0 match
+// ne = {in, out}). Block formats are exposed as bytes: Q8_0/Q4_0/Q4_1 match
 // kernels::cpu::QuantMatrix.
 //
 // Thread-safety: immutable after Open.
@@ -30,6 +30,7 @@ enum class GgmlType : uint32_t {
   kF32 = 0,
   kF16 = 1,
   kQ4_0 = 2,
+  kQ4_1 = 3,
   kQ8_0 = 8,
   kBF16 = 30,
 };
@@ -53,7 +54,7 @@ class GgufFile {
   // Errors: NOT_FOUND for a missing file; INVALID_ARGUMENT naming the file and what is wrong
   // (bad magic, unsupported version, a count, string, dimension or offset the file cannot hold,
   // overlapping tensors, duplicate names); UNIMPLEMENTED for tensor types other than
-  // F32/F16/BF16/Q8_0/Q4_0 (naming the tensor and type).
+  // F32/F16/BF16/Q8_0/Q4_0/Q4_1 (naming the tensor and type).
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::filesystem::path& path);
   ~GgufFile();
   GgufFile(const GgufFile&) = delete;

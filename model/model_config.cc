@@ -222,6 +222,60 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
                                              "\" (supported: default, linear, llama3)"));
 }
 
+// `quantization_config` as transformers writes it for AWQ (AutoAWQ's keys w_bit/q_group_size
+// are accepted too) and GPTQ checkpoints.
+absl::Status ParseQuantization(const FieldReader& r, QuantizationConfig* out) {
+  std::optional<std::string> method;
+  KVGRID_ASSIGN_OR_RETURN(method, r.String("quant_method"));
+  if (method == "awq") {
+    out->method = QuantMethod::kAwq;
+  } else if (method == "gptq") {
+    out->method = QuantMethod::kGptq;
+  } else {
+    return r.Error("quant_method",
+                   absl::StrCat(method.has_value() ? absl::StrCat("\"", *method, "\"") : "missing",
+                                " (supported: awq, gptq)"));
+  }
+  std::optional<int64_t> value;
+  // Messages name the transformers key unless the file uses AutoAWQ's.
+  const std::string bits_key = r.Has("w_bit") && !r.Has("bits") ? "w_bit" : "bits";
+  KVGRID_ASSIGN_OR_RETURN(value, r.Int(bits_key));
+  if (value != 4) {
+    return r.Error(bits_key, value.has_value() ? absl::StrCat(*value, ": only 4-bit is supported")
+                                               : "missing");
+  }
+  out->bits = 4;
+  const std::string group_key =
+      r.Has("q_group_size") && !r.Has("group_size") ? "q_group_size" : "group_size";
+  KVGRID_ASSIGN_OR_RETURN(value, r.Int(group_key));
+  if (!value.has_value()) return r.Error(group_key, "missing");
+  const bool per_row = *value == -1 && out->method == QuantMethod::kGptq;
+  if (!per_row && (*value <= 0 || *value % 32 != 0)) {
+    return r.Error(group_key, absl::StrCat(*value, ": kvgrid needs a positive multiple of 32",
+                                           out->method == QuantMethod::kGptq ? " or -1" : ""));
+  }
+  out->group_size = *value;
+  std::optional<bool> flag;
+  std::optional<std::string> text;
+  if (out->method == QuantMethod::kAwq) {
+    KVGRID_ASSIGN_OR_RETURN(text, r.String("version"));
+    if (text.has_value() && *text != "gemm" && *text != "GEMM") {
+      return r.Error("version", absl::StrCat("\"", *text, "\" (supported: gemm)"));
+    }
+    KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("zero_point"));
+    if (flag == false) return r.Error("zero_point", "false is not supported");
+    return absl::OkStatus();
+  }
+  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("desc_act"));
+  out->desc_act = flag.value_or(false);
+  KVGRID_ASSIGN_OR_RETURN(text, r.String("checkpoint_format"));
+  if (text.has_value() && *text != "gptq" && *text != "gptq_v2") {
+    return r.Error("checkpoint_format", absl::StrCat("\"", *text, "\" (supported: gptq, gptq_v2)"));
+  }
+  out->zeros_minus_one = text.value_or("gptq") == "gptq";
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
@@ -402,6 +456,14 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("use_sliding_window"));
   config.sliding_window = flag.value_or(true) ? window.value_or(0) : 0;
 
+  if (const Json* q = r.Find("quantization_config")) {
+    if (!q->is_object()) {
+      return r.Error("quantization_config",
+                     absl::StrCat("expected an object, got ", DescribeJson(*q)));
+    }
+    KVGRID_RETURN_IF_ERROR(
+        ParseQuantization(FieldReader(*q, source, "quantization_config."), &config.quantization));
+  }
   return config;
 }
 

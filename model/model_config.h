@@ -30,6 +30,19 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 0;   // llama3
 };
 
+// A pre-quantized checkpoint's `quantization_config`: 4-bit AWQ (GEMM layout) or GPTQ.
+enum class QuantMethod : uint8_t { kNone, kAwq, kGptq };
+
+struct QuantizationConfig {
+  QuantMethod method = QuantMethod::kNone;
+  int64_t bits = 0;                // 4
+  int64_t group_size = 0;          // input channels per scale/zero; -1: one group per row
+  bool desc_act = false;           // GPTQ act-order: g_idx assigns each input channel's group
+  bool zeros_minus_one = false;    // GPTQ's original format stores each zero point minus one
+
+  [[nodiscard]] bool quantized() const { return method != QuantMethod::kNone; }
+};
+
 struct ModelConfig {
   std::string model_type;        // "llama", "qwen2", "mistral"
   std::vector<std::string> architectures;
@@ -51,11 +64,14 @@ struct ModelConfig {
   int64_t bos_token_id = -1;           // -1 when absent
   std::string torch_dtype;             // "bfloat16", "float16", "float32" or empty
   int64_t sliding_window = 0;          // 0 = none (informational; full attention is used)
+  QuantizationConfig quantization;     // from `quantization_config`; method kNone when absent
 };
 
 // Parses config.json text. `source` names the file in error messages.
 // Errors: INVALID_ARGUMENT naming the source and the offending field (missing, wrong type,
-// out of range, inconsistent head counts, unsupported model_type or rope_scaling type).
+// out of range, inconsistent head counts, unsupported model_type, rope_scaling type or
+// quantization: methods other than awq/gptq, bits other than 4, group sizes that are not a
+// multiple of 32, AWQ layouts other than GEMM).
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source);
 
 // Reads `path` (a config.json, or a directory holding one).

@@ -17,51 +17,75 @@ namespace {
 
 constexpr int64_t kTileRows = 64;  // rows dequantized per SGEMM tile
 
-float Scale(const uint8_t* block) {
+float F16At(const uint8_t* p) {
   uint16_t h;
-  std::memcpy(&h, block, sizeof(h));
+  std::memcpy(&h, p, sizeof(h));
   return model::F16ToF32(h);
 }
+
+// Bytes before a block's values: the fp16 scale, and Q4_1's fp16 offset.
+int64_t HeaderBytes(WeightDType dtype) { return dtype == WeightDType::kQ4_1 ? 4 : 2; }
 
 void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
   const int64_t blocks = m.cols / kQuantBlock;
   const int64_t bb = QuantMatrix::BlockBytes(m.dtype);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = row + b * bb;
-    const float d = Scale(block);
+    const float d = F16At(block);
     float* o = out + b * kQuantBlock;
-    if (m.dtype == WeightDType::kQ8_0) {
-      for (int i = 0; i < 32; ++i) o[i] = d * static_cast<float>(static_cast<int8_t>(block[2 + i]));
-    } else {
-      for (int i = 0; i < 16; ++i) {
-        o[i] = d * static_cast<float>((block[2 + i] & 0x0F) - 8);
-        o[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
+    switch (m.dtype) {
+      case WeightDType::kQ8_0:
+        for (int i = 0; i < 32; ++i) {
+          o[i] = d * static_cast<float>(static_cast<int8_t>(block[2 + i]));
+        }
+        break;
+      case WeightDType::kQ4_0:
+        for (int i = 0; i < 16; ++i) {
+          o[i] = d * static_cast<float>((block[2 + i] & 0x0F) - 8);
+          o[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
+        }
+        break;
+      default: {  // Q4_1
+        const float mn = F16At(block + 2);
+        for (int i = 0; i < 16; ++i) {
+          o[i] = d * static_cast<float>(block[4 + i] & 0x0F) + mn;
+          o[i + 16] = d * static_cast<float>(block[4 + i] >> 4) + mn;
+        }
       }
     }
   }
 }
 
 #if defined(__x86_64__)
-// The 32 weights of one Q8_0/Q4_0 block as fp32 (scale applied), in four vectors of 8.
+// The 32 weights of one block as fp32 (scale and offset applied), in four vectors of 8.
 __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType dtype,
                                                                       const uint8_t* block,
                                                                       __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(Scale(block));
+  const __m256 d = _mm256_set1_ps(F16At(block));
   __m128i lo, hi;  // 16 int8 values each: block values 0..15 and 16..31
   if (dtype == WeightDType::kQ8_0) {
     lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18));
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m128i packed =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + HeaderBytes(dtype)));
     const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i eight = _mm_set1_epi8(8);
-    lo = _mm_sub_epi8(_mm_and_si128(packed, mask), eight);
-    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), eight);
+    lo = _mm_and_si128(packed, mask);
+    hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    if (dtype == WeightDType::kQ4_0) {
+      const __m128i eight = _mm_set1_epi8(8);
+      lo = _mm_sub_epi8(lo, eight);
+      hi = _mm_sub_epi8(hi, eight);
+    }
   }
-  w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), d);
-  w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), d);
-  w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), d);
-  w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), d);
+  const __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
+                        _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
+  if (dtype == WeightDType::kQ4_1) {
+    const __m256 mn = _mm256_set1_ps(F16At(block + 2));
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), d, mn);
+  } else {
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), d);
+  }
 }
 
 __attribute__((target("avx2,fma,f16c"))) void DequantRowAvx2(const QuantMatrix& m,
@@ -146,6 +170,8 @@ std::string_view WeightDTypeName(WeightDType dtype) {
       return "q8_0";
     case WeightDType::kQ4_0:
       return "q4_0";
+    case WeightDType::kQ4_1:
+      return "q4_1";
   }
   return "?";
 }
@@ -154,12 +180,17 @@ absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name) {
   if (name == "fp32" || name == "f32") return WeightDType::kF32;
   if (name == "q8_0") return WeightDType::kQ8_0;
   if (name == "q4_0") return WeightDType::kQ4_0;
-  return absl::InvalidArgumentError(
-      absl::StrCat("weight dtype '", std::string(name), "': expected fp32, q8_0 or q4_0"));
+  if (name == "q4_1") return WeightDType::kQ4_1;
+  return absl::InvalidArgumentError(absl::StrCat("weight dtype '", std::string(name),
+                                                 "': expected fp32, q8_0, q4_0 or q4_1"));
 }
 
 int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
-  return dtype == WeightDType::kQ4_0 ? 2 + 16 : 2 + 32;
+  switch (dtype) {
+    case WeightDType::kQ4_0: return 2 + 16;
+    case WeightDType::kQ4_1: return 4 + 16;
+    default: return 2 + 32;
+  }
 }
 
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t cols,
@@ -194,6 +225,20 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
           block[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(
               std::clamp(std::lround(x[i] * inv), -127l, 127l)));
         }
+      } else if (dtype == WeightDType::kQ4_1) {
+        const auto [lo, hi] = std::minmax_element(x, x + 32);
+        const uint16_t hd = model::F32ToF16((*hi - *lo) / 15.f);
+        const uint16_t hm = model::F32ToF16(*lo);
+        const float d = model::F16ToF32(hd), mn = model::F16ToF32(hm);
+        std::memcpy(block, &hd, sizeof(hd));
+        std::memcpy(block + 2, &hm, sizeof(hm));
+        const float inv = d > 0.f ? 1.f / d : 0.f;
+        const auto q = [&](float v) {
+          return static_cast<uint8_t>(std::clamp(std::lround((v - mn) * inv), 0l, 15l));
+        };
+        for (int i = 0; i < 16; ++i) {
+          block[4 + i] = static_cast<uint8_t>(q(x[i]) | (q(x[i + 16]) << 4));
+        }
       } else {
         float max = 0.f;  // the value of largest magnitude, with its sign
         for (int i = 0; i < 32; ++i) {
@@ -220,6 +265,21 @@ void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
   dequant(m, m.data.data() + row * m.RowBytes(), out);
 }
 
+std::vector<float> DequantizeMatrix(const QuantMatrix& m) {
+  std::vector<float> out(static_cast<size_t>(m.rows * m.cols));
+  std::vector<float> row(static_cast<size_t>(m.cols));
+  for (int64_t r = 0; r < m.rows; ++r) {
+    float* o = out.data() + r * m.cols;
+    if (m.input_perm.empty()) {
+      DequantizeRow(m, r, o);
+      continue;
+    }
+    DequantizeRow(m, r, row.data());
+    for (int64_t j = 0; j < m.cols; ++j) o[m.input_perm[j]] = row[j];
+  }
+  return out;
+}
+
 absl::Status QuantLinearParams::Validate() const {
   if (!input || !weight || !output) {
     return absl::InvalidArgumentError("QuantLinearParams: null input, weight or output");
@@ -229,6 +289,10 @@ absl::Status QuantLinearParams::Validate() const {
       num_tokens < 0) {
     return absl::InvalidArgumentError("QuantLinearParams: malformed weight or sizes");
   }
+  if (!weight->input_perm.empty() &&
+      static_cast<int64_t>(weight->input_perm.size()) != weight->cols) {
+    return absl::InvalidArgumentError("QuantLinearParams: input_perm is not [cols]");
+  }
   return absl::OkStatus();
 }
 
@@ -237,6 +301,19 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
   const QuantMatrix& w = *p.weight;
   const int64_t m = p.num_tokens, n = w.rows, k = w.cols;
   if (m == 0) return absl::OkStatus();
+  const float* input = p.input;
+  if (!w.input_perm.empty()) {
+    // The inputs in the order the columns are stored (a gather of m x k floats, small next to
+    // the n x k weights).
+    thread_local std::vector<float> gathered;
+    gathered.resize(static_cast<size_t>(m * k));
+    for (int64_t t = 0; t < m; ++t) {
+      const float* x = p.input + t * k;
+      float* g = gathered.data() + t * k;
+      for (int64_t j = 0; j < k; ++j) g[j] = x[w.input_perm[j]];
+    }
+    input = gathered.data();
+  }
   if (m <= kSmallBatchTokens) {
     // Decode: each row is read once (quantized) and dotted with every token, dequantized in
     // registers (AVX2) or into an L1-resident row (portable).
@@ -250,12 +327,12 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
       for (int64_t j = 0; j < n; ++j) {
 #if defined(__x86_64__)
         if (avx2) {
-          DotRow(w, w.data.data() + j * w.RowBytes(), p.input, m, dots);
+          DotRow(w, w.data.data() + j * w.RowBytes(), input, m, dots);
         } else
 #endif
         {
           DequantizeRow(w, j, row.data());
-          for (int64_t t = 0; t < m; ++t) dots[t] = vec.dot(p.input + t * k, row.data(), k);
+          for (int64_t t = 0; t < m; ++t) dots[t] = vec.dot(input + t * k, row.data(), k);
         }
         const float b = p.bias ? p.bias[j] : 0.f;
         for (int64_t t = 0; t < m; ++t) {
@@ -285,7 +362,7 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
       }
       const float beta = (p.accumulate || p.bias) ? 1.f : 0.f;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
-                  static_cast<int>(rows), static_cast<int>(k), 1.f, p.input, static_cast<int>(k),
+                  static_cast<int>(rows), static_cast<int>(k), 1.f, input, static_cast<int>(k),
                   tile.data(), static_cast<int>(k), beta, out, static_cast<int>(n));
     }
   }
@@ -293,15 +370,21 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
 }
 
 absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& t) {
-  if (t.type != model::GgmlType::kQ8_0 && t.type != model::GgmlType::kQ4_0) {
-    return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", t.name, "' is not Q8_0/Q4_0"));
+  WeightDType dtype;
+  switch (t.type) {
+    case model::GgmlType::kQ8_0: dtype = WeightDType::kQ8_0; break;
+    case model::GgmlType::kQ4_0: dtype = WeightDType::kQ4_0; break;
+    case model::GgmlType::kQ4_1: dtype = WeightDType::kQ4_1; break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("GGUF tensor '", t.name, "' is not Q8_0/Q4_0/Q4_1"));
   }
   if (t.ne.empty() || t.ne[0] % kQuantBlock != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("GGUF tensor '", t.name, "': rows are not whole blocks of 32"));
   }
   QuantMatrix m;
-  m.dtype = t.type == model::GgmlType::kQ8_0 ? WeightDType::kQ8_0 : WeightDType::kQ4_0;
+  m.dtype = dtype;
   m.cols = t.ne[0];
   m.rows = t.NumElements() / t.ne[0];
   const auto* p = reinterpret_cast<const uint8_t*>(t.data.data());
@@ -325,7 +408,8 @@ absl::Status GgufTensorToF32(const model::GgufTensor& t, std::vector<float>* out
       }
       return absl::OkStatus();
     case model::GgmlType::kQ8_0:
-    case model::GgmlType::kQ4_0: {
+    case model::GgmlType::kQ4_0:
+    case model::GgmlType::kQ4_1: {
       absl::StatusOr<QuantMatrix> m = QuantMatrixFromGguf(t);
       if (!m.ok()) return m.status();
       for (int64_t r = 0; r < m->rows; ++r) DequantizeRow(*m, r, out->data() + r * m->cols);

@@ -29,6 +29,7 @@ const char* TypeName(model::GgmlType t) {
     case model::GgmlType::kBF16: return "BF16";
     case model::GgmlType::kQ8_0: return "Q8_0";
     case model::GgmlType::kQ4_0: return "Q4_0";
+    case model::GgmlType::kQ4_1: return "Q4_1";
   }
   return "?";
 }

@@ -556,6 +556,59 @@ TEST(ModelConfigTest, RejectsBadRopeScaling) {
                 "rope_parameters.rope_type: unsupported");
 }
 
+TEST(ModelConfigTest, AwqAndGptqQuantizationConfigs) {
+  // As written by transformers for AutoAWQ and for GPTQ (optimum) checkpoints.
+  absl::StatusOr<ModelConfig> awq = ParseModelConfig(
+      Minimal(R"("quantization_config": {"bits": 4, "group_size": 128, "modules_to_not_convert":
+          null, "quant_method": "awq", "version": "gemm", "zero_point": true})"),
+      "config.json");
+  ASSERT_TRUE(awq.ok()) << awq.status();
+  EXPECT_EQ(awq->quantization.method, QuantMethod::kAwq);
+  EXPECT_EQ(awq->quantization.group_size, 128);
+  absl::StatusOr<ModelConfig> autoawq = ParseModelConfig(
+      Minimal(R"("quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64})"),
+      "config.json");
+  ASSERT_TRUE(autoawq.ok()) << autoawq.status();
+  EXPECT_EQ(autoawq->quantization.group_size, 64);
+  absl::StatusOr<ModelConfig> gptq = ParseModelConfig(
+      Minimal(R"("quantization_config": {"bits": 4, "damp_percent": 0.01, "desc_act": true,
+          "group_size": -1, "quant_method": "gptq", "static_groups": false, "sym": true,
+          "true_sequential": true})"),
+      "config.json");
+  ASSERT_TRUE(gptq.ok()) << gptq.status();
+  EXPECT_EQ(gptq->quantization.method, QuantMethod::kGptq);
+  EXPECT_EQ(gptq->quantization.group_size, -1);
+  EXPECT_TRUE(gptq->quantization.desc_act);
+  EXPECT_TRUE(gptq->quantization.zeros_minus_one);
+  absl::StatusOr<ModelConfig> v2 = ParseModelConfig(
+      Minimal(R"("quantization_config": {"bits": 4, "group_size": 32, "quant_method": "gptq",
+          "checkpoint_format": "gptq_v2"})"),
+      "config.json");
+  ASSERT_TRUE(v2.ok()) << v2.status();
+  EXPECT_FALSE(v2->quantization.zeros_minus_one);
+  EXPECT_FALSE(ParseModelConfig(Minimal(), "config.json")->quantization.quantized());
+}
+
+TEST(ModelConfigTest, RejectsUnsupportedQuantization) {
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "fp8"})"),
+                "quantization_config.quant_method: \"fp8\" (supported: awq, gptq)");
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "gptq", "bits": 8,
+                  "group_size": 128})"),
+                "quantization_config.bits: 8: only 4-bit is supported");
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "awq", "bits": 4,
+                  "group_size": 16})"),
+                "quantization_config.group_size: 16: kvgrid needs a positive multiple of 32");
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "awq", "bits": 4,
+                  "group_size": -1})"),
+                "quantization_config.group_size: -1");
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "awq", "bits": 4,
+                  "group_size": 128, "version": "gemv"})"),
+                "quantization_config.version: \"gemv\" (supported: gemm)");
+  ExpectInvalid(Minimal(R"("quantization_config": {"quant_method": "gptq", "bits": 4})"),
+                "quantization_config.group_size: missing");
+  ExpectInvalid(Minimal(R"("quantization_config": [4])"), "quantization_config: expected an object");
+}
+
 TEST(ModelConfigTest, MalformedJsonNamesThePosition) {
   absl::StatusOr<ModelConfig> c =
       ParseModelConfig("{\n  \"vocab_size\": 10,\n  \"hidden_size\": }", "config.json");
