@@ -110,7 +110,7 @@ absl::StatusOr<QuantMatrix> QuantMatrixFromPackedInt4(const PackedInt4Params& p)
   std::stable_sort(perm.begin(), perm.end(),
                    [&](int32_t a, int32_t b) { return u.Group(a) < u.Group(b); });
   QuantMatrix m;
-  m.dtype = WeightDType::kQ4_1;
+  m.dtype = WeightDType::kQ4_Z;
   m.rows = out;
   m.cols = in;
   m.data.resize(static_cast<size_t>(out * m.RowBytes()));
@@ -122,10 +122,10 @@ absl::StatusOr<QuantMatrix> QuantMatrixFromPackedInt4(const PackedInt4Params& p)
       const int64_t g = u.Group(cols[0]);
       const float s = u.S(g, o);
       const uint16_t d = model::F32ToF16(s);
-      const uint16_t mn = model::F32ToF16(-s * static_cast<float>(u.Z(g, o)));
+      const uint16_t z = model::F32ToF16(static_cast<float>(u.Z(g, o)));  // exact: 0..16
       uint8_t* block = m.data.data() + o * m.RowBytes() + b * bb;
       std::memcpy(block, &d, sizeof(d));
-      std::memcpy(block + 2, &mn, sizeof(mn));
+      std::memcpy(block + 2, &z, sizeof(z));
       for (int i = 0; i < 16; ++i) {
         block[4 + i] = static_cast<uint8_t>(u.Q(cols[i], o) | (u.Q(cols[i + 16], o) << 4));
       }

@@ -9,9 +9,9 @@
 //               up; qzeros [groups, out / 8], eight consecutive outputs; the original format
 //               stores z - 1. g_idx [in] names each input's group (act-order checkpoints
 //               scatter a group's inputs over the whole row).
-// Each output row becomes Q4_1 blocks of 32 inputs with d = s and m = -s z (m rounded to
-// fp16: at most 15 s / 2048 off, against a quantization step of s). That needs every group to
-// be a whole number of blocks, so a block has one (s, z); scattered groups are gathered by
+// Each output row becomes Q4_Z blocks of 32 inputs holding s and z as they are (fp16 scales,
+// small integers), so the weights are reproduced exactly. That needs every group to be a whole
+// number of blocks, so a block has one (s, z); scattered groups are gathered by
 // sorting the inputs by group, which QuantMatrix::input_perm records. A layer that does not
 // fit blocks (say 688 inputs in groups of 128) is dequantized to fp32 instead.
 #ifndef KVGRID_KERNELS_CPU_PACKED_INT4_H_
@@ -35,10 +35,10 @@ struct PackedInt4Params {
   int64_t in_features = 0;               // multiple of 32
   int64_t out_features = 0;              // multiple of 8
   int64_t group_size = 0;                // a multiple of 8, or -1 for one group per row
-  std::span<const int32_t> qweight;      // AWQ [in, out / 8]; GPTQ [in / 8, out]
-  std::span<const int32_t> qzeros;       // [groups, out / 8]
-  std::span<const float> scales;         // [groups, out]
-  std::span<const int32_t> g_idx;        // GPTQ: [in] or empty (input i in group i / group_size)
+  std::span<const int32_t> qweight = {};  // AWQ [in, out / 8]; GPTQ [in / 8, out]
+  std::span<const int32_t> qzeros = {};   // [groups, out / 8]
+  std::span<const float> scales = {};     // [groups, out]
+  std::span<const int32_t> g_idx = {};    // GPTQ: [in] or empty (input i in group i / group_size)
   bool zeros_minus_one = false;          // GPTQ's original format
 
   [[nodiscard]] int64_t groups() const {
@@ -51,7 +51,7 @@ struct PackedInt4Params {
   [[nodiscard]] bool FitsBlocks() const;
 };
 
-// The layer as a [out_features, in_features] Q4_1 QuantMatrix (with input_perm for act-order
+// The layer as a [out_features, in_features] Q4_Z QuantMatrix (with input_perm for act-order
 // g_idx). Errors: as Validate; INVALID_ARGUMENT when !FitsBlocks().
 absl::StatusOr<QuantMatrix> QuantMatrixFromPackedInt4(const PackedInt4Params& params);
 

@@ -23,8 +23,18 @@ float F16At(const uint8_t* p) {
   return model::F16ToF32(h);
 }
 
-// Bytes before a block's values: the fp16 scale, and Q4_1's fp16 offset.
-int64_t HeaderBytes(WeightDType dtype) { return dtype == WeightDType::kQ4_1 ? 4 : 2; }
+bool HasSecondHalf(WeightDType dtype) {
+  return dtype == WeightDType::kQ4_1 || dtype == WeightDType::kQ4_Z;
+}
+
+// Bytes before a block's values: the fp16 scale, and Q4_1's offset or Q4_Z's zero point.
+int64_t HeaderBytes(WeightDType dtype) { return HasSecondHalf(dtype) ? 4 : 2; }
+
+// The offset m in w = d q + m of a Q4_1 or Q4_Z block (exact in fp32 for Q4_Z: an fp16 times
+// a small integer).
+float Offset(WeightDType dtype, const uint8_t* block) {
+  return dtype == WeightDType::kQ4_1 ? F16At(block + 2) : -F16At(block) * F16At(block + 2);
+}
 
 void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
   const int64_t blocks = m.cols / kQuantBlock;
@@ -45,11 +55,11 @@ void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
           o[i + 16] = d * static_cast<float>((block[2 + i] >> 4) - 8);
         }
         break;
-      default: {  // Q4_1
-        const float mn = F16At(block + 2);
+      default: {  // Q4_1, Q4_Z; fused like the AVX2 path, so both give the same floats
+        const float mn = Offset(m.dtype, block);
         for (int i = 0; i < 16; ++i) {
-          o[i] = d * static_cast<float>(block[4 + i] & 0x0F) + mn;
-          o[i + 16] = d * static_cast<float>(block[4 + i] >> 4) + mn;
+          o[i] = std::fma(d, static_cast<float>(block[4 + i] & 0x0F), mn);
+          o[i + 16] = std::fma(d, static_cast<float>(block[4 + i] >> 4), mn);
         }
       }
     }
@@ -80,8 +90,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType
   }
   const __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
                         _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
-  if (dtype == WeightDType::kQ4_1) {
-    const __m256 mn = _mm256_set1_ps(F16At(block + 2));
+  if (HasSecondHalf(dtype)) {
+    const __m256 mn = _mm256_set1_ps(Offset(dtype, block));
     for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), d, mn);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), d);
@@ -172,6 +182,8 @@ std::string_view WeightDTypeName(WeightDType dtype) {
       return "q4_0";
     case WeightDType::kQ4_1:
       return "q4_1";
+    case WeightDType::kQ4_Z:
+      return "q4_z";
   }
   return "?";
 }
@@ -188,7 +200,8 @@ absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name) {
 int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
   switch (dtype) {
     case WeightDType::kQ4_0: return 2 + 16;
-    case WeightDType::kQ4_1: return 4 + 16;
+    case WeightDType::kQ4_1:
+    case WeightDType::kQ4_Z: return 4 + 16;
     default: return 2 + 32;
   }
 }
@@ -225,11 +238,18 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
           block[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(
               std::clamp(std::lround(x[i] * inv), -127l, 127l)));
         }
-      } else if (dtype == WeightDType::kQ4_1) {
+      } else if (HasSecondHalf(dtype)) {
         const auto [lo, hi] = std::minmax_element(x, x + 32);
         const uint16_t hd = model::F32ToF16((*hi - *lo) / 15.f);
-        const uint16_t hm = model::F32ToF16(*lo);
-        const float d = model::F16ToF32(hd), mn = model::F16ToF32(hm);
+        const float d = model::F16ToF32(hd);
+        uint16_t hm;
+        if (dtype == WeightDType::kQ4_1) {
+          hm = model::F32ToF16(*lo);
+        } else {
+          hm = model::F32ToF16(d > 0.f ? std::clamp(std::round(-*lo / d), 0.f, 15.f) : 0.f);
+        }
+        const float mn = dtype == WeightDType::kQ4_1 ? model::F16ToF32(hm)
+                                                     : -d * model::F16ToF32(hm);
         std::memcpy(block, &hd, sizeof(hd));
         std::memcpy(block + 2, &hm, sizeof(hm));
         const float inv = d > 0.f ? 1.f / d : 0.f;

@@ -1,8 +1,9 @@
 // Linear layers with 8- and 4-bit weights in ggml's block formats: blocks of 32 weights along
 // a row, each with an fp16 scale d. Q8_0 stores 32 int8 (w = d q); Q4_0 32 nibbles with value i
 // in the low and value i + 16 in the high nibble of byte i (w = d (q - 8)); Q4_1 adds an fp16
-// offset m after d (w = d q + m), which is how asymmetric 4-bit checkpoints (AWQ, GPTQ: w =
-// s (q - z)) are held. Computing dequantizes one row (or one tile of rows) at a time into a
+// offset m after d (w = d q + m). Q4_Z, kvgrid's own, is Q4_1 with the zero point z in place of
+// m (w = d (q - z)): AWQ and GPTQ checkpoints store exactly that, and -d z would not always
+// round to fp16 exactly. Computing dequantizes one row (or one tile of rows) at a time into a
 // small buffer, never the whole matrix, so a decode step reads only the quantized bytes.
 #ifndef KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
 #define KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
@@ -17,14 +18,15 @@
 
 namespace kvgrid::kernels::cpu {
 
-enum class WeightDType : uint8_t { kF32, kQ8_0, kQ4_0, kQ4_1 };
+enum class WeightDType : uint8_t { kF32, kQ8_0, kQ4_0, kQ4_1, kQ4_Z };
 std::string_view WeightDTypeName(WeightDType dtype);
-// "fp32"/"f32", "q8_0", "q4_0", "q4_1". Errors: INVALID_ARGUMENT listing the choices.
+// "fp32"/"f32", "q8_0", "q4_0", "q4_1" (Q4_Z only comes from checkpoints).
+// Errors: INVALID_ARGUMENT listing the choices.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name);
 
 inline constexpr int64_t kQuantBlock = 32;
 
-// A [rows, cols] matrix in Q8_0, Q4_0 or Q4_1 blocks, rows contiguous; cols % 32 == 0.
+// A [rows, cols] matrix in Q8_0, Q4_0, Q4_1 or Q4_Z blocks, rows contiguous; cols % 32 == 0.
 //
 // `input_perm`, when not empty, says the columns are stored in a different order than the
 // layer's inputs: stored column j multiplies input input_perm[j]. GPTQ's act-order checkpoints
@@ -37,7 +39,7 @@ struct QuantMatrix {
   std::vector<uint8_t> data = {};          // [rows, cols / 32] blocks
   std::vector<int32_t> input_perm = {};  // [cols] or empty (identity)
 
-  [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);  // 34, 18 or 20
+  [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);  // 34, 18 or 20 (Q4_1, Q4_Z)
   [[nodiscard]] int64_t RowBytes() const { return cols / kQuantBlock * BlockBytes(dtype); }
   [[nodiscard]] bool empty() const { return rows == 0; }
 };
@@ -45,7 +47,8 @@ struct QuantMatrix {
 // Round-to-nearest quantization of row-major fp32 `weight` ([rows, cols]): Q8_0 scales each
 // block by max|w| / 127 (error <= half a step); Q4_0 by the signed value of largest magnitude
 // / -8 (error <= half a step, one step for values near the opposite extreme, which clamp at
-// +7); Q4_1 maps [min, max] onto 0..15 (error <= half a step of (max - min) / 15).
+// +7); Q4_1 maps [min, max] onto 0..15 (error <= half a step of (max - min) / 15); Q4_Z
+// likewise with an integer zero point (error <= one step when min rounds).
 // Errors: INVALID_ARGUMENT when cols is not a multiple of 32 or dtype is not quantized.
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* weight, int64_t rows, int64_t cols,
                                            WeightDType dtype);

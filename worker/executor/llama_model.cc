@@ -8,11 +8,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kernels/cpu/activation.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/kv_write.h"
+#include "kernels/cpu/packed_int4.h"
 #include "kernels/cpu/rms_norm.h"
 #include "kernels/cpu/rope.h"
 #include "model/dtype.h"
@@ -128,6 +130,93 @@ std::vector<float> Cols(const std::vector<float>& m, int64_t rows, int64_t cols,
   return out;
 }
 
+// Stacks matrices by rows: all quantized alike (same blocks, same input order) stay quantized,
+// else everything becomes fp32.
+absl::Status Stack(std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> parts,
+                   int64_t cols, std::vector<float>* fp32, cpu::QuantMatrix* quant) {
+  const bool quantized = std::all_of(parts.begin(), parts.end(), [&](const auto& p) {
+    return !p.second.empty() && p.second.dtype == parts.front().second.dtype &&
+           p.second.input_perm == parts.front().second.input_perm;
+  });
+  if (quantized) {
+    quant->dtype = parts.front().second.dtype;
+    quant->cols = cols;
+    quant->input_perm = parts.front().second.input_perm;
+    for (auto& [f, q] : parts) {
+      quant->rows += q.rows;
+      quant->data.insert(quant->data.end(), q.data.begin(), q.data.end());
+    }
+    return absl::OkStatus();
+  }
+  for (auto& [f, q] : parts) {
+    if (!q.empty()) f = cpu::DequantizeMatrix(q);
+    fp32->insert(fp32->end(), f.begin(), f.end());
+  }
+  return absl::OkStatus();
+}
+
+// A tensor of int32 (a 4-bit checkpoint's packed values), copied out of the mapping (whose
+// offsets need not be 4-byte aligned). Errors: NOT_FOUND; INVALID_ARGUMENT for another dtype
+// or shape.
+absl::Status ReadI32(const model::Checkpoint& c, const std::string& name,
+                     const std::vector<int64_t>& shape, std::vector<int32_t>* out) {
+  KVGRID_ASSIGN_OR_RETURN(const model::TensorView* t, c.Find(name));
+  if (t->dtype != model::DType::kI32 || t->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        t->file.string(), ": ", name, ": expected I32 [", absl::StrJoin(shape, ", "),
+        "], got ", std::string(model::DTypeName(t->dtype)), " [", absl::StrJoin(t->shape, ", "), "]"));
+  }
+  out->resize(static_cast<size_t>(t->NumElements()));
+  std::memcpy(out->data(), t->data.data(), out->size() * sizeof(int32_t));
+  return absl::OkStatus();
+}
+
+// Linear layer `module` ([rows, cols]) of a 4-bit AWQ/GPTQ checkpoint: Q4_1 blocks when its
+// groups are whole blocks of 32 inputs, else exactly dequantized fp32; fp32 too for a layer the
+// checkpoint kept unquantized (modules_to_not_convert).
+absl::Status ReadPacked4Bit(const model::Checkpoint& c, const model::QuantizationConfig& qc,
+                            const std::string& module, int64_t rows, int64_t cols,
+                            std::vector<float>* fp32, cpu::QuantMatrix* quant) {
+  if (!c.Contains(module + ".qweight")) {
+    return c.ReadF32(module + ".weight", std::vector<int64_t>{rows, cols}, fp32);
+  }
+  const bool awq = qc.method == model::QuantMethod::kAwq;
+  cpu::PackedInt4Params p{.layout = awq ? cpu::PackedInt4Layout::kAwq : cpu::PackedInt4Layout::kGptq,
+                          .name = module, .in_features = cols, .out_features = rows,
+                          .group_size = qc.group_size, .zeros_minus_one = qc.zeros_minus_one};
+  if (rows % 8 != 0 || cols % 8 != 0) return p.Validate();  // names the layer and its shape
+  const int64_t groups = p.groups();
+  std::vector<int32_t> qweight, qzeros, g_idx;
+  std::vector<float> scales;
+  const auto group_hint = [&](absl::Status s) {
+    if (s.ok()) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (quantization_config.group_size ",
+                                               qc.group_size, ")"));
+  };
+  KVGRID_RETURN_IF_ERROR(ReadI32(c, module + ".qweight",
+                                 awq ? std::vector<int64_t>{cols, rows / 8}
+                                     : std::vector<int64_t>{cols / 8, rows},
+                                 &qweight));
+  KVGRID_RETURN_IF_ERROR(group_hint(
+      ReadI32(c, module + ".qzeros", std::vector<int64_t>{groups, rows / 8}, &qzeros)));
+  KVGRID_RETURN_IF_ERROR(group_hint(
+      c.ReadF32(module + ".scales", std::vector<int64_t>{groups, rows}, &scales)));
+  if (!awq && c.Contains(module + ".g_idx")) {
+    KVGRID_RETURN_IF_ERROR(ReadI32(c, module + ".g_idx", std::vector<int64_t>{cols}, &g_idx));
+  }
+  p.qweight = qweight;
+  p.qzeros = qzeros;
+  p.scales = scales;
+  p.g_idx = g_idx;
+  KVGRID_RETURN_IF_ERROR(p.Validate());
+  if (p.FitsBlocks()) {
+    KVGRID_ASSIGN_OR_RETURN(*quant, cpu::QuantMatrixFromPackedInt4(p));
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(*fp32, cpu::DequantizePackedInt4(p));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
@@ -229,11 +318,44 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
   // The config decides (Qwen2 always has q/k/v biases); a checkpoint that lacks them fails
   // below naming the tensor instead of silently computing something else.
   const bool bias = config->attention_bias;
+  const model::QuantizationConfig& quant = config->quantization;
+  if (quant.quantized() && tp.size != 1) {
+    return absl::UnimplementedError(absl::StrCat(
+        dir.string(), ": 4-bit AWQ/GPTQ checkpoints run on one worker (tensor parallel size 1)"));
+  }
   for (int64_t i = 0; i < config->num_hidden_layers; ++i) {
     LayerWeights l;
     const std::string p = absl::StrCat("model.layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "input_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.input_norm));
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "post_attention_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.post_norm));
+    if (quant.quantized()) {
+      // Whole layers (tp 1): q/k/v and gate/up stay in blocks when they agree, as in GGUF.
+      std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> qkv(3), gate_up(2);
+      const std::pair<const char*, int64_t> qkv_parts[] = {
+          {"self_attn.q_proj", d.q_dim}, {"self_attn.k_proj", d.kv_dim}, {"self_attn.v_proj", d.kv_dim}};
+      for (int part = 0; part < 3; ++part) {
+        KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + qkv_parts[part].first, qkv_parts[part].second,
+                                              d.hidden, &qkv[part].first, &qkv[part].second));
+      }
+      KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q));
+      KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.gate_proj", d.inter, d.hidden,
+                                            &gate_up[0].first, &gate_up[0].second));
+      KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.up_proj", d.inter, d.hidden,
+                                            &gate_up[1].first, &gate_up[1].second));
+      KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q));
+      KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "self_attn.o_proj", d.hidden, d.q_dim, &l.o, &l.o_q));
+      KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.down_proj", d.hidden, d.inter, &l.down, &l.down_q));
+      if (bias) {
+        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.bias", {full.q_dim}, q0, q1, &l.qkv_bias, &scratch));
+        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
+        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
+      }
+      if (c.Contains(p + "self_attn.o_proj.bias")) {
+        KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
+      }
+      w.layers.push_back(std::move(l));
+      continue;
+    }
     KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.weight", {full.q_dim, d.hidden}, q0, q1, &l.qkv, &scratch));
     KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
     KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
@@ -312,31 +434,6 @@ absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64
   fp32->resize(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(fp32->data() + r * cols, all.data() + src_row(r) * cols, sizeof(float) * cols);
-  }
-  return absl::OkStatus();
-}
-
-// Stacks matrices by rows: all quantized alike stay quantized, else everything becomes fp32.
-absl::Status Stack(std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> parts,
-                   int64_t cols, std::vector<float>* fp32, cpu::QuantMatrix* quant) {
-  const bool quantized = std::all_of(parts.begin(), parts.end(), [&](const auto& p) {
-    return !p.second.empty() && p.second.dtype == parts.front().second.dtype;
-  });
-  if (quantized) {
-    quant->dtype = parts.front().second.dtype;
-    quant->cols = cols;
-    for (auto& [f, q] : parts) {
-      quant->rows += q.rows;
-      quant->data.insert(quant->data.end(), q.data.begin(), q.data.end());
-    }
-    return absl::OkStatus();
-  }
-  for (auto& [f, q] : parts) {
-    if (!q.empty()) {
-      f.resize(static_cast<size_t>(q.rows * cols));
-      for (int64_t r = 0; r < q.rows; ++r) cpu::DequantizeRow(q, r, f.data() + r * cols);
-    }
-    fp32->insert(fp32->end(), f.begin(), f.end());
   }
   return absl::OkStatus();
 }

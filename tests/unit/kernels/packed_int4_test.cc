@@ -1,5 +1,5 @@
-// AWQ and GPTQ layers (packed here from known q, z and s) become Q4_1 blocks that dequantize to
-// s (q - z), act-order groups included; layers that do not fit blocks dequantize exactly; sizes
+// AWQ and GPTQ layers (packed here from known q, z and s) become Q4_Z blocks that dequantize to
+// exactly s (q - z), act-order groups included; layers that do not fit blocks dequantize exactly; sizes
 // that disagree with the shape are refused naming the tensor.
 #include "kernels/cpu/packed_int4.h"
 
@@ -98,7 +98,7 @@ void ExpectMatches(const Layer& l, const PackedInt4Params& p) {
   ASSERT_TRUE(p.FitsBlocks());
   absl::StatusOr<QuantMatrix> m = QuantMatrixFromPackedInt4(p);
   ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_EQ(m->dtype, WeightDType::kQ4_1);
+  EXPECT_EQ(m->dtype, WeightDType::kQ4_Z);
   const std::vector<float> blocks = DequantizeMatrix(*m);
   absl::StatusOr<std::vector<float>> exact = DequantizePackedInt4(p);
   ASSERT_TRUE(exact.ok()) << exact.status();
@@ -106,9 +106,7 @@ void ExpectMatches(const Layer& l, const PackedInt4Params& p) {
     for (int64_t i = 0; i < l.in; ++i) {
       const float want = l.W(i, o);
       ASSERT_EQ((*exact)[o * l.in + i], want) << "o=" << o << " i=" << i;
-      // m = -s z rounded to fp16: within 15 s / 2048.
-      ASSERT_NEAR(blocks[o * l.in + i], want, 16.f * l.s[l.g_idx[i] * l.out + o] / 2048.f)
-          << "o=" << o << " i=" << i;
+      ASSERT_EQ(blocks[o * l.in + i], want) << "o=" << o << " i=" << i;
     }
   }
 }

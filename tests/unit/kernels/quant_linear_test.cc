@@ -28,7 +28,8 @@ std::vector<float> Random(int64_t n, uint64_t seed) {
 TEST(QuantLinearTest, RoundTripWithinHalfAStep) {
   const int64_t rows = 7, cols = 96;
   const std::vector<float> w = Random(rows * cols, 1);
-  for (WeightDType dtype : {WeightDType::kQ8_0, WeightDType::kQ4_0, WeightDType::kQ4_1}) {
+  for (WeightDType dtype :
+       {WeightDType::kQ8_0, WeightDType::kQ4_0, WeightDType::kQ4_1, WeightDType::kQ4_Z}) {
     auto q = QuantizeMatrix(w.data(), rows, cols, dtype);
     ASSERT_TRUE(q.ok()) << q.status();
     EXPECT_EQ(static_cast<int64_t>(q->data.size()), rows * cols / 32 * QuantMatrix::BlockBytes(dtype));
@@ -41,11 +42,13 @@ TEST(QuantLinearTest, RoundTripWithinHalfAStep) {
         const auto [lo, hi] = std::minmax_element(w.begin() + r * cols + b * 32,
                                                   w.begin() + r * cols + b * 32 + 32);
         // Q8_0: half a step; Q4_0: half a step, one for values that clamp at +7; Q4_1: half a
-        // step of the range, plus the fp16 rounding of the offset.
+        // step of the range, plus the fp16 rounding of the offset; Q4_Z: one step (the zero
+        // point is rounded to an integer).
         const float bound = dtype == WeightDType::kQ8_0   ? 0.5f * amax / 127.f
                             : dtype == WeightDType::kQ4_0 ? amax / 8.f
-                                                          : 0.5f * (*hi - *lo) / 15.f +
-                                                                std::fabs(*lo) / 1024.f;
+                            : dtype == WeightDType::kQ4_1
+                                ? 0.5f * (*hi - *lo) / 15.f + std::fabs(*lo) / 1024.f
+                                : (*hi - *lo) / 15.f;
         for (int i = 0; i < 32; ++i) {
           const int64_t at = r * cols + b * 32 + i;
           EXPECT_LE(std::fabs(row[b * 32 + i] - w[at]), bound * 1.002f + 1e-6f)
@@ -117,7 +120,8 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
   std::shuffle(perm.begin(), perm.end(), std::mt19937(6));
   for (auto [dtype, permuted] :
        {std::pair{WeightDType::kQ8_0, false}, std::pair{WeightDType::kQ4_0, false},
-        std::pair{WeightDType::kQ4_1, false}, std::pair{WeightDType::kQ4_1, true}}) {
+        std::pair{WeightDType::kQ4_1, false}, std::pair{WeightDType::kQ4_Z, false},
+        std::pair{WeightDType::kQ4_Z, true}}) {
     auto q = QuantizeMatrix(w.data(), n, k, dtype);
     ASSERT_TRUE(q.ok());
     if (permuted) q->input_perm = perm;
