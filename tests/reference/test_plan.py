@@ -117,3 +117,31 @@ def test_malformed_and_missing_config(tmp_path):
     cfg = dict(LLAMA3_8B, num_key_value_heads=3)
     (bad / "config.json").write_text(json.dumps(cfg))
     assert_clean_failure(run("--model", bad, "--memory", "24GiB"), "num_key_value_heads")
+
+
+def test_quantized_weights_leave_more_for_the_cache(llama_dir, tmp_path):
+    linear = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    head = 128256 * 4096
+    q4, _ = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192,
+                      "--weight-dtype", "q4_0")
+    # Layers' linear weights at 18 bytes per 32, the head at Q8_0's 34, the rest at bf16.
+    want = linear // 32 * 18 + head // 32 * 34 + (LLAMA3_8B_PARAMS - linear - head) * 2
+    assert q4["fp16"]["weight_bytes"] == want
+    assert q4["fp16"]["weight_dtype"] == "q4_0"
+    assert q4["fp16"]["kv_budget_bytes"] == 24 * GIB - want
+    bf16, _ = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
+    assert q4["int8"]["max_sequences"] > 2 * bf16["int8"]["max_sequences"]
+
+    # An AWQ checkpoint's config: 4-bit layers as kvgrid holds them (20 bytes per 32), the
+    # embeddings and head at fp16.
+    awq = dict(LLAMA3_8B, torch_dtype="float16", quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm",
+        "zero_point": True})
+    d = tmp_path / "awq"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(awq))
+    rows, _ = plan_json("--model", d, "--memory", "24GiB", "--context", 8192)
+    assert rows["fp16"]["weight_dtype"] == "awq"
+    assert rows["fp16"]["weight_bytes"] == linear // 32 * 20 + (LLAMA3_8B_PARAMS - linear) * 2
+    r = run("--model", llama_dir, "--memory", "24GiB", "--weight-dtype", "int3")
+    assert r.returncode != 0 and "--weight-dtype: unknown weight dtype 'int3'" in r.stderr

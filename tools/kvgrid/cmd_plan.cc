@@ -20,12 +20,16 @@ namespace {
 
 constexpr char kHelp[] =
     "usage: kvgrid plan [--model DIR|config.json] --memory 24GiB [--context N]\n"
-    "                   [--weight-dtype auto|fp32|bf16|fp16] [--block-size 8|16|32] [--json]\n"
+    "                   [--weight-dtype auto|fp32|bf16|fp16|q8_0|q4_0|q4_1] [--block-size 8|16|32]\n"
+    "                   [--json]\n"
     "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values): bytes per token,\n"
     "max tokens and max concurrent sequences at --context (default: the model's\n"
     "max_position_embeddings), in what --memory leaves after the weights.\n"
-    "Weights: parameters counted from config.json x bytes of --weight-dtype (auto: the\n"
-    "config's torch_dtype, fp32 when absent). --json: one JSON object per dtype per line.\n";
+    "Weights: parameters counted from config.json at --weight-dtype. auto: an AWQ/GPTQ\n"
+    "config's 4-bit layers (as kvgrid holds them: 20 bytes per 32 weights), else the config's\n"
+    "torch_dtype (fp32 when absent). q8_0/q4_0/q4_1: the layers' linear weights in blocks of\n"
+    "32 (34/18/20 bytes) and the head in Q8_0, as --weight-dtype quantizes at load; the rest\n"
+    "at torch_dtype. --json: one JSON object per dtype per line.\n";
 
 std::string GiB(int64_t bytes) {
   return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / static_cast<double>(1ll << 30));
@@ -59,13 +63,13 @@ absl::Status Plan(Args& args) {
   if (context <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--context: must be positive, got ", context));
   }
-  absl::StatusOr<int64_t> bytes_per_param = worker::WeightBytesPerParam(weight_dtype, config);
-  if (!bytes_per_param.ok()) {
+  absl::StatusOr<worker::WeightFootprint> weights = worker::PlanWeights(config, weight_dtype);
+  if (!weights.ok()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--weight-dtype: ", std::string(bytes_per_param.status().message())));
+        absl::StrCat("--weight-dtype: ", std::string(weights.status().message())));
   }
   absl::StatusOr<std::vector<worker::KvPlanRow>> rows =
-      worker::PlanKvCapacity(config, memory, context, block_size, *bytes_per_param);
+      worker::PlanKvCapacity(config, memory, context, block_size, *weights);
   if (!rows.ok()) {
     // Flags were validated above: what is left is weights that do not fit.
     return absl::InvalidArgumentError(
@@ -87,6 +91,7 @@ absl::Status Plan(Args& args) {
       j["blocks_per_sequence"] = r.blocks_per_sequence;
       j["max_sequences"] = r.max_sequences;
       j["memory_bytes"] = r.memory_bytes;
+      j["weight_dtype"] = r.weight_dtype;
       j["weight_params"] = r.weight_params;
       j["weight_bytes"] = r.weight_bytes;
       j["kv_budget_bytes"] = r.kv_budget_bytes;
@@ -100,12 +105,11 @@ absl::Status Plan(Args& args) {
               config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
               static_cast<long long>(config.num_key_value_heads),
               static_cast<long long>(config.head_dim));
-  const std::string weight_name = weight_dtype == "auto" ? config.torch_dtype : weight_dtype;
   std::printf("memory     %lld B (%s)\n", static_cast<long long>(memory), GiB(memory).c_str());
-  std::printf("weights    %lld B (%s) = %lld parameters x %lld B (%s)\n",
+  std::printf("weights    %lld B (%s) = %lld parameters as %s (%.3f B each)\n",
               static_cast<long long>(first.weight_bytes), GiB(first.weight_bytes).c_str(),
-              static_cast<long long>(first.weight_params), static_cast<long long>(*bytes_per_param),
-              weight_name.empty() ? "fp32: no torch_dtype" : weight_name.c_str());
+              static_cast<long long>(first.weight_params), weights->dtype.c_str(),
+              static_cast<double>(weights->bytes) / static_cast<double>(weights->params));
   std::printf("KV budget  %lld B (%s)\n", static_cast<long long>(first.kv_budget_bytes),
               GiB(first.kv_budget_bytes).c_str());
   std::printf("context %lld tokens = %lld blocks of %lld per sequence%s\n\n",

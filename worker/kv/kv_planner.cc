@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/quant_linear.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -55,26 +56,84 @@ int64_t KvBytesPerToken(const model::ModelConfig& c, KvDType k, KvDType v) {
           kernels::KvRowLayoutFor(v, c.head_dim).total());
 }
 
-absl::StatusOr<int64_t> WeightBytesPerParam(std::string_view weight_dtype,
-                                            const model::ModelConfig& config) {
-  const bool from_config = weight_dtype == "auto";
-  const std::string name = from_config ? config.torch_dtype : std::string(weight_dtype);
-  if (from_config && name.empty()) return 4;  // no torch_dtype: transformers loads fp32
+namespace {
+
+// Bytes per parameter of an unquantized dtype name; 0 when it is not one.
+int64_t PlainBytes(std::string_view name) {
   if (name == "fp32" || name == "float32") return 4;
   if (name == "fp16" || name == "float16" || name == "bf16" || name == "bfloat16") return 2;
-  if (from_config) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the config's torch_dtype \"", name,
-                     "\" has no known size (give the weight dtype explicitly: fp32, fp16, bf16)"));
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<WeightFootprint> PlanWeights(const model::ModelConfig& c,
+                                            std::string_view weight_dtype) {
+  WeightFootprint f;
+  f.params = CountParameters(c);
+  const int64_t base = c.torch_dtype.empty() ? 4 : PlainBytes(c.torch_dtype);
+  const model::QuantizationConfig& q = c.quantization;
+  if (weight_dtype == "auto" && !q.quantized()) {
+    if (base == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the config's torch_dtype \"", c.torch_dtype,
+          "\" has no known size (give the weight dtype explicitly: fp32, fp16, bf16)"));
+    }
+    f.dtype = c.torch_dtype.empty() ? "fp32" : c.torch_dtype;
+    f.bytes = f.params * base;
+    return f;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown weight dtype '", name, "' (accepted: auto, fp32, fp16, bf16)"));
+  if (const int64_t plain = PlainBytes(weight_dtype); plain > 0) {
+    f.dtype = std::string(weight_dtype);
+    f.bytes = f.params * plain;
+    return f;
+  }
+  const int64_t rest_bytes = base > 0 ? base : 4;
+  kernels::cpu::WeightDType blocks;
+  if (weight_dtype == "auto") {
+    f.dtype = q.method == model::QuantMethod::kAwq ? "awq" : "gptq";
+    blocks = kernels::cpu::WeightDType::kQ4_Z;
+  } else {
+    absl::StatusOr<kernels::cpu::WeightDType> parsed = kernels::cpu::ParseWeightDType(weight_dtype);
+    if (!parsed.ok() || *parsed == kernels::cpu::WeightDType::kF32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "unknown weight dtype '", std::string(weight_dtype),
+          "' (accepted: auto, fp32, fp16, bf16, q8_0, q4_0, q4_1)"));
+    }
+    f.dtype = std::string(weight_dtype);
+    blocks = *parsed;
+  }
+  const int64_t block_bytes = kernels::cpu::QuantMatrix::BlockBytes(blocks);
+  // A [rows, cols] linear weight: blocks when its input width allows, else unquantized.
+  const auto linear = [&](int64_t rows, int64_t cols) -> int64_t {
+    bool fits = cols % kernels::cpu::kQuantBlock == 0;
+    if (q.method == model::QuantMethod::kAwq && weight_dtype == "auto") {
+      fits = fits && cols % q.group_size == 0;  // else the checkpoint left it unconverted
+    }
+    return fits ? rows * cols / kernels::cpu::kQuantBlock * block_bytes : rows * cols * rest_bytes;
+  };
+  const int64_t hidden = c.hidden_size, inter = c.intermediate_size;
+  const int64_t q_dim = c.num_attention_heads * c.head_dim;
+  const int64_t kv_dim = c.num_key_value_heads * c.head_dim;
+  const int64_t linear_params =
+      c.num_hidden_layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter);
+  const int64_t linear_bytes =
+      c.num_hidden_layers * (linear(q_dim + 2 * kv_dim, hidden) + linear(hidden, q_dim) +
+                             linear(2 * inter, hidden) + linear(hidden, inter));
+  f.bytes = (f.params - linear_params) * rest_bytes + linear_bytes;
+  if (weight_dtype != "auto" && hidden % kernels::cpu::kQuantBlock == 0) {
+    // The head in Q8_0: in place of lm_head, or a copy beside the tied embedding.
+    const int64_t head_q8 = c.vocab_size * hidden / kernels::cpu::kQuantBlock *
+                            kernels::cpu::QuantMatrix::BlockBytes(kernels::cpu::WeightDType::kQ8_0);
+    f.bytes += head_q8 - (c.tie_word_embeddings ? 0 : c.vocab_size * hidden * rest_bytes);
+  }
+  return f;
 }
 
 absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& config,
                                                       int64_t memory_bytes, int64_t context,
                                                       int64_t block_size,
-                                                      int64_t weight_bytes_per_param) {
+                                                      const WeightFootprint& weights) {
   if (memory_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("memory must be positive, got ", memory_bytes));
   }
@@ -85,18 +144,17 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
     return absl::InvalidArgumentError(
         absl::StrCat("block size must be 8, 16 or 32, got ", block_size));
   }
-  // Real weight types are at most 8 bytes; the bound keeps the product far from overflow.
-  if (weight_bytes_per_param <= 0 || weight_bytes_per_param > 16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "bytes per weight parameter must be in [1, 16], got ", weight_bytes_per_param));
+  if (weights.bytes <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight bytes must be positive, got ", weights.bytes));
   }
-  const int64_t params = CountParameters(config);
-  const int64_t weight_bytes = params * weight_bytes_per_param;
+  const int64_t params = weights.params;
+  const int64_t weight_bytes = weights.bytes;
   if (weight_bytes >= memory_bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("the weights alone need ", weight_bytes, " bytes (", GiB(weight_bytes), ": ",
-                     params, " parameters x ", weight_bytes_per_param,
-                     " bytes), which leaves no room for the KV cache in ", memory_bytes, " bytes (",
+                     params, " parameters as ", weights.dtype,
+                     "), which leaves no room for the KV cache in ", memory_bytes, " bytes (",
                      GiB(memory_bytes), ")"));
   }
   const int64_t kv_budget = memory_bytes - weight_bytes;
@@ -112,6 +170,7 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
     row.bytes_per_block = row.bytes_per_token * block_size;
     row.block_size = block_size;
     row.memory_bytes = memory_bytes;
+    row.weight_dtype = weights.dtype;
     row.weight_params = params;
     row.weight_bytes = weight_bytes;
     row.kv_budget_bytes = kv_budget;

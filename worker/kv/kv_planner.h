@@ -28,8 +28,9 @@ struct KvPlanRow {
   int64_t bytes_per_block = 0;  // bytes_per_token * block_size
   int64_t block_size = 0;
   int64_t memory_bytes = 0;         // the whole budget
+  std::string weight_dtype;         // WeightFootprint::dtype
   int64_t weight_params = 0;        // CountParameters(config)
-  int64_t weight_bytes = 0;         // weight_params * bytes per parameter
+  int64_t weight_bytes = 0;         // WeightFootprint::bytes
   int64_t kv_budget_bytes = 0;      // memory_bytes - weight_bytes
   int64_t blocks = 0;               // floor(kv_budget_bytes / bytes_per_block)
   int64_t max_tokens = 0;           // blocks * block_size
@@ -58,22 +59,36 @@ const std::vector<KvDTypePair>& PlannedKvDTypes();
 [[nodiscard]] int64_t KvBytesPerToken(const model::ModelConfig& config, kernels::KvDType k,
                                       kernels::KvDType v);
 
-// Bytes per weight parameter for `weight_dtype`: fp32/float32 4, fp16/float16/bf16/bfloat16 2;
-// "auto" takes the config's torch_dtype, fp32 when the config has none.
-// Errors: INVALID_ARGUMENT naming the unknown dtype (or the config's torch_dtype for auto).
-absl::StatusOr<int64_t> WeightBytesPerParam(std::string_view weight_dtype,
-                                            const model::ModelConfig& config);
+// The weights as a worker holds them, for planning.
+struct WeightFootprint {
+  std::string dtype;   // "bf16", "q4_0", "awq", ...
+  int64_t params = 0;  // CountParameters(config)
+  int64_t bytes = 0;
+};
 
-// One row per PlannedKvDTypes() entry for a budget of `memory_bytes` that must also hold the
-// weights (CountParameters * weight_bytes_per_param). A context larger than the KV budget
-// gives max_sequences 0, not an error.
-// Errors: INVALID_ARGUMENT when memory_bytes, context or weight_bytes_per_param is not
-// positive, block_size is not 8, 16 or 32, or the weights leave no room for the KV cache
-// (the message gives both numbers).
+// What the weights take for `weight_dtype`:
+//   fp32 / fp16 / bf16 (also float32, float16, bfloat16): every parameter at that size;
+//   q8_0 / q4_0 / q4_1: the layers' linear weights in blocks of 32 (34, 18, 20 bytes; a matrix
+//     whose input width is not a multiple of 32 stays unquantized), the head in Q8_0 blocks (a
+//     copy beside the embedding when tied), everything else unquantized;
+//   auto: a config with an AWQ/GPTQ quantization_config: the linear weights in the 20-byte
+//     blocks kvgrid holds 4-bit checkpoints in (unquantized when their input width is not a
+//     multiple of 32, or for AWQ not of the group size), everything else unquantized;
+//     otherwise every parameter at the config's torch_dtype.
+// "Unquantized" is the config's torch_dtype size (fp32 when it has none).
+// Errors: INVALID_ARGUMENT naming the unknown dtype (or the config's torch_dtype).
+absl::StatusOr<WeightFootprint> PlanWeights(const model::ModelConfig& config,
+                                            std::string_view weight_dtype);
+
+// One row per PlannedKvDTypes() entry for a budget of `memory_bytes` that must also hold
+// `weights`. A context larger than the KV budget gives max_sequences 0, not an error.
+// Errors: INVALID_ARGUMENT when memory_bytes, context or weights.bytes is not positive,
+// block_size is not 8, 16 or 32, or the weights leave no room for the KV cache (the message
+// gives both numbers).
 absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& config,
                                                       int64_t memory_bytes, int64_t context,
                                                       int64_t block_size,
-                                                      int64_t weight_bytes_per_param);
+                                                      const WeightFootprint& weights);
 
 }  // namespace kvgrid::worker
 

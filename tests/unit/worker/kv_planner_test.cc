@@ -52,6 +52,8 @@ const KvPlanRow& Row(const std::vector<KvPlanRow>& rows, const std::string& dtyp
   return rows.front();
 }
 
+WeightFootprint Bf16(const model::ModelConfig& c) { return *PlanWeights(c, "bf16"); }
+
 TEST(KvPlannerTest, ParameterCountsMatchThePublishedModels) {
   // Llama-3-8B: per layer q 4096^2 + k,v 2*4096*1024 + o 4096^2 + mlp 3*4096*14336 + norms
   // 2*4096 = 218,112,000; x32 + final norm 4096 + embeddings and lm_head 2*128256*4096.
@@ -89,7 +91,7 @@ TEST(KvPlannerTest, BytesPerTokenOfLlama3_8B) {
 
 TEST(KvPlannerTest, Llama3_8BOn24GiBAt8192) {
   const model::ModelConfig c = Parse(kLlama3_8B);
-  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8192, 16, 2);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8192, 16, Bf16(c));
   ASSERT_TRUE(rows.ok()) << rows.status();
   ASSERT_EQ(rows->size(), 6u);
   EXPECT_EQ((*rows)[0].dtype, "fp32");
@@ -124,7 +126,7 @@ TEST(KvPlannerTest, Llama3_8BOn24GiBAt8192) {
 TEST(KvPlannerTest, Qwen2_7BOn80GB) {
   const model::ModelConfig c = Parse(kQwen2_7B);
   EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 28 * 4 * 128 * 2 * 2);  // 57344
-  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80'000'000'000, 32768, 16, 2);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80'000'000'000, 32768, 16, Bf16(c));
   ASSERT_TRUE(rows.ok()) << rows.status();
   const KvPlanRow& bf16 = Row(*rows, "bf16");
   const int64_t budget = 80'000'000'000 - 2 * 7'615'616'512;
@@ -137,14 +139,14 @@ TEST(KvPlannerTest, Qwen2_7BOn80GB) {
 TEST(KvPlannerTest, Llama3_70BNeedsMoreThanOneCardInBf16) {
   const model::ModelConfig c = Parse(kLlama3_70B);
   EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 80 * 8 * 128 * 4);  // 320 KiB
-  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80 * kGiB, 8192, 16, 2);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 80 * kGiB, 8192, 16, Bf16(c));
   ASSERT_FALSE(rows.ok());
   EXPECT_EQ(rows.status().code(), absl::StatusCode::kInvalidArgument);
   // Both numbers are in the message.
   EXPECT_NE(rows.status().message().find("141107412992"), std::string::npos) << rows.status();
   EXPECT_NE(rows.status().message().find("85899345920"), std::string::npos) << rows.status();
 
-  rows = PlanKvCapacity(c, 160 * kGiB, 8192, 16, 2);
+  rows = PlanKvCapacity(c, 160 * kGiB, 8192, 16, Bf16(c));
   ASSERT_TRUE(rows.ok()) << rows.status();
   const KvPlanRow& fp16 = Row(*rows, "fp16");
   const int64_t budget = 160 * kGiB - 141'107'412'992;
@@ -154,11 +156,11 @@ TEST(KvPlannerTest, Llama3_70BNeedsMoreThanOneCardInBf16) {
 
 TEST(KvPlannerTest, ContextRoundsUpToWholeBlocksAndMayNotFit) {
   const model::ModelConfig c = Parse(kLlama3_8B);
-  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8193, 32, 2);
+  absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8193, 32, Bf16(c));
   ASSERT_TRUE(rows.ok());
   EXPECT_EQ(Row(*rows, "fp16").blocks_per_sequence, 257);
   // A context larger than the whole KV budget: zero sequences, not an error.
-  rows = PlanKvCapacity(c, 17 * kGiB, 1 << 20, 16, 2);
+  rows = PlanKvCapacity(c, 17 * kGiB, 1 << 20, 16, Bf16(c));
   ASSERT_TRUE(rows.ok());
   EXPECT_EQ(Row(*rows, "fp16").max_sequences, 0);
   EXPECT_GT(Row(*rows, "fp16").max_tokens, 0);
@@ -166,30 +168,72 @@ TEST(KvPlannerTest, ContextRoundsUpToWholeBlocksAndMayNotFit) {
 
 TEST(KvPlannerTest, RejectsBadArguments) {
   const model::ModelConfig c = Parse(kLlama3_8B);
-  EXPECT_EQ(PlanKvCapacity(c, 0, 8192, 16, 2).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 0, 16, 2).status().code(),
+  EXPECT_EQ(PlanKvCapacity(c, 0, 8192, 16, Bf16(c)).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 0, 16, Bf16(c)).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 12, 2).status().code(),
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 12, Bf16(c)).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 16, 0).status().code(),
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 16, WeightFootprint{}).status().code(),
             absl::StatusCode::kInvalidArgument);
   // Weights exactly filling memory leave nothing for KV.
-  EXPECT_EQ(PlanKvCapacity(c, 2 * 8'030'261'248, 8192, 16, 2).status().code(),
+  EXPECT_EQ(PlanKvCapacity(c, 2 * 8'030'261'248, 8192, 16, Bf16(c)).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 
 TEST(KvPlannerTest, WeightDTypeComesFromTheConfigForAuto) {
   model::ModelConfig c = Parse(kLlama3_8B);
-  EXPECT_EQ(*WeightBytesPerParam("auto", c), 2);
-  EXPECT_EQ(*WeightBytesPerParam("fp32", c), 4);
-  EXPECT_EQ(*WeightBytesPerParam("fp16", c), 2);
+  const int64_t n = 8'030'261'248;
+  EXPECT_EQ(PlanWeights(c, "auto")->bytes, 2 * n);
+  EXPECT_EQ(PlanWeights(c, "auto")->dtype, "bfloat16");
+  EXPECT_EQ(PlanWeights(c, "fp32")->bytes, 4 * n);
+  EXPECT_EQ(PlanWeights(c, "fp16")->bytes, 2 * n);
   c.torch_dtype = "";
-  EXPECT_EQ(*WeightBytesPerParam("auto", c), 4);
+  EXPECT_EQ(PlanWeights(c, "auto")->bytes, 4 * n);
   c.torch_dtype = "float32";
-  EXPECT_EQ(*WeightBytesPerParam("auto", c), 4);
+  EXPECT_EQ(PlanWeights(c, "auto")->bytes, 4 * n);
   c.torch_dtype = "float8_e4m3fn";
-  EXPECT_EQ(WeightBytesPerParam("auto", c).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(WeightBytesPerParam("int3", c).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanWeights(c, "auto").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanWeights(c, "int3").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(KvPlannerTest, QuantizedWeightsByHand) {
+  // Llama-3-8B: per layer q/k/v 4096 x 6144, o 4096 x 4096, gate/up/down 3 x 4096 x 14336;
+  // every input width is a multiple of 32.
+  model::ModelConfig c = Parse(kLlama3_8B);
+  const int64_t n = 8'030'261'248;
+  const int64_t linear = 32ll * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336);  // 6,979,321,856
+  const int64_t head = 128256ll * 4096;
+  // Q4_0: linear weights at 18 bytes per 32, the head at 34 per 32, the rest at bf16.
+  EXPECT_EQ(PlanWeights(c, "q4_0")->bytes,
+            linear / 32 * 18 + head / 32 * 34 + (n - linear - head) * 2);
+  EXPECT_EQ(PlanWeights(c, "q8_0")->bytes,
+            linear / 32 * 34 + head / 32 * 34 + (n - linear - head) * 2);
+  // A tied head (one vocabulary matrix fewer) keeps the embedding and adds a Q8_0 copy.
+  model::ModelConfig tied = c;
+  tied.tie_word_embeddings = true;
+  EXPECT_EQ(PlanWeights(tied, "q4_1")->bytes,
+            linear / 32 * 20 + head / 32 * 34 + (n - head - linear) * 2);
+  // An AWQ/GPTQ config: the linear weights in 20-byte blocks, nothing else quantized; fp16.
+  c.quantization = {.method = model::QuantMethod::kGptq, .bits = 4, .group_size = 128};
+  c.torch_dtype = "float16";
+  absl::StatusOr<WeightFootprint> gptq = PlanWeights(c, "auto");
+  ASSERT_TRUE(gptq.ok());
+  EXPECT_EQ(gptq->dtype, "gptq");
+  EXPECT_EQ(gptq->bytes, linear / 32 * 20 + (n - linear) * 2);
+  // AWQ leaves layers whose input width is not a multiple of the group size unconverted.
+  c.quantization.method = model::QuantMethod::kAwq;
+  c.intermediate_size = 14336 + 64;  // down_proj's input: not a multiple of 128
+  const int64_t n2 = CountParameters(c);
+  // All but down_proj: q/k/v, o, gate/up.
+  const int64_t rest_linear = 32ll * (4096 * 6144 + 4096 * 4096 + 2 * 4096 * 14400);
+  EXPECT_EQ(PlanWeights(c, "auto")->bytes, rest_linear / 32 * 20 + (n2 - rest_linear) * 2);
+  // Quantized weights leave more of a 24 GiB card to the KV cache.
+  const model::ModelConfig plain = Parse(kLlama3_8B);
+  const int64_t bf16_blocks =
+      Row(*PlanKvCapacity(plain, 24 * kGiB, 8192, 16, *PlanWeights(plain, "bf16")), "fp16").blocks;
+  const int64_t q4_blocks =
+      Row(*PlanKvCapacity(plain, 24 * kGiB, 8192, 16, *PlanWeights(plain, "q4_0")), "fp16").blocks;
+  EXPECT_GT(q4_blocks, 2 * bf16_blocks);
 }
 
 }  // namespace
