@@ -1,91 +1,28 @@
 // long_decode_bench: whole-model decode speed at long contexts for each KV dtype, on
-// a Qwen2-0.5B-shaped model with random weights. The cache is filled directly with random K/V
-// rows through KvWrite (quantized as the dtype requires) instead of prefilling thousands of
-// tokens: decode cost does not depend on what the cached values are. Each (context, dtype)
-// then decodes --steps tokens; dtypes alternate within each repeat, best of --repeats.
+// a Qwen2-0.5B-shaped model with random weights, the cache filled with random rows
+// (bench/decode_rate.h). Each (context, dtype) decodes --steps tokens; dtypes alternate within
+// each repeat, best of --repeats.
 //
 //   build/bin/long_decode_bench [--json] [--contexts 1024,4096,8192] [--steps 8] [--repeats 2]
 //                               [--batch 1] [--weight-dtype fp32|q8_0|q4_0]
 // With --batch B, B sequences each at the context decode together (output tokens/s counted).
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
-#include <random>
-#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "kernels/cpu/kv_write.h"
 #include "bench/bench_models.h"
+#include "bench/decode_rate.h"
 #include "nlohmann/json.hpp"
 #include "worker/executor/llama_model.h"
-#include "worker/kv/block_manager.h"
-#include "worker/kv/kv_pool.h"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using kvgrid::bench::DecodeRate;
 using kvgrid::kernels::KvDType;
-
-// Output tokens per second decoding `steps` tokens for each of `batch` sequences after a
-// synthetic context of `context` tokens each.
-double DecodeRate(kvgrid::worker::LlamaModel& model, KvDType dtype, int64_t context,
-                  int64_t steps, int64_t batch) {
-  const kvgrid::worker::KvGeometry g = model.KvGeometryFor(16, dtype, dtype);
-  const int64_t tokens = context + steps;
-  auto pool = kvgrid::worker::KvPool::Create(g, batch * (tokens / 16 + 2) * g.BytesPerBlock());
-  if (!pool.ok()) return 0;
-  kvgrid::worker::BlockManager blocks((*pool)->num_blocks(), 16);
-  std::vector<kvgrid::worker::SequenceId> seqs;
-  for (int64_t s = 1; s <= batch; ++s) {
-    if (!blocks.Reserve(s, tokens).ok()) return 0;
-    seqs.push_back(s);
-  }
-
-  std::mt19937 rng(7);
-  std::uniform_real_distribution<float> u(-2.f, 2.f);
-  const int64_t row = g.num_kv_heads * g.head_dim;
-  std::vector<float> k(context * row), v(context * row);
-  for (float& x : k) x = u(rng);
-  for (float& x : v) x = u(rng);
-  std::vector<int64_t> slots(context);
-  for (int64_t seq = 1; seq <= batch; ++seq) {  // every sequence holds the same context
-    for (int64_t p = 0; p < context; ++p) slots[p] = blocks.Slot(seq, p);
-    for (int64_t layer = 0; layer < g.num_layers; ++layer) {
-      auto s = kvgrid::kernels::cpu::KvWrite({.key = k.data(),
-                                              .value = v.data(),
-                                              .slots = slots.data(),
-                                              .k_cache = (*pool)->k(layer),
-                                              .v_cache = (*pool)->v(layer),
-                                              .k_meta = (*pool)->k_meta(layer),
-                                              .v_meta = (*pool)->v_meta(layer),
-                                              .k_dtype = dtype,
-                                              .v_dtype = dtype,
-                                              .num_tokens = context,
-                                              .num_blocks = (*pool)->num_blocks(),
-                                              .num_kv_heads = g.num_kv_heads,
-                                              .block_size = 16,
-                                              .head_dim = g.head_dim});
-      if (!s.ok()) return 0;
-    }
-  }
-  std::vector<float> logits;
-  const auto t0 = Clock::now();
-  for (int64_t i = 0; i < steps; ++i) {
-    const int64_t pos = context + i;
-    std::vector<int32_t> next;
-    for (int64_t s = 1; s <= batch; ++s) {
-      next.push_back(static_cast<int32_t>((pos * 7919 + s) % 150000));
-    }
-    const kvgrid::worker::ForwardBatch b = kvgrid::worker::DecodeBatch(blocks, seqs, pos, next);
-    if (!model.Forward(b, **pool, &logits).ok()) return 0;
-  }
-  return static_cast<double>(steps * batch) /
-         std::chrono::duration<double>(Clock::now() - t0).count();
-}
 
 }  // namespace
 
