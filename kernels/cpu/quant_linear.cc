@@ -71,7 +71,11 @@ void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
 __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType dtype,
                                                                       const uint8_t* block,
                                                                       __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(F16At(block));
+  // The block's fp16 header through F16C (the portable conversion branches).
+  uint16_t h[2];
+  std::memcpy(h, block, HasSecondHalf(dtype) ? 4 : 2);
+  const float df = _cvtsh_ss(h[0]);
+  const __m256 d = _mm256_set1_ps(df);
   __m128i lo, hi;  // 16 int8 values each: block values 0..15 and 16..31
   if (dtype == WeightDType::kQ8_0) {
     lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
@@ -91,7 +95,8 @@ __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType
   const __m256i q[4] = {_mm256_cvtepi8_epi32(lo), _mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)),
                         _mm256_cvtepi8_epi32(hi), _mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))};
   if (HasSecondHalf(dtype)) {
-    const __m256 mn = _mm256_set1_ps(Offset(dtype, block));
+    const float second = _cvtsh_ss(h[1]);
+    const __m256 mn = _mm256_set1_ps(dtype == WeightDType::kQ4_1 ? second : -df * second);
     for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), d, mn);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[i]), d);
