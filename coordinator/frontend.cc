@@ -21,14 +21,14 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
 }
 
 // The model named `name`, which must have a tokenizer. Errors: as ModelCatalog::Find, and
-// FAILED_PRECONDITION without tokenizer.json.
+// FAILED_PRECONDITION without a tokenizer.
 absl::StatusOr<const ServedModel*> WithTokenizer(const ModelCatalog& catalog,
                                                  const std::string& name) {
   absl::StatusOr<const ServedModel*> m = catalog.Find(name);
   if (!m.ok()) return m.status();
   if (!(*m)->tokenizer) {
     return absl::FailedPreconditionError(
-        absl::StrCat("model '", (*m)->name, "' has no tokenizer.json"));
+        absl::StrCat("model '", (*m)->name, "' has no tokenizer (tokenizer.json or GGUF)"));
   }
   return m;
 }
@@ -62,7 +62,7 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
   if (has_text) {
     if (!m.tokenizer) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "prompt: model '", m.name, "' has no tokenizer.json; send prompt_token_ids"));
+          "prompt: model '", m.name, "' has no tokenizer; send prompt_token_ids"));
     }
     KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids,
                             EncodeText(m, request.prompt(), request.add_bos()));

@@ -4,6 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "model/gguf.h"
+#include "model/gguf_config.h"
+#include "model/gguf_tokenizer.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 
@@ -16,11 +19,18 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
     m->dir = dir;
     m->name = std::filesystem::path(dir).lexically_normal().filename().string();
     if (m->name.empty()) m->name = dir.lexically_normal().parent_path().filename().string();
-    KVGRID_ASSIGN_OR_RETURN(m->config, model::LoadModelConfig(dir / "config.json"));
-    KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir));
-    if (std::filesystem::exists(dir / "tokenizer.json")) {
-      KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::Tokenizer::FromFile(dir / "tokenizer.json"));
+    // A .gguf file describes itself in its metadata; its optional generation_config.json
+    // (and a tokenizer.json that overrides the embedded tokenizer) sit beside it.
+    std::error_code ec;
+    if (dir.extension() == ".gguf" && std::filesystem::is_regular_file(dir, ec)) {
+      KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<model::GgufFile> gguf, model::GgufFile::Open(dir));
+      KVGRID_ASSIGN_OR_RETURN(m->config, model::ModelConfigFromGguf(*gguf));
+      KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir.parent_path()));
+    } else {
+      KVGRID_ASSIGN_OR_RETURN(m->config, model::LoadModelConfig(dir / "config.json"));
+      KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir));
     }
+    KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::LoadModelTokenizer(dir));
     m->bos_token_id = model::ResolveBosTokenId(m->tokenizer.get(), m->generation, m->config);
     for (const auto& other : catalog.models_) {
       if (other->name == m->name) {

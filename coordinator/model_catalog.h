@@ -1,6 +1,7 @@
 // The models a coordinator serves: for each, what sizing, routing and the text API need —
 // config.json (context length, vocabulary), generation_config.json (default sampling) and the
-// tokenizer. No weights.
+// tokenizer. No weights. A model is a Hugging Face directory or a .gguf file, whose metadata
+// stands in for config.json and carries the tokenizer.
 //
 // Thread-safety: immutable after Load; lookups may run concurrently.
 #ifndef KVGRID_COORDINATOR_MODEL_CATALOG_H_
@@ -26,14 +27,15 @@ struct ServedModel {
   std::filesystem::path dir;
   model::ModelConfig config;
   model::GenerationConfig generation;
-  std::unique_ptr<model::Tokenizer> tokenizer;  // null without tokenizer.json: ids only
+  std::unique_ptr<model::Tokenizer> tokenizer;  // null without one (ids only)
   std::optional<int32_t> bos_token_id;
 };
 
 class ModelCatalog {
  public:
-  // Loads each directory; a model's name is its directory's name. Errors: as the model/
-  // readers (naming the file), INVALID_ARGUMENT for two models with one name.
+  // Loads each directory or .gguf file; a model's name is its directory's (or file's) name, as
+  // the workers call it. Errors: as the model/ readers (naming the file), INVALID_ARGUMENT
+  // for two models with one name.
   static absl::StatusOr<ModelCatalog> Load(const std::vector<std::filesystem::path>& dirs);
 
   // The model named `name`; an empty name means the only model when there is one.

@@ -317,6 +317,30 @@ absl::StatusOr<std::string> GgufFile::GetString(const std::string& key) const {
   return absl::InvalidArgumentError(absl::StrCat(path_.string(), ": metadata '", key, "' is not a string"));
 }
 
+absl::StatusOr<bool> GgufFile::GetBool(const std::string& key) const {
+  auto it = metadata_.find(key);
+  if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
+  if (const auto* v = std::get_if<bool>(&it->second)) return *v;
+  return absl::InvalidArgumentError(absl::StrCat(path_.string(), ": metadata '", key, "' is not a bool"));
+}
+
+absl::StatusOr<const std::vector<std::string>*> GgufFile::GetStringArray(
+    const std::string& key) const {
+  auto it = metadata_.find(key);
+  if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
+  if (const auto* v = std::get_if<std::vector<std::string>>(&it->second)) return v;
+  return absl::InvalidArgumentError(
+      absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of strings"));
+}
+
+absl::StatusOr<const std::vector<int64_t>*> GgufFile::GetIntArray(const std::string& key) const {
+  auto it = metadata_.find(key);
+  if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
+  if (const auto* v = std::get_if<std::vector<int64_t>>(&it->second)) return v;
+  return absl::InvalidArgumentError(
+      absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of integers"));
+}
+
 absl::StatusOr<const GgufTensor*> GgufFile::Find(const std::string& name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {

@@ -60,6 +60,7 @@ class GgufFile {
   GgufFile(const GgufFile&) = delete;
   GgufFile& operator=(const GgufFile&) = delete;
 
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
   [[nodiscard]] uint32_t version() const { return version_; }
   [[nodiscard]] const std::map<std::string, GgufValue>& metadata() const { return metadata_; }
   [[nodiscard]] const std::map<std::string, GgufTensor>& tensors() const { return tensors_; }
@@ -69,6 +70,13 @@ class GgufFile {
   absl::StatusOr<int64_t> GetInt(const std::string& key) const;
   absl::StatusOr<double> GetFloat(const std::string& key) const;  // integers convert
   absl::StatusOr<std::string> GetString(const std::string& key) const;
+  absl::StatusOr<bool> GetBool(const std::string& key) const;
+  // Array metadata, owned by the file (valid while it lives). Every element was read from the
+  // file, so a length is bounded by the file's size. Integer arrays of any width (and bool
+  // arrays, as 0/1) come back widened to int64_t. Errors as above; INVALID_ARGUMENT also for
+  // an array of another element type.
+  absl::StatusOr<const std::vector<std::string>*> GetStringArray(const std::string& key) const;
+  absl::StatusOr<const std::vector<int64_t>*> GetIntArray(const std::string& key) const;
   // Errors: NOT_FOUND naming the tensor and the file.
   absl::StatusOr<const GgufTensor*> Find(const std::string& name) const;
 

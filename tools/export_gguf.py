@@ -4,17 +4,18 @@ way llama.cpp's converter lays it out: `general.architecture` llama or qwen2 wit
 hyperparameters, tensors named token_embd / blk.N.attn_q ... / output, and (for llama) the
 q/k rows permuted into GGML's interleaved-RoPE order. Linear weights are quantized to Q8_0 or
 Q4_0 with llama.cpp's own `gguf.quants` (rows whose width is not a multiple of 32 stay F32);
-embeddings and norms stay F32. The tokenizer is not embedded: keep tokenizer.json beside the
-.gguf file.
+embeddings and norms stay F32. The model's tokenizer.json is embedded under llama.cpp's
+tokenizer.ggml.* keys (byte-level BPE only: model "gpt2", the pre-tokenizer named by its split
+regex), so the .gguf file needs nothing beside it.
 
   tools/export_gguf.py --model models/kjv-tiny --out kjv-tiny-q4_0.gguf --type q4_0
 """
 
 import argparse
 import json
-from pathlib import Path
-
 import struct
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -68,11 +69,174 @@ def to_f32(t):
     return t.astype(np.float32)
 
 
+# Split regexes of tokenizer.json files -> the tokenizer.ggml.pre name llama.cpp gives them, the
+# normalizer that family's tokenizer.json uses, and whether llama.cpp skips merging a pre-token
+# that is already in the vocabulary under that name (tokenizer.json's ignore_merges).
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PRE = {
+    LLAMA3_REGEX: ("llama-bpe", None, True),
+    QWEN2_REGEX: ("qwen2", "NFC", False),
+}
+GPT2_PRE = ("gpt-2", None, False)  # ByteLevel with its own (GPT-2) regex
+
+
+class TokenizerError(Exception):
+    """tokenizer.json holds something llama.cpp's tokenizer keys cannot express."""
+
+
+def _pre_tokenizer(tok):
+    """(pre name, normalizer type, ignore_merges) for tokenizer.json `tok`."""
+    pre = tok.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel"
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert", False)
+            and not steps[1].get("add_prefix_space", True)
+            and not steps[1].get("use_regex", True)):
+        regex = (steps[0].get("pattern") or {}).get("Regex")
+        if regex not in SPLIT_PRE:
+            raise TokenizerError(
+                f"pre-tokenizer split regex {regex!r} is not one llama.cpp names (known: the "
+                "Llama 3 regex -> llama-bpe, the Qwen2 regex -> qwen2)")
+        spec = SPLIT_PRE[regex]
+    elif (len(steps) == 1 and steps[0].get("type") == "ByteLevel"
+          and not steps[0].get("add_prefix_space", True) and steps[0].get("use_regex", True)):
+        spec = GPT2_PRE
+    else:
+        raise TokenizerError(f"pre-tokenizer {json.dumps(pre)[:200]} is not supported (Split "
+                             "with a known regex then ByteLevel, or GPT-2's ByteLevel)")
+    normalizer = tok.get("normalizer")
+    norm_type = normalizer.get("type") if normalizer else None
+    if norm_type != spec[1]:
+        raise TokenizerError(f"normalizer {norm_type} does not match what {spec[0]} implies "
+                             f"({spec[1]})")
+    return spec
+
+
+def _merge_builds(token, ranks):
+    """Whether merging `token`'s characters by rank ends in `token` itself."""
+    parts = list(token)
+    while len(parts) > 1:
+        best = None
+        for i in range(len(parts) - 1):
+            r = ranks.get((parts[i], parts[i + 1]))
+            if r is not None and (best is None or r < best[0]):
+                best = (r, i)
+        if best is None:
+            break
+        i = best[1]
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return len(parts) == 1
+
+
+def tokenizer_metadata(tok, vocab_size, config):
+    """llama.cpp's tokenizer.ggml.* values for tokenizer.json `tok` (a dict), padded to the
+    model's `vocab_size` rows with unused [PADn] tokens as llama.cpp's converter does.
+    `config`: config.json, for BOS/EOS ids the tokenizer file does not state. Raises
+    TokenizerError for anything GGUF cannot carry."""
+    model = tok.get("model") or {}
+    if model.get("type", "BPE") != "BPE" or model.get("byte_fallback"):
+        raise TokenizerError("only byte-level BPE tokenizers embed (tokenizer.ggml.model gpt2)")
+    if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        raise TokenizerError("continuing_subword_prefix/end_of_word_suffix are not supported")
+    decoder = (tok.get("decoder") or {}).get("type")
+    if decoder != "ByteLevel":
+        raise TokenizerError(f"decoder {decoder} is not ByteLevel")
+    pre, _, implied_ignore_merges = _pre_tokenizer(tok)
+
+    # Token text and llama.cpp token type by id: the vocabulary is NORMAL; added tokens are
+    # CONTROL when special, else USER_DEFINED, and take their id over a vocabulary entry.
+    texts, types = {}, {}
+    for text, i in model["vocab"].items():
+        texts[i], types[i] = text, gguf.TokenType.NORMAL
+    for a in tok.get("added_tokens", []):
+        if a.get("lstrip") or a.get("rstrip") or a.get("single_word"):
+            print(f"export_gguf: warning: added token {a['content']!r}: lstrip/rstrip/single_word "
+                  "cannot be stored in GGUF and are dropped", file=sys.stderr)
+        texts[a["id"]] = a["content"]
+        types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else \
+            gguf.TokenType.USER_DEFINED
+    n = max(texts) + 1
+    if n > vocab_size:
+        raise TokenizerError(f"the tokenizer has ids up to {n - 1}, beyond the model's "
+                             f"vocab_size {vocab_size}")
+    tokens = [texts.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    token_types = [int(types.get(i, gguf.TokenType.UNUSED)) for i in range(vocab_size)]
+
+    merges, ranks = [], {}
+    for rank, m in enumerate(model.get("merges", [])):
+        pair = m.split(" ") if isinstance(m, str) else list(m)
+        if len(pair) != 2 or any(" " in t or not t for t in pair):
+            raise TokenizerError(f"merges[{rank}] {m!r} is not two tokens without spaces "
+                                 "(GGUF writes merges as 'a b')")
+        left, right = pair
+        merges.append(f"{left} {right}")
+        ranks.setdefault((left, right), rank)
+    if bool(model.get("ignore_merges", False)) != implied_ignore_merges:
+        # llama.cpp (and kvgrid reading the file) take ignore_merges from the pre name; that
+        # changes ids only for vocabulary tokens that their own merges do not build.
+        unbuilt = sum(1 for text, i in model["vocab"].items() if not _merge_builds(text, ranks))
+        if unbuilt:
+            print(f"export_gguf: warning: {pre} implies ignore_merges={implied_ignore_merges}, "
+                  f"tokenizer.json says {not implied_ignore_merges}: {unbuilt} vocabulary "
+                  "tokens may tokenize differently", file=sys.stderr)
+
+    # What the post-processor adds around a sequence: one special token before (BOS) and/or
+    # one after (EOS) is what GGUF's add_bos_token/add_eos_token can say.
+    add_bos = add_eos = False
+    bos, eos = config.get("bos_token_id"), config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    post = tok.get("post_processor") or {}
+    posts = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    for p in posts:
+        if not p or p.get("type") == "ByteLevel":
+            continue
+        if p.get("type") != "TemplateProcessing":
+            raise TokenizerError(f"post-processor {p.get('type')} is not supported")
+        single = p["single"]
+        seq = [i for i, piece in enumerate(single) if "Sequence" in piece]
+        if len(seq) != 1 or seq[0] > 1 or len(single) - seq[0] > 2:
+            raise TokenizerError("post-processor: only one special token before and/or after "
+                                 "the sequence can be stored")
+
+        def special_id(piece):
+            ids = p["special_tokens"][piece["SpecialToken"]["id"]]["ids"]
+            if len(ids) != 1:
+                raise TokenizerError("post-processor: a special token of several ids")
+            return ids[0]
+        if seq[0] == 1:
+            add_bos, bos = True, special_id(single[0])
+        if len(single) - seq[0] == 2:
+            add_eos, eos = True, special_id(single[-1])
+    return {"pre": pre, "tokens": tokens, "token_types": token_types, "merges": merges,
+            "bos": bos, "eos": eos, "add_bos": add_bos, "add_eos": add_eos}
+
+
+def add_tokenizer(w, meta):
+    """Writes tokenizer_metadata's result with the gguf package's helpers."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(meta["pre"])
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["token_types"])
+    w.add_token_merges(meta["merges"])
+    if meta["bos"] is not None:
+        w.add_bos_token_id(int(meta["bos"]))
+    if meta["eos"] is not None:
+        w.add_eos_token_id(int(meta["eos"]))
+    w.add_add_bos_token(meta["add_bos"])
+    w.add_add_eos_token(meta["add_eos"])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--type", choices=sorted(TYPES), default="f32")
+    ap.add_argument("--no-tokenizer", action="store_true",
+                    help="do not embed tokenizer.json (then keep it beside the .gguf file)")
     args = ap.parse_args()
 
     cfg = json.loads((args.model / "config.json").read_text())
@@ -96,11 +260,23 @@ def main():
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    if cfg.get("bos_token_id") is not None:
-        w.add_bos_token_id(int(cfg["bos_token_id"]))
-    eos = cfg.get("eos_token_id")
-    if eos is not None:
-        w.add_eos_token_id(int(eos[0] if isinstance(eos, list) else eos))
+    tok_path = args.model / "tokenizer.json"
+    if not args.no_tokenizer and tok_path.exists():
+        try:
+            meta = tokenizer_metadata(json.loads(tok_path.read_text(encoding="utf-8")),
+                                      cfg["vocab_size"], cfg)
+        except TokenizerError as e:
+            raise SystemExit(f"{tok_path}: {e}; cannot embed it (--no-tokenizer skips it)")
+        add_tokenizer(w, meta)
+    else:
+        if not args.no_tokenizer:
+            print(f"export_gguf: {tok_path} not found; the tokenizer is not embedded",
+                  file=sys.stderr)
+        if cfg.get("bos_token_id") is not None:
+            w.add_bos_token_id(int(cfg["bos_token_id"]))
+        eos = cfg.get("eos_token_id")
+        if eos is not None:
+            w.add_eos_token_id(int(eos[0] if isinstance(eos, list) else eos))
     qtype = TYPES[args.type]
 
     def add(name, t, linear=False):

@@ -1,10 +1,13 @@
-// libFuzzer target for the GGUF reader (inputs through an in-memory file: memfd_input.h).
+// libFuzzer target for the GGUF reader and what reads its metadata (model config, embedded
+// tokenizer); inputs go through an in-memory file (memfd_input.h).
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "model/gguf.h"
+#include "model/gguf_config.h"
+#include "model/gguf_tokenizer.h"
 #include "tests/fuzz/memfd_input.h"
 
 namespace {
@@ -29,6 +32,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     volatile unsigned sink = sum;
     (void)sink;
+    // What is read from the metadata (the model's shape, the embedded tokenizer) is refused
+    // with a status when it is wrong, never a crash.
+    (void)kvgrid::model::ModelConfigFromGguf(**file);
+    if (auto tokenizer = kvgrid::model::TokenizerFromGguf(**file); tokenizer.ok()) {
+      (void)(*tokenizer)->Encode("In the beginning 123 <|begin_of_text|>", true);
+    }
   }
   return 0;
 }

@@ -54,8 +54,8 @@ absl::Status Perplexity(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir, {}, weight_dtype));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   if (!loaded.tokenizer) {
-    return absl::FailedPreconditionError(
-        absl::StrCat((dir / "tokenizer.json").string(), " is missing"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir.string(), " has no tokenizer (no tokenizer.json, nor one embedded in a .gguf file)"));
   }
   std::vector<int32_t> tokens = loaded.tokenizer->Encode(buffer.str());
   if (max_tokens && *max_tokens > 0 && static_cast<int64_t>(tokens.size()) > *max_tokens) {
@@ -65,7 +65,7 @@ absl::Status Perplexity(Args& args) {
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= model.config().vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(
-          (dir / "tokenizer.json").string(), ": produced token id ", tokens[i],
+          dir.string(), ": the tokenizer produced token id ", tokens[i],
           " outside the model's vocabulary of ", model.config().vocab_size));
     }
   }

@@ -24,7 +24,7 @@ constexpr char kHelp[] =
     "\n"
     "  --model DIR                 Hugging Face model directory (default: $KVGRID_MODEL, else\n"
     "                              the embedded models/kjv-tiny)\n"
-    "  --prompt TEXT               prompt text, tokenized with the model's tokenizer.json\n"
+    "  --prompt TEXT               prompt text, tokenized with the model's tokenizer\n"
     "  --prompt-ids IDS            prompt as comma-separated token ids\n"
     "  --prompts-file F            offline batch: one prompt per line, all through one engine;\n"
     "                              prints each result (one JSON object per line with --json)\n"
@@ -161,7 +161,8 @@ absl::Status Run(Args& args) {
   auto encode = [&](const std::string& text) -> absl::StatusOr<std::vector<int32_t>> {
     if (!loaded.tokenizer) {
       return absl::FailedPreconditionError(absl::StrCat(
-          (dir / "tokenizer.json").string(), " is missing; use --prompt-ids instead"));
+          dir.string(), " has no tokenizer (no tokenizer.json, nor one embedded in a .gguf "
+          "file); use --prompt-ids instead"));
     }
     std::vector<int32_t> ids;
     if (add_bos) {

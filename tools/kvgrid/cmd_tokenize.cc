@@ -1,4 +1,5 @@
-// kvgrid tokenize: JSON lines through a tokenizer.json, for scripts and reference checks.
+// kvgrid tokenize: JSON lines through a tokenizer.json (or the tokenizer a .gguf file embeds),
+// for scripts and reference checks.
 //
 //   encode (default): each stdin line is a JSON string; prints a JSON array of ids.
 //   --decode:         each stdin line is a JSON array of ids; prints a JSON string.
@@ -6,12 +7,16 @@
 // One output line per input line, in order, so a caller can batch many inputs into one
 // process. The first bad line stops the run with exit 1 (lines before it are printed).
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "model/json_util.h"
 #include "absl/strings/str_cat.h"
+#include "model/gguf.h"
+#include "model/gguf_tokenizer.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
@@ -23,6 +28,7 @@ constexpr char kHelp[] =
     "usage: kvgrid tokenize --tokenizer FILE [--decode] [--add-special-tokens]\n"
     "                       [--skip-special-tokens]\n"
     "\n"
+    "FILE is a tokenizer.json, or a .gguf file whose embedded tokenizer is used.\n"
     "Reads JSON lines from stdin and writes one JSON line per input to stdout.\n"
     "  encode (default)       input: a JSON string; output: a JSON array of token ids\n"
     "  --decode               input: a JSON array of ids; output: the text as a JSON string\n"
@@ -58,7 +64,13 @@ int TokenizeCommand(Args& args) {
     return 2;
   }
 
-  auto tokenizer = model::Tokenizer::FromFile(*path);
+  absl::StatusOr<std::unique_ptr<model::Tokenizer>> tokenizer;
+  if (std::filesystem::path(*path).extension() == ".gguf") {
+    absl::StatusOr<std::unique_ptr<model::GgufFile>> gguf = model::GgufFile::Open(*path);
+    tokenizer = gguf.ok() ? model::TokenizerFromGguf(**gguf) : gguf.status();
+  } else {
+    tokenizer = model::Tokenizer::FromFile(*path);
+  }
   if (!tokenizer.ok()) return Fail(std::string(tokenizer.status().message()));
 
   // Only iostreams read stdin here; unsyncing them from stdio makes getline several times

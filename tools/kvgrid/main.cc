@@ -17,7 +17,7 @@ constexpr char kUsage[] =
     "  run        stream a continuation of a prompt in-process (default: the embedded model)\n"
     "  logits     print last-position logits as JSON (for reference checks)\n"
     "  perplexity held-out perplexity of a text file\n"
-    "  tokenize   encode/decode JSON lines with a tokenizer.json\n"
+    "  tokenize   encode/decode JSON lines with a tokenizer.json or a .gguf file\n"
     "  plan       KV capacity per dtype for a model and a memory budget\n"
     "  gguf-info  the metadata and tensors of a GGUF file\n"
     "\n"

@@ -6,6 +6,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "model/gguf_tokenizer.h"
 #include "model/status_macros.h"
 
 namespace kvgrid::cli {
@@ -27,8 +28,8 @@ absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args) {
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
                                          worker::TensorParallel tp,
                                          kernels::cpu::WeightDType weight_dtype) {
-  // A .gguf file, with tokenizer.json and generation_config.json beside it, or a Hugging Face
-  // directory.
+  // A .gguf file (its tokenizer embedded, or from a tokenizer.json beside it; an optional
+  // generation_config.json beside it), or a Hugging Face directory.
   const bool gguf = std::filesystem::is_regular_file(dir) && dir.extension() == ".gguf";
   if (!std::filesystem::exists(dir)) {
     return absl::NotFoundError(absl::StrCat("model ", dir.string(), " does not exist"));
@@ -46,9 +47,7 @@ absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
     KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
   }
   KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
-  if (std::filesystem::exists(home / "tokenizer.json")) {
-    KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::Tokenizer::FromFile(home / "tokenizer.json"));
-  }
+  KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::LoadModelTokenizer(dir));
   KVGRID_ASSIGN_OR_RETURN(out.generation, model::LoadGenerationConfig(home));
   return out;
 }

@@ -25,7 +25,9 @@ std::filesystem::path ResolveModelDir(Args& args);
 struct LoadedModel {
   std::filesystem::path dir;
   std::unique_ptr<worker::LlamaModel> model;
-  std::unique_ptr<model::Tokenizer> tokenizer;  // null when the directory has no tokenizer.json
+  // tokenizer.json, else the one a .gguf file embeds; null when there is neither
+  // (model::LoadModelTokenizer).
+  std::unique_ptr<model::Tokenizer> tokenizer;
   model::GenerationConfig generation;
 };
 

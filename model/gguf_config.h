@@ -1,0 +1,24 @@
+// A model's architecture read from a GGUF file's metadata (llama.cpp's keys), so the worker,
+// which loads the weights, and the coordinator, which only sizes and routes, derive the same
+// ModelConfig from one file.
+#ifndef KVGRID_MODEL_GGUF_CONFIG_H_
+#define KVGRID_MODEL_GGUF_CONFIG_H_
+
+#include "absl/status/statusor.h"
+#include "model/gguf.h"
+#include "model/model_config.h"
+
+namespace kvgrid::model {
+
+// general.architecture llama or qwen2 with its <arch>.* hyperparameters; vocab_size from
+// token_embd.weight's rows; tie_word_embeddings when there is no output.weight;
+// attention_bias when blk.0.attn_q.bias exists; BOS/EOS from tokenizer.ggml.bos_token_id and
+// eos_token_id when present. torch_dtype stays empty (GGUF tensors carry their own types).
+// Errors: NOT_FOUND naming a missing key or tensor; UNIMPLEMENTED for another architecture
+// or RoPE scaling (rope_freqs.weight); INVALID_ARGUMENT naming the file for inconsistent
+// hyperparameters or a token_embd.weight of the wrong shape.
+absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
+
+}  // namespace kvgrid::model
+
+#endif  // KVGRID_MODEL_GGUF_CONFIG_H_
