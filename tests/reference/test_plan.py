@@ -145,3 +145,21 @@ def test_quantized_weights_leave_more_for_the_cache(llama_dir, tmp_path):
     assert rows["fp16"]["weight_bytes"] == linear // 32 * 20 + (LLAMA3_8B_PARAMS - linear) * 2
     r = run("--model", llama_dir, "--memory", "24GiB", "--weight-dtype", "int3")
     assert r.returncode != 0 and "--weight-dtype: unknown weight dtype 'int3'" in r.stderr
+
+
+def test_gguf_weights_as_stored(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import sys
+    path = tmp_path / "kjv-q4_0.gguf"
+    source = Path(os.environ.get("KVGRID_SOURCE_DIR", Path(__file__).resolve().parents[2]))
+    subprocess.run([sys.executable, str(source / "tools" / "export_gguf.py"), "--model",
+                    str(source / "models" / "kjv-tiny"), "--out", str(path), "--type", "q4_0"],
+                   check=True)
+    reader = gguf.GGUFReader(str(path))
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    rows, _ = plan_json("--model", path, "--memory", "256MiB", "--context", 512)
+    assert rows["fp16"]["weight_dtype"] == "gguf"
+    assert rows["fp16"]["weight_bytes"] == stored
+    assert rows["fp16"]["bytes_per_token"] == 4 * 2 * 64 * 2 * 2  # 4 layers, 2 KV heads, fp16
+    r = run("--model", path, "--memory", "256MiB", "--weight-dtype", "q4_0")
+    assert r.returncode != 0 and "planned as stored" in r.stderr

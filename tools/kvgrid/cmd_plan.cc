@@ -1,13 +1,17 @@
 // kvgrid plan: for a model's config.json and a memory budget, what the KV cache holds per
 // dtype once the weights are in: bytes per token, max tokens, max concurrent sequences at a
-// context length. Reads config.json only, so it works without the weights.
+// context length. Reads config.json only, so it works without the weights; for a GGUF file, its
+// metadata and tensor directory (the weights as stored, quantized blocks included).
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "model/gguf.h"
+#include "model/gguf_config.h"
 #include "model/model_config.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -19,7 +23,7 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid plan [--model DIR|config.json] --memory 24GiB [--context N]\n"
+    "usage: kvgrid plan [--model DIR|config.json|model.gguf] --memory 24GiB [--context N]\n"
     "                   [--weight-dtype auto|fp32|bf16|fp16|q8_0|q4_0|q4_1] [--block-size 8|16|32]\n"
     "                   [--json]\n"
     "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values): bytes per token,\n"
@@ -29,7 +33,18 @@ constexpr char kHelp[] =
     "config's 4-bit layers (as kvgrid holds them: 20 bytes per 32 weights), else the config's\n"
     "torch_dtype (fp32 when absent). q8_0/q4_0/q4_1: the layers' linear weights in blocks of\n"
     "32 (34/18/20 bytes) and the head in Q8_0, as --weight-dtype quantizes at load; the rest\n"
-    "at torch_dtype. --json: one JSON object per dtype per line.\n";
+    "at torch_dtype. A .gguf model: its tensors' sizes as stored (--weight-dtype must be\n"
+    "auto). --json: one JSON object per dtype per line.\n";
+
+// A GGUF file's weights as stored: every tensor's bytes (quantized blocks at their size).
+worker::WeightFootprint GgufFootprint(const model::GgufFile& file) {
+  worker::WeightFootprint f{.dtype = "gguf"};
+  for (const auto& [name, tensor] : file.tensors()) {
+    f.params += tensor.NumElements();
+    f.bytes += static_cast<int64_t>(tensor.data.size());
+  }
+  return f;
+}
 
 std::string GiB(int64_t bytes) {
   return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / static_cast<double>(1ll << 30));
@@ -53,7 +68,16 @@ absl::Status Plan(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size: must be 8, 16 or 32, got ", block_size));
   }
-  absl::StatusOr<model::ModelConfig> loaded = model::LoadModelConfig(path);
+  std::unique_ptr<model::GgufFile> gguf;
+  if (path.extension() == ".gguf") {
+    if (weight_dtype != "auto") {
+      return absl::InvalidArgumentError(
+          "--weight-dtype: a GGUF file's weights are planned as stored (leave it at auto)");
+    }
+    KVGRID_ASSIGN_OR_RETURN(gguf, model::GgufFile::Open(path));
+  }
+  absl::StatusOr<model::ModelConfig> loaded =
+      gguf ? model::ModelConfigFromGguf(*gguf) : model::LoadModelConfig(path);
   if (absl::IsNotFound(loaded.status())) {
     return absl::NotFoundError(absl::StrCat("--model: ", std::string(loaded.status().message()),
                                             " (expected a model directory or its config.json)"));
@@ -63,7 +87,8 @@ absl::Status Plan(Args& args) {
   if (context <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--context: must be positive, got ", context));
   }
-  absl::StatusOr<worker::WeightFootprint> weights = worker::PlanWeights(config, weight_dtype);
+  absl::StatusOr<worker::WeightFootprint> weights =
+      gguf ? GgufFootprint(*gguf) : worker::PlanWeights(config, weight_dtype);
   if (!weights.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--weight-dtype: ", std::string(weights.status().message())));
