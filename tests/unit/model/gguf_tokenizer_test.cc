@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/model/byte_char.h"
 #include "model/gguf.h"
 #include "tests/unit/model/gguf_test_writer.h"
 
@@ -22,28 +23,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// The byte-level alphabet, derived here independently of the implementation: printable
-// Latin-1 bytes stand for themselves, the rest take U+0100 onwards in byte order.
-std::string ByteChar(int b) {
-  const auto printable = [](int k) {
-    return (k >= '!' && k <= '~') || (k >= 0xA1 && k <= 0xAC) || k >= 0xAE;
-  };
-  int c = b;
-  if (!printable(b)) {
-    c = 256;
-    for (int k = 0; k < b; ++k) {
-      if (!printable(k)) ++c;
-    }
-  }
-  std::string s;
-  if (c < 0x80) {
-    s.push_back(static_cast<char>(c));
-  } else {
-    s.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
-  return s;
-}
+using ::kvgrid::model::testing::ByteChar;
 
 constexpr int32_t kHe = 256, kLl = 257, kHell = 258, kBos = 259, kTool = 260, kPad = 261;
 

@@ -13,6 +13,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/unit/model/byte_char.h"
 
 namespace kvgrid::model {
 namespace {
@@ -23,26 +24,7 @@ using ::testing::IsEmpty;
 
 const std::string kDataDir = std::string(KVGRID_SOURCE_DIR) + "/tests/data/tokenizers";
 
-// The byte-level alphabet, derived here independently of the implementation: printable
-// Latin-1 bytes stand for themselves, the rest take U+0100 onwards in byte order.
-std::string ByteChar(int b) {
-  const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-  int c = b;
-  if (!printable) {
-    c = 256;
-    for (int k = 0; k < b; ++k) {
-      if (!((k >= '!' && k <= '~') || (k >= 0xA1 && k <= 0xAC) || k >= 0xAE)) ++c;
-    }
-  }
-  std::string s;
-  if (c < 0x80) {
-    s.push_back(static_cast<char>(c));
-  } else {
-    s.push_back(static_cast<char>(0xC0 | (c >> 6)));
-    s.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
-  return s;
-}
+using ::kvgrid::model::testing::ByteChar;
 
 std::string JsonString(const std::string& s) {
   std::string out = "\"";
