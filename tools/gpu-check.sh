@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# On a GPU machine: runs kvgrid's gpu-labelled tests (every CUDA op against the CPU reference)
+# and the CUDA micro-benchmarks from .gpu-bundle/kvgrid-gpu.tar.xz (built on a build machine by
+# tools/gpu-bundle.sh), and prints a report. Logs and benchmark JSON go to $OUT when it is set
+# (the device tool's output folder), else to /tmp/kvgrid-gpu/results. Budget: well under 8
+# minutes on an H200.
+#
+#   bash tools/gpu-check.sh
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+archive="$root/.gpu-bundle/kvgrid-gpu.tar.xz"
+bundle=/tmp/kvgrid-gpu
+out="${OUT:-$bundle/results}"
+if [[ ! -f "$archive" ]]; then
+  echo "gpu-check: no $archive (run tools/gpu-bundle.sh first and carry .gpu-bundle)" >&2
+  exit 2
+fi
+rm -rf "$bundle" && mkdir -p "$bundle" "$out"
+# Python's tarfile: the GPU machine's image is not promised an xz binary.
+python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" \
+  "$archive" "$bundle" || exit 2
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.memory --format=csv || {
+  echo "gpu-check: nvidia-smi failed: no GPU here" >&2
+  exit 2
+}
+
+# cuBLAS from the machine's CUDA 13 Python packages (or its toolkit); the driver's libcuda from
+# wherever the machine's loader cache says.
+libpath="$bundle/lib"
+for d in $(python3 - <<'PY' 2>/dev/null
+import importlib, os
+for name in ("nvidia.cublas", "nvidia.nccl", "nvidia.cuda_runtime", "nvidia.cu13"):
+    try:
+        m = importlib.import_module(name)
+    except ImportError:
+        continue
+    for p in m.__path__:
+        for sub in ("lib", "lib64"):
+            if os.path.isdir(os.path.join(p, sub)):
+                print(os.path.join(p, sub))
+PY
+) /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [[ -d "$d" ]] && libpath="$libpath:$d"
+done
+cuda_dir="$(ldconfig -p | awk '/libcuda\.so\.1 / {print $NF; exit}' | xargs -r dirname)"
+[[ -n "$cuda_dir" ]] && libpath="$libpath:$cuda_dir"
+for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do
+  [[ -d "$d" ]] && libpath="$libpath:$d"
+done
+run() { "$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+
+echo "== gpu tests"
+failed=()
+for t in "$bundle"/bin/gpu_*; do
+  name="$(basename "$t")"
+  start=$(date +%s)
+  if run "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then
+    echo "PASS $name ($(( $(date +%s) - start )) s)"
+  else
+    echo "FAIL $name (log: $name.log)"
+    tail -n 40 "$out/$name.log"
+    failed+=("$name")
+  fi
+  grep -h "SKIPPED\|Skipped" "$out/$name.log" | head -n 3
+done
+
+echo "== benchmarks"
+for b in "$bundle"/bin/cuda_*bench; do
+  [[ -e "$b" ]] || continue
+  name="$(basename "$b")"
+  if run "$b" --json >"$out/$name.json" 2>"$out/$name.err"; then
+    echo "$name:"
+    cat "$out/$name.json"
+  else
+    echo "FAIL $name"
+    tail -n 20 "$out/$name.err"
+    failed+=("$name")
+  fi
+done
+
+echo "== report"
+if (( ${#failed[@]} )); then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi
+echo "all gpu tests and benchmarks passed"
