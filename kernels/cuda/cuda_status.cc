@@ -12,4 +12,14 @@ absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int
   return absl::InternalError(message);
 }
 
+absl::Status CublasStatus(cublasStatus_t status, const char* call, const char* file, int line) {
+  if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
+  std::string message = absl::StrCat(call, " failed at ", file, ":", line, ": ",
+                                     cublasGetStatusName(status), ": ",
+                                     cublasGetStatusString(status));
+  if (status == CUBLAS_STATUS_ALLOC_FAILED) return absl::ResourceExhaustedError(message);
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED) return absl::UnimplementedError(message);
+  return absl::InternalError(message);
+}
+
 }  // namespace kvgrid::kernels::cuda

@@ -1,8 +1,9 @@
-// Turns CUDA runtime errors into absl::Status values that name the call, file and line.
-// Nothing in kvgrid aborts on a device error: a server returns the error instead.
+// Turns CUDA runtime and cuBLAS errors into absl::Status values that name the call, file and
+// line. Nothing in kvgrid aborts on a device error: a server returns the error instead.
 #ifndef KVGRID_KERNELS_CUDA_CUDA_STATUS_H_
 #define KVGRID_KERNELS_CUDA_CUDA_STATUS_H_
 
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
 #include "absl/status/status.h"
@@ -13,6 +14,11 @@ namespace kvgrid::kernels::cuda {
 // "<call> failed at <file>:<line>: <cuda error name>: <description>".
 absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line);
 
+// OK for CUBLAS_STATUS_SUCCESS; otherwise INTERNAL (RESOURCE_EXHAUSTED for
+// CUBLAS_STATUS_ALLOC_FAILED, UNIMPLEMENTED for CUBLAS_STATUS_NOT_SUPPORTED) with
+// "<call> failed at <file>:<line>: <cublasStatus_t name>: <description>".
+absl::Status CublasStatus(cublasStatus_t status, const char* call, const char* file, int line);
+
 }  // namespace kvgrid::kernels::cuda
 
 // Evaluates a CUDA runtime call and returns its Status from the enclosing function on error.
@@ -21,6 +27,14 @@ absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int
     ::absl::Status kvgrid_cuda_status_ =                                                    \
         ::kvgrid::kernels::cuda::CudaStatus((call), #call, __FILE__, __LINE__);             \
     if (!kvgrid_cuda_status_.ok()) return kvgrid_cuda_status_;                              \
+  } while (0)
+
+// Evaluates a cuBLAS call and returns its Status from the enclosing function on error.
+#define KVGRID_CUBLAS_RETURN_IF_ERROR(call)                                                 \
+  do {                                                                                      \
+    ::absl::Status kvgrid_cublas_status_ =                                                  \
+        ::kvgrid::kernels::cuda::CublasStatus((call), #call, __FILE__, __LINE__);           \
+    if (!kvgrid_cublas_status_.ok()) return kvgrid_cublas_status_;                          \
   } while (0)
 
 #endif  // KVGRID_KERNELS_CUDA_CUDA_STATUS_H_

@@ -128,6 +128,8 @@ class LlamaModel {
 
   [[nodiscard]] const model::ModelConfig& config() const { return config_; }
   [[nodiscard]] const TensorParallel& tensor_parallel() const { return tp_; }
+  // The weights as held (this rank's share), e.g. to upload them to a device.
+  [[nodiscard]] const LlamaWeights& weights() const { return w_; }
   // Bytes of weights held (fp32 and quantized).
   [[nodiscard]] int64_t WeightBytes() const;
 

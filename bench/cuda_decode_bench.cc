@@ -1,0 +1,146 @@
+// cuda_decode_bench: decode tokens/s of a Llama-3-8B-shaped model with random bf16 weights on
+// one GPU (worker/executor/cuda_llama_model.h), at batch 1 and 32, with fp16, int8 and int4 KV,
+// every sequence at --context tokens. The cache is not prefilled: decode reads every cached row
+// whatever its value, so the zero-filled pool times the same. Each (batch, dtype) runs --warmup
+// steps, then --steps timed with CUDA events (logits stay on the device, as a sampler on the
+// device would leave them); output tokens/s = batch x steps / time. Prints JSON with --json and
+// exits 0 with a message where no GPU is visible.
+//
+//   build/bin/cuda_decode_bench [--json] [--context 8192] [--steps 20] [--warmup 3]
+//                               [--batches 1,32]
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/kv_dtype.h"
+#include "nlohmann/json.hpp"
+#include "worker/executor/cuda_llama_model.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/block_manager.h"
+
+namespace {
+
+kvgrid::model::ModelConfig Llama3_8B() {
+  kvgrid::model::ModelConfig c;
+  c.model_type = "llama";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.max_position_embeddings = 8192;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  return c;
+}
+
+int Fail(const std::string& what, const absl::Status& s) {
+  std::fprintf(stderr, "cuda_decode_bench: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using kvgrid::kernels::KvDType;
+  bool json = false;
+  int64_t context = 8192, steps = 20, warmup = 3;
+  std::vector<int64_t> batches = {1, 32};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--json") {
+      json = true;
+    } else if ((a == "--context" || a == "--steps" || a == "--warmup") && i + 1 < argc) {
+      const int64_t v = std::atoll(argv[++i]);
+      (a == "--context" ? context : a == "--steps" ? steps : warmup) = v;
+    } else if (a == "--batches" && i + 1 < argc) {
+      batches.clear();
+      std::stringstream ss(argv[++i]);
+      for (std::string part; std::getline(ss, part, ',');) batches.push_back(std::atoll(part.c_str()));
+    } else {
+      std::fprintf(stderr, "usage: cuda_decode_bench [--json] [--context N] [--steps N] "
+                           "[--warmup N] [--batches 1,32]\n");
+      return 2;
+    }
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("cuda_decode_bench: no CUDA device visible; nothing measured\n");
+    return 0;
+  }
+  if (context < 1 || steps < 1 || warmup < 0 || batches.empty()) {
+    std::fprintf(stderr, "cuda_decode_bench: --context, --steps >= 1, --warmup >= 0\n");
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const kvgrid::model::ModelConfig config = Llama3_8B();
+  auto model = kvgrid::worker::CudaLlamaModel::Random(config, kvgrid::model::DType::kBF16, 1234);
+  if (!model.ok()) return Fail("model", model.status());
+  cudaStream_t stream = (*model)->stream();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+
+  nlohmann::json rows = nlohmann::json::array();
+  for (int64_t batch : batches) {
+    double fp16_rate = 0;
+    for (auto [name, kv] : {std::pair{"fp16", KvDType::kF16}, std::pair{"int8", KvDType::kInt8},
+                            std::pair{"int4", KvDType::kInt4}}) {
+      const kvgrid::worker::KvGeometry g = (*model)->KvGeometryFor(16, kv, kv);
+      const int64_t tokens = context + warmup + steps;
+      const int64_t blocks_needed = batch * ((tokens + 15) / 16);
+      auto pool = kvgrid::worker::CudaKvPool::Create(g, blocks_needed * g.BytesPerBlock());
+      if (!pool.ok()) return Fail("KV pool", pool.status());
+      kvgrid::worker::BlockManager blocks((*pool)->num_blocks(), 16);
+      std::vector<kvgrid::worker::SequenceId> seqs;
+      for (int64_t s = 1; s <= batch; ++s) {
+        if (!blocks.Reserve(s, tokens).ok()) return Fail("blocks", absl::InternalError("reserve"));
+        seqs.push_back(s);
+      }
+      const auto step = [&](int64_t pos) {
+        std::vector<int32_t> next(batch);
+        for (int64_t s = 0; s < batch; ++s) next[s] = static_cast<int32_t>((pos * 7919 + s) % 128000);
+        return (*model)->Forward(kvgrid::worker::DecodeBatch(blocks, seqs, pos, next), **pool,
+                                 nullptr);
+      };
+      int64_t pos = context;
+      for (int64_t i = 0; i < warmup; ++i) {
+        if (absl::Status s = step(pos++); !s.ok()) return Fail("warmup", s);
+      }
+      cudaStreamSynchronize(stream);
+      cudaEventRecord(start, stream);
+      for (int64_t i = 0; i < steps; ++i) {
+        if (absl::Status s = step(pos++); !s.ok()) return Fail("step", s);
+      }
+      cudaEventRecord(stop, stream);
+      if (cudaEventSynchronize(stop) != cudaSuccess) {
+        return Fail("timing", absl::InternalError(cudaGetErrorString(cudaGetLastError())));
+      }
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      const double rate = static_cast<double>(batch * steps) / (ms / 1e3);
+      if (kv == KvDType::kF16) fp16_rate = rate;
+      rows.push_back({{"batch", batch},
+                      {"kv_dtype", name},
+                      {"context", context},
+                      {"step_ms", ms / static_cast<double>(steps)},
+                      {"output_tokens_per_s", rate},
+                      {"vs_fp16", rate / fp16_rate},
+                      {"kv_bytes", (*pool)->bytes()}});
+    }
+  }
+  nlohmann::json j = {{"model", "llama-3-8b-shape (random bf16 weights)"},
+                      {"device", prop.name},
+                      {"weight_bytes", (*model)->WeightBytes()},
+                      {"steps", steps},
+                      {"results", rows}};
+  std::printf("%s\n", json ? j.dump().c_str() : j.dump(2).c_str());
+  return 0;
+}

@@ -1,0 +1,73 @@
+// Linear layers with 8- and 4-bit block-quantized weights on the GPU:
+// output = input x dequant(weight)^T (+ bias), fp32 input and output, fp32 accumulation.
+//
+// The formats and their byte layout are kernels/cpu/quant_linear.h's (cpu::QuantMatrix::data
+// uploaded as is): rows of 32-weight blocks, each with an fp16 scale d; Q8_0 stores 32 int8
+// (w = d q), Q4_0 16 bytes of nibbles, value i low and value i + 16 high in byte i
+// (w = d (q - 8)); Q4_1 adds an fp16 offset m after d (w = d q + m); Q4_Z an fp16 zero point z
+// instead (w = d (q - z)). Each weight is decoded with the CPU's own arithmetic, so it is the
+// same float the CPU kernel multiplies; results differ from cpu::QuantLinear only in the order
+// of the fp32 sums.
+//
+// The weights are dequantized inside the kernels and never expanded in memory:
+//   num_tokens <= kQuantGemvMaxTokens (decode): one warp per output row reads the row's blocks
+//     once (4 lanes per block, 8 blocks per step) and dots them with every token's input, so
+//     the step costs one pass over the quantized bytes;
+//   above it (prefill): 64 x 64 output tiles; for each 32-column step a block of 256 threads
+//     decodes the tile's 64 weight blocks into shared memory as fp32 next to the 64 tokens'
+//     inputs, and accumulates with fp32 FMAs. This keeps the CPU's numerics (fp32 weights and
+//     products; a bf16 scratch tile + cuBLAS would round every weight and input to 8 bits of
+//     mantissa) at the cost of tensor-core speed; a tensor-core variant can replace it behind
+//     the same params.
+// With input_perm, both paths read input column input_perm[j] for stored column j on the fly
+// (no gathered copy).
+#ifndef KVGRID_KERNELS_CUDA_QUANT_LINEAR_CUH_
+#define KVGRID_KERNELS_CUDA_QUANT_LINEAR_CUH_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace kvgrid::kernels::cuda {
+
+// The quantized values of cpu::WeightDType, same formats and layout.
+enum class QuantFormat : uint8_t { kQ8_0, kQ4_0, kQ4_1, kQ4_Z };
+
+inline constexpr int64_t kQuantBlockSize = 32;       // weights per block
+inline constexpr int64_t kQuantGemvMaxTokens = 8;    // the decode path's limit
+inline constexpr int64_t kQuantLinearMaxTokens = int64_t{65535} * 64;  // grid.y * tile
+
+// Bytes of one block: 34 (Q8_0), 18 (Q4_0) or 20 (Q4_1, Q4_Z), as cpu::QuantMatrix::BlockBytes.
+constexpr int64_t QuantBlockBytes(QuantFormat format) {
+  return format == QuantFormat::kQ8_0 ? 34 : (format == QuantFormat::kQ4_0 ? 18 : 20);
+}
+
+struct QuantLinearParams {
+  const float* input = nullptr;          // [num_tokens, in_features], device, 4-byte aligned
+  const uint8_t* weight = nullptr;       // [out_features, in_features / 32] blocks of
+                                         // QuantBlockBytes(format) bytes, device, 2-byte aligned
+  const int32_t* input_perm = nullptr;   // [in_features], device, or null (identity): stored
+                                         // column j multiplies input column input_perm[j]; an
+                                         // entry outside [0, in_features) reads 0
+  const float* bias = nullptr;           // [out_features], device, or null
+  float* output = nullptr;               // [num_tokens, out_features], device; must not
+                                         // overlap input
+  QuantFormat format = QuantFormat::kQ8_0;
+  int64_t num_tokens = 0;    // 0 launches nothing; at most kQuantLinearMaxTokens
+  int64_t in_features = 0;   // a multiple of 32, at most INT32_MAX
+  int64_t out_features = 0;  // at most INT32_MAX
+  bool accumulate = false;   // output += instead of output =
+
+  // INVALID_ARGUMENT naming the field for null or misaligned pointers or sizes out of range.
+  absl::Status Validate() const;
+};
+
+// Enqueues the kernel for params.num_tokens (see the file comment) on `stream`.
+// Errors: Validate()'s, or INTERNAL naming the CUDA call.
+absl::Status LaunchQuantLinear(const QuantLinearParams& params, cudaStream_t stream);
+
+}  // namespace kvgrid::kernels::cuda
+
+#endif  // KVGRID_KERNELS_CUDA_QUANT_LINEAR_CUH_

@@ -1,0 +1,167 @@
+// CUDA quantized linear layers against cpu::QuantLinear for every block format, on the decode
+// (T <= 8) and prefill paths, with and without input_perm, bias and accumulation. Skipped,
+// with a message, where no GPU is visible.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/quant_linear.h"
+#include "kernels/cuda/quant_linear.cuh"
+#include "tests/gpu/device_buffer.h"
+
+namespace kvgrid::kernels {
+namespace {
+
+using ::kvgrid::testing::DeviceBuffer;
+using ::kvgrid::testing::HaveGpu;
+
+cuda::QuantFormat FormatOf(cpu::WeightDType dtype) {
+  switch (dtype) {
+    case cpu::WeightDType::kQ4_0: return cuda::QuantFormat::kQ4_0;
+    case cpu::WeightDType::kQ4_1: return cuda::QuantFormat::kQ4_1;
+    case cpu::WeightDType::kQ4_Z: return cuda::QuantFormat::kQ4_Z;
+    default: return cuda::QuantFormat::kQ8_0;
+  }
+}
+
+TEST(QuantLinearCudaTest, BlockBytesMatchCpu) {
+  for (cpu::WeightDType dtype : {cpu::WeightDType::kQ8_0, cpu::WeightDType::kQ4_0,
+                                 cpu::WeightDType::kQ4_1, cpu::WeightDType::kQ4_Z}) {
+    EXPECT_EQ(cuda::QuantBlockBytes(FormatOf(dtype)), cpu::QuantMatrix::BlockBytes(dtype));
+  }
+  EXPECT_EQ(cuda::kQuantBlockSize, cpu::kQuantBlock);
+}
+
+// Tolerance. Both sides multiply the same dequantized weights (the device decodes each weight
+// with the CPU's arithmetic) by the same inputs in fp32; only the order of the sums differs
+// (OpenBLAS / AVX2 lanes on the CPU, lanes, warps and tiles on the device). Each ordering is
+// within about 2^-24 * sqrt(K) * S of the exact sum for random data, S = sum_k |w_k x_k|
+// (plus the bias and the previous output when accumulating); 1e-5 * S + 1e-6 is a generous
+// bound that a wrong weight, column or permutation would still break by orders of magnitude.
+TEST(QuantLinearCudaTest, MatchesCpuQuantLinear) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  struct Shape {
+    int64_t n, k;
+  };
+  // 203 rows: a partial 4-row decode block and a partial 64-row tile. k = 96: fewer blocks than
+  // a warp's 8 block slots; k = 1024: several steps of both kernels.
+  for (Shape shape : {Shape{203, 96}, Shape{203, 1024}}) {
+    const int64_t n = shape.n, k = shape.k;
+    for (cpu::WeightDType dtype : {cpu::WeightDType::kQ8_0, cpu::WeightDType::kQ4_0,
+                                   cpu::WeightDType::kQ4_1, cpu::WeightDType::kQ4_Z}) {
+      std::mt19937 rng(static_cast<uint32_t>(k) * 7 + static_cast<uint32_t>(dtype));
+      std::normal_distribution<float> normal(0.f, 1.f);
+      std::vector<float> w(n * k);
+      for (size_t i = 0; i < w.size(); ++i) {
+        // Per-row offsets, so Q4_1's and Q4_Z's offsets and zero points vary.
+        w[i] = 0.05f * normal(rng) + 0.02f * static_cast<float>(i / k % 5) - 0.04f;
+      }
+      absl::StatusOr<cpu::QuantMatrix> m = cpu::QuantizeMatrix(w.data(), n, k, dtype);
+      ASSERT_TRUE(m.ok()) << m.status();
+      std::vector<int32_t> perm(k);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      DeviceBuffer<uint8_t> dw(m->data);
+      DeviceBuffer<int32_t> dperm(perm);
+      for (bool use_perm : {false, true}) {
+        m->input_perm = use_perm ? perm : std::vector<int32_t>{};
+        const std::vector<float> dense = cpu::DequantizeMatrix(*m);  // input order
+        for (int64_t t : {1, 3, 8, 33, 130}) {
+          for (int variant = 0; variant < 4; ++variant) {
+            const bool use_bias = variant & 1, accumulate = variant & 2;
+            std::vector<float> x(t * k), bias(n), prev(t * n);
+            for (float& v : x) v = normal(rng);
+            for (float& v : bias) v = normal(rng);
+            for (float& v : prev) v = normal(rng);
+            std::vector<float> ref = prev;
+            ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &*m,
+                                          .bias = use_bias ? bias.data() : nullptr,
+                                          .output = ref.data(), .num_tokens = t,
+                                          .accumulate = accumulate})
+                            .ok());
+            DeviceBuffer<float> dx(x), dbias(bias), dout(prev);
+            const absl::Status s = cuda::LaunchQuantLinear(
+                {.input = dx.get(), .weight = dw.get(),
+                 .input_perm = use_perm ? dperm.get() : nullptr,
+                 .bias = use_bias ? dbias.get() : nullptr, .output = dout.get(),
+                 .format = FormatOf(dtype), .num_tokens = t, .in_features = k,
+                 .out_features = n, .accumulate = accumulate},
+                nullptr);
+            ASSERT_TRUE(s.ok()) << s;
+            const std::vector<float> got = dout.Download();
+            for (int64_t i = 0; i < t; ++i) {
+              for (int64_t j = 0; j < n; ++j) {
+                double mag = (use_bias ? std::fabs(bias[j]) : 0.0) +
+                             (accumulate ? std::fabs(prev[i * n + j]) : 0.0);
+                for (int64_t c = 0; c < k; ++c) mag += std::fabs(dense[j * k + c] * x[i * k + c]);
+                ASSERT_NEAR(got[i * n + j], ref[i * n + j], 1e-5 * mag + 1e-6)
+                    << cpu::WeightDTypeName(dtype) << " k=" << k << " t=" << t
+                    << " perm=" << use_perm << " bias=" << use_bias
+                    << " accumulate=" << accumulate << " at [" << i << ", " << j << "]";
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A permutation entry outside [0, in_features) reads 0 instead of memory outside the input.
+TEST(QuantLinearCudaTest, OutOfRangePermutationEntriesReadZero) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const int64_t n = 5, k = 64;
+  std::vector<float> w(n * k, 0.5f);
+  absl::StatusOr<cpu::QuantMatrix> m =
+      cpu::QuantizeMatrix(w.data(), n, k, cpu::WeightDType::kQ8_0);
+  ASSERT_TRUE(m.ok());
+  const float stored = cpu::DequantizeMatrix(*m)[0];  // 0.5 as Q8_0 holds it
+  std::vector<int32_t> perm(k);
+  std::iota(perm.begin(), perm.end(), 0);
+  perm[3] = -1;
+  perm[10] = static_cast<int32_t>(k);
+  perm[40] = INT32_MAX;
+  for (int64_t t : {2, 20}) {  // both paths
+    std::vector<float> x(t * k, 1.f);
+    DeviceBuffer<float> dx(x), dout(t * n);
+    DeviceBuffer<uint8_t> dw(m->data);
+    DeviceBuffer<int32_t> dperm(perm);
+    ASSERT_TRUE(cuda::LaunchQuantLinear({.input = dx.get(), .weight = dw.get(),
+                                         .input_perm = dperm.get(), .output = dout.get(),
+                                         .format = cuda::QuantFormat::kQ8_0, .num_tokens = t,
+                                         .in_features = k, .out_features = n},
+                                        nullptr)
+                    .ok());
+    for (float v : dout.Download()) EXPECT_NEAR(v, stored * (k - 3), 1e-4) << "t=" << t;
+  }
+}
+
+TEST(QuantLinearCudaTest, ValidateNamesTheField) {
+  cuda::QuantLinearParams p;
+  EXPECT_NE(std::string(p.Validate().message()).find("weight"), std::string::npos);
+  alignas(4) uint8_t block[34] = {};
+  float x[2];
+  p.weight = block;
+  p.output = x;
+  p.num_tokens = 1;
+  EXPECT_NE(std::string(p.Validate().message()).find("input"), std::string::npos);
+  p.input = x;
+  p.in_features = 48;
+  p.out_features = 1;
+  EXPECT_NE(std::string(p.Validate().message()).find("in_features"), std::string::npos);
+  p.in_features = 32;
+  EXPECT_TRUE(p.Validate().ok());
+  p.weight = block + 1;
+  EXPECT_NE(std::string(p.Validate().message()).find("weight"), std::string::npos);
+  p.weight = block;
+  p.num_tokens = cuda::kQuantLinearMaxTokens + 1;
+  EXPECT_NE(std::string(p.Validate().message()).find("num_tokens"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvgrid::kernels

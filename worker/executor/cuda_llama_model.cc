@@ -1,0 +1,602 @@
+#include "worker/executor/cuda_llama_model.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cuda/cast.cuh"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/embedding.cuh"
+#include "kernels/cuda/fill_random.cuh"
+#include "kernels/cuda/gemm.cuh"
+#include "kernels/cuda/kv_write.cuh"
+#include "kernels/cuda/paged_attention.cuh"
+#include "kernels/cuda/quant_linear.cuh"
+#include "kernels/cuda/rms_norm.cuh"
+#include "kernels/cuda/rope.cuh"
+#include "kernels/cuda/silu_and_mul.cuh"
+#include "model/status_macros.h"
+
+namespace kvgrid::worker {
+namespace cuda = kernels::cuda;
+namespace cpu = kernels::cpu;
+
+namespace {
+
+int64_t DTypeBytes(model::DType dtype) { return dtype == model::DType::kF32 ? 4 : 2; }
+
+// Host fp32 values as `dtype` bytes (fp32 copied, 16-bit rounded to nearest even).
+std::vector<uint16_t> To16(const std::vector<float>& v, model::DType dtype) {
+  std::vector<uint16_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    out[i] = dtype == model::DType::kF16 ? model::F32ToF16(v[i]) : model::F32ToBF16(v[i]);
+  }
+  return out;
+}
+
+absl::StatusOr<DeviceBuffer> Upload(const void* data, int64_t bytes) {
+  KVGRID_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(bytes));
+  if (bytes > 0) {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpy(b.get(), data, static_cast<size_t>(bytes),
+                                           cudaMemcpyHostToDevice));
+  }
+  return b;
+}
+
+template <typename T>
+absl::StatusOr<DeviceBuffer> UploadVector(const std::vector<T>& v) {
+  return Upload(v.data(), static_cast<int64_t>(v.size() * sizeof(T)));
+}
+
+// Grows `buffer` to at least `bytes` (contents not kept).
+absl::Status Grow(DeviceBuffer& buffer, int64_t bytes) {
+  if (buffer.bytes() >= bytes) return absl::OkStatus();
+  buffer = DeviceBuffer();
+  KVGRID_ASSIGN_OR_RETURN(buffer, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
+  return absl::OkStatus();
+}
+
+cuda::QuantFormat FormatOf(cpu::WeightDType dtype) {
+  switch (dtype) {
+    case cpu::WeightDType::kQ8_0: return cuda::QuantFormat::kQ8_0;
+    case cpu::WeightDType::kQ4_0: return cuda::QuantFormat::kQ4_0;
+    case cpu::WeightDType::kQ4_1: return cuda::QuantFormat::kQ4_1;
+    default: return cuda::QuantFormat::kQ4_Z;
+  }
+}
+
+}  // namespace
+
+// --- DeviceBuffer -------------------------------------------------------------------------
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(int64_t bytes) {
+  DeviceBuffer b;
+  if (bytes <= 0) return b;
+  const cudaError_t err = cudaMalloc(&b.ptr_, static_cast<size_t>(bytes));
+  if (err != cudaSuccess) {
+    b.ptr_ = nullptr;
+    absl::Status s = cuda::CudaStatus(err, "cudaMalloc", __FILE__, __LINE__);
+    return absl::Status(s.code(), absl::StrCat(s.message(), " (", bytes, " bytes)"));
+  }
+  b.bytes_ = bytes;
+  return b;
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);  // nothing to report to from a destructor
+}
+
+// --- CudaKvPool ---------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
+                                                               int64_t budget_bytes) {
+  if (g.num_layers <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 || g.head_dim % 2 != 0 ||
+      (g.block_size != 8 && g.block_size != 16 && g.block_size != 32)) {
+    return absl::InvalidArgumentError("CudaKvPool: bad KV geometry");
+  }
+  const int64_t per_block = g.BytesPerBlock();
+  const int64_t blocks = budget_bytes / per_block;
+  if (blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaKvPool: a budget of ", budget_bytes,
+                                                   " bytes holds no block of ", per_block));
+  }
+  if (blocks > INT32_MAX) return absl::InvalidArgumentError("CudaKvPool: too many blocks");
+  std::unique_ptr<CudaKvPool> pool(new CudaKvPool(g, static_cast<int32_t>(blocks)));
+  const kernels::KvRowLayout kr = kernels::KvRowLayoutFor(g.k_dtype, g.head_dim);
+  const kernels::KvRowLayout vr = kernels::KvRowLayoutFor(g.v_dtype, g.head_dim);
+  const int64_t rows = blocks * g.num_kv_heads * g.block_size;
+  const auto plane = [&](int64_t row_bytes, std::vector<DeviceBuffer>& out) -> absl::Status {
+    DeviceBuffer b;
+    if (row_bytes > 0) {
+      KVGRID_ASSIGN_OR_RETURN(b, DeviceBuffer::Allocate(rows * row_bytes));
+      KVGRID_CUDA_RETURN_IF_ERROR(cudaMemset(b.get(), 0, static_cast<size_t>(b.bytes())));
+    }
+    out.push_back(std::move(b));
+    return absl::OkStatus();
+  };
+  for (int64_t layer = 0; layer < g.num_layers; ++layer) {
+    KVGRID_RETURN_IF_ERROR(plane(kr.value_bytes, pool->k_));
+    KVGRID_RETURN_IF_ERROR(plane(vr.value_bytes, pool->v_));
+    KVGRID_RETURN_IF_ERROR(plane(kr.meta_bytes, pool->k_meta_));
+    KVGRID_RETURN_IF_ERROR(plane(vr.meta_bytes, pool->v_meta_));
+  }
+  return pool;
+}
+
+// --- CudaLlamaModel -----------------------------------------------------------------------
+
+CudaLlamaModel::~CudaLlamaModel() {
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    return absl::FailedPreconditionError("CudaLlamaModel: no CUDA device is visible");
+  }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  KVGRID_ASSIGN_OR_RETURN(cublas_, cuda::CublasHandle::Create());
+  KVGRID_ASSIGN_OR_RETURN(inv_freq_, UploadVector(inv_freq));
+  KVGRID_ASSIGN_OR_RETURN(flags_, DeviceBuffer::Allocate(2 * sizeof(int32_t)));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemset(flags_.get(), 0, 2 * sizeof(int32_t)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
+    const model::ModelConfig& c, const LlamaWeights& w, model::DType dense_dtype) {
+  if (dense_dtype != model::DType::kF32 && dense_dtype != model::DType::kF16 &&
+      dense_dtype != model::DType::kBF16) {
+    return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
+  }
+  // The host model checks every size against the config; its weights are what we upload.
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> checked, LlamaModel::FromWeights(c, w));
+  (void)checked;
+  KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
+  KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
+
+  const auto dense = [&](const std::vector<float>& v) -> absl::StatusOr<DeviceBuffer> {
+    if (dense_dtype == model::DType::kF32) return UploadVector(v);
+    return UploadVector(To16(v, dense_dtype));
+  };
+  const auto linear = [&](const std::vector<float>& fp32, const cpu::QuantMatrix& q, int64_t out,
+                          int64_t in) -> absl::StatusOr<Linear> {
+    Linear l;
+    l.out = out;
+    l.in = in;
+    if (!q.empty()) {
+      l.quantized = true;
+      l.format = q.dtype;
+      KVGRID_ASSIGN_OR_RETURN(l.storage, UploadVector(q.data));
+      if (!q.input_perm.empty()) {
+        KVGRID_ASSIGN_OR_RETURN(l.input_perm, UploadVector(q.input_perm));
+      }
+    } else {
+      l.dtype = dense_dtype;
+      KVGRID_ASSIGN_OR_RETURN(l.storage, dense(fp32));
+    }
+    l.data = l.storage.get();
+    return l;
+  };
+  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
+  KVGRID_ASSIGN_OR_RETURN(m->final_norm_, UploadVector(w.final_norm));
+  if (!w.lm_head_q.empty() || !w.lm_head.empty()) {
+    KVGRID_ASSIGN_OR_RETURN(m->head_, linear(w.lm_head, w.lm_head_q, c.vocab_size, hidden));
+  } else {  // tied: the embedding table is the head
+    m->head_.out = c.vocab_size;
+    m->head_.in = hidden;
+    m->head_.dtype = dense_dtype;
+    m->head_.data = m->embed_.get();
+  }
+  for (const LayerWeights& lw : w.layers) {
+    Layer l;
+    KVGRID_ASSIGN_OR_RETURN(l.input_norm, UploadVector(lw.input_norm));
+    KVGRID_ASSIGN_OR_RETURN(l.post_norm, UploadVector(lw.post_norm));
+    KVGRID_ASSIGN_OR_RETURN(l.qkv_bias, UploadVector(lw.qkv_bias));
+    KVGRID_ASSIGN_OR_RETURN(l.o_bias, UploadVector(lw.o_bias));
+    KVGRID_ASSIGN_OR_RETURN(l.qkv, linear(lw.qkv, lw.qkv_q, q_dim + 2 * kv_dim, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.o, linear(lw.o, lw.o_q, hidden, q_dim));
+    KVGRID_ASSIGN_OR_RETURN(l.gate_up, linear(lw.gate_up, lw.gate_up_q, 2 * inter, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.down, linear(lw.down, lw.down_q, hidden, inter));
+    m->layers_.push_back(std::move(l));
+  }
+  return m;
+}
+
+absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
+    const model::ModelConfig& c, model::DType dense_dtype, uint64_t seed) {
+  if (dense_dtype != model::DType::kF32 && dense_dtype != model::DType::kF16 &&
+      dense_dtype != model::DType::kBF16) {
+    return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
+  }
+  KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
+  KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
+  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  uint64_t stream_id = seed * 1000003;
+  const auto random = [&](int64_t n, model::DType dtype,
+                          float std_dev) -> absl::StatusOr<DeviceBuffer> {
+    KVGRID_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(n * DTypeBytes(dtype)));
+    // Uniform in [-a, a] has std a / sqrt(3).
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchFillRandom({.output = b.get(), .dtype = dtype,
+                                                   .num_elements = n,
+                                                   .amplitude = std_dev * std::sqrt(3.f),
+                                                   .seed = ++stream_id},
+                                                  m->stream_));
+    return b;
+  };
+  const auto ones = [&](int64_t n) { return UploadVector(std::vector<float>(n, 1.f)); };
+  const auto linear = [&](int64_t out, int64_t in) -> absl::StatusOr<Linear> {
+    Linear l;
+    l.out = out;
+    l.in = in;
+    l.dtype = dense_dtype;
+    KVGRID_ASSIGN_OR_RETURN(l.storage,
+                            random(out * in, dense_dtype, 1.f / std::sqrt(static_cast<float>(in))));
+    l.data = l.storage.get();
+    return l;
+  };
+  KVGRID_ASSIGN_OR_RETURN(m->embed_, random(c.vocab_size * hidden, dense_dtype, 1.f));
+  KVGRID_ASSIGN_OR_RETURN(m->final_norm_, ones(hidden));
+  if (c.tie_word_embeddings) {
+    m->head_.out = c.vocab_size;
+    m->head_.in = hidden;
+    m->head_.dtype = dense_dtype;
+    m->head_.data = m->embed_.get();
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(m->head_, linear(c.vocab_size, hidden));
+  }
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    Layer l;
+    KVGRID_ASSIGN_OR_RETURN(l.input_norm, ones(hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.post_norm, ones(hidden));
+    if (c.attention_bias) {
+      KVGRID_ASSIGN_OR_RETURN(l.qkv_bias, random(q_dim + 2 * kv_dim, model::DType::kF32, 0.02f));
+    }
+    KVGRID_ASSIGN_OR_RETURN(l.qkv, linear(q_dim + 2 * kv_dim, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.o, linear(hidden, q_dim));
+    KVGRID_ASSIGN_OR_RETURN(l.gate_up, linear(2 * inter, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.down, linear(hidden, inter));
+    m->layers_.push_back(std::move(l));
+  }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m->stream_));
+  return m;
+}
+
+int64_t CudaLlamaModel::WeightBytes() const {
+  int64_t n = embed_.bytes() + final_norm_.bytes() + head_.storage.bytes();
+  for (const Layer& l : layers_) {
+    n += l.input_norm.bytes() + l.post_norm.bytes() + l.qkv_bias.bytes() + l.o_bias.bytes();
+    for (const Linear* x : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      n += x->storage.bytes() + x->input_perm.bytes();
+    }
+  }
+  return n;
+}
+
+KvGeometry CudaLlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
+                                         kernels::KvDType v_dtype) const {
+  KvGeometry g;
+  g.num_layers = config_.num_hidden_layers;
+  g.num_kv_heads = config_.num_key_value_heads;
+  g.head_dim = config_.head_dim;
+  g.block_size = block_size;
+  g.k_dtype = k_dtype;
+  g.v_dtype = v_dtype;
+  return g;
+}
+
+absl::Status CudaLlamaModel::RunLinear(const Linear& l, const float* input, const float* bias,
+                                       float* output, int64_t n, bool accumulate) {
+  if (n == 0) return absl::OkStatus();
+  if (l.quantized) {
+    return cuda::LaunchQuantLinear({.input = input,
+                                    .weight = static_cast<const uint8_t*>(l.data),
+                                    .input_perm = l.input_perm.as<const int32_t>(),
+                                    .bias = bias,
+                                    .output = output,
+                                    .format = FormatOf(l.format),
+                                    .num_tokens = n,
+                                    .in_features = l.in,
+                                    .out_features = l.out,
+                                    .accumulate = accumulate},
+                                   stream_);
+  }
+  if (l.dtype != model::DType::kF32) {
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchCast(
+        {.input = input, .output = cast_.get(), .dtype = l.dtype, .num_elements = n * l.in},
+        stream_));
+    return cuda::LaunchGemm({.input = cast_.get(),
+                             .weight = l.data,
+                             .bias = bias,
+                             .output = output,
+                             .dtype = l.dtype,
+                             .num_tokens = n,
+                             .in_features = l.in,
+                             .out_features = l.out,
+                             .accumulate = accumulate},
+                            cublas_, stream_);
+  }
+  // fp32: row-major output[n, out] = input[n, in] x W[out, in]^T is, column-major,
+  // output^T[out, n] = W^T... i.e. op(A) = W (A = W as a column-major [in, out], transposed).
+  cublasHandle_t h = cublas_.get();
+  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetStream(h, stream_));
+  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
+  // Plain fp32 FMAs (no TF32), so logits follow the CPU reference.
+  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
+  const float one = 1.f;
+  float beta = accumulate ? 1.f : 0.f;
+  if (bias != nullptr) {
+    // output (+)= bias broadcast over rows: a rank-1 product bias[out] x ones[n].
+    KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(l.out),
+                                              static_cast<int>(n), 1, &one, bias,
+                                              static_cast<int>(l.out), ones_.as<float>(), 1, &beta,
+                                              output, static_cast<int>(l.out)));
+    beta = 1.f;
+  }
+  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSgemm(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(l.out),
+                                            static_cast<int>(n), static_cast<int>(l.in), &one,
+                                            static_cast<const float*>(l.data),
+                                            static_cast<int>(l.in), input, static_cast<int>(l.in),
+                                            &beta, output, static_cast<int>(l.out)));
+  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_blocks,
+                                     int64_t logit_rows) {
+  const model::ModelConfig& c = config_;
+  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  if (tokens > cap_tokens_) {
+    const int64_t t = std::max<int64_t>(tokens, 2 * cap_tokens_);
+    KVGRID_RETURN_IF_ERROR(Grow(ids_, t * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(positions_, t * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(slots_, t * 8));
+    KVGRID_RETURN_IF_ERROR(Grow(x_, t * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(h_, t * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(qkv_, t * (q_dim + 2 * kv_dim) * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(q_, t * q_dim * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(k_, t * kv_dim * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(v_, t * kv_dim * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(attn_, t * q_dim * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(gate_up_, t * 2 * inter * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(act_, t * inter * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(cast_, t * std::max({hidden, q_dim, inter}) * 2));
+    if (ones_.bytes() < t * 4) {
+      KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(t, 1.f)));
+    }
+    cap_tokens_ = t;
+  }
+  if (seqs > cap_seqs_) {
+    KVGRID_RETURN_IF_ERROR(Grow(query_start_, (seqs + 1) * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(seq_lens_, seqs * 4));
+    cap_seqs_ = seqs;
+  }
+  KVGRID_RETURN_IF_ERROR(Grow(block_tables_, std::max<int64_t>(1, seqs * max_blocks) * 4));
+  if (logit_rows > cap_rows_) {
+    KVGRID_RETURN_IF_ERROR(Grow(rows_, logit_rows * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(logits_, logit_rows * c.vocab_size * 4));
+    KVGRID_RETURN_IF_ERROR(Grow(cast_, std::max(cap_tokens_, logit_rows) *
+                                           std::max({hidden, q_dim, inter}) * 2));
+    if (ones_.bytes() < logit_rows * 4) {
+      KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(logit_rows, 1.f)));
+    }
+    cap_rows_ = logit_rows;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
+                                     std::vector<float>* logits) {
+  const model::ModelConfig& c = config_;
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
+  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slots.size()) != n ||
+      static_cast<int64_t>(b.query_start.size()) != num_seqs + 1 ||
+      static_cast<int64_t>(b.block_tables.size()) != num_seqs * b.max_blocks_per_seq) {
+    return absl::InvalidArgumentError("ForwardBatch: inconsistent sizes");
+  }
+  for (int32_t row : b.logit_rows) {
+    if (row < 0 || row >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardBatch: logit row ", row, " outside [0, ", n, ")"));
+    }
+  }
+  const KvGeometry& g = pool.geometry();
+  if (g.num_layers != c.num_hidden_layers || g.num_kv_heads != c.num_key_value_heads ||
+      g.head_dim != c.head_dim) {
+    return absl::InvalidArgumentError("KV pool geometry does not match the model");
+  }
+  if (logits != nullptr) logits->clear();
+  if (n == 0) return absl::OkStatus();
+  int32_t max_seq_len = 0, max_query_len = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    max_seq_len = std::max(max_seq_len, b.seq_lens[s]);
+    max_query_len = std::max(max_query_len, b.query_start[s + 1] - b.query_start[s]);
+  }
+  const int64_t m = static_cast<int64_t>(b.logit_rows.size());
+  KVGRID_RETURN_IF_ERROR(Reserve(n, num_seqs, b.max_blocks_per_seq, m));
+
+  const auto upload = [&](DeviceBuffer& dst, const auto& v) -> absl::Status {
+    if (v.empty()) return absl::OkStatus();
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.get(), v.data(), v.size() * sizeof(v[0]),
+                                                cudaMemcpyHostToDevice, stream_));
+    return absl::OkStatus();
+  };
+  KVGRID_RETURN_IF_ERROR(upload(ids_, b.token_ids));
+  KVGRID_RETURN_IF_ERROR(upload(positions_, b.positions));
+  KVGRID_RETURN_IF_ERROR(upload(slots_, b.slots));
+  KVGRID_RETURN_IF_ERROR(upload(query_start_, b.query_start));
+  KVGRID_RETURN_IF_ERROR(upload(seq_lens_, b.seq_lens));
+  KVGRID_RETURN_IF_ERROR(upload(block_tables_, b.block_tables));
+
+  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
+  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
+  const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  int32_t* flags = flags_.as<int32_t>();
+
+  KVGRID_RETURN_IF_ERROR(cuda::LaunchEmbedding({.table = embed_.get(),
+                                                .ids = ids_.as<int32_t>(),
+                                                .output = x_.as<float>(),
+                                                .invalid_id_flag = flags,
+                                                .table_dtype = dense_dtype_,
+                                                .vocab = c.vocab_size,
+                                                .hidden = hidden,
+                                                .num_tokens = n},
+                                               stream_));
+  cuda::PagedAttentionParams attention{
+      .query = q_.as<float>(),
+      .output = attn_.as<float>(),
+      .k_dtype = g.k_dtype,
+      .v_dtype = g.v_dtype,
+      .block_tables = block_tables_.as<int32_t>(),
+      .seq_lens = seq_lens_.as<int32_t>(),
+      .query_start = query_start_.as<int32_t>(),
+      .num_seqs = num_seqs,
+      .num_tokens = n,
+      .max_blocks_per_seq = b.max_blocks_per_seq,
+      .num_blocks = pool.num_blocks(),
+      .num_heads = heads,
+      .num_kv_heads = kv_heads,
+      .block_size = g.block_size,
+      .head_dim = hd,
+      .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+      .max_seq_len = max_seq_len,
+      .max_query_len = max_query_len};
+  KVGRID_RETURN_IF_ERROR(Grow(attn_workspace_, cuda::PagedAttentionWorkspaceBytes(attention)));
+  attention.workspace = attn_workspace_.get();
+  attention.workspace_bytes = attn_workspace_.bytes();
+
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const Layer& l = layers_[layer];
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = x_.as<float>(),
+                                                .weight = l.input_norm.as<float>(),
+                                                .output = h_.as<float>(),
+                                                .num_tokens = n,
+                                                .hidden = hidden,
+                                                .eps = eps},
+                                               stream_));
+    KVGRID_RETURN_IF_ERROR(RunLinear(l.qkv, h_.as<float>(), l.qkv_bias.as<float>(),
+                                     qkv_.as<float>(), n, false));
+    // q, k and v as separate [n, heads, head_dim] arrays, for RoPE and the KV write.
+    const auto split = [&](DeviceBuffer& dst, int64_t offset, int64_t width) -> absl::Status {
+      KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+          dst.get(), width * sizeof(float), qkv_.as<float>() + offset, qkv_dim * sizeof(float),
+          width * sizeof(float), n, cudaMemcpyDeviceToDevice, stream_));
+      return absl::OkStatus();
+    };
+    KVGRID_RETURN_IF_ERROR(split(q_, 0, q_dim));
+    KVGRID_RETURN_IF_ERROR(split(k_, q_dim, kv_dim));
+    KVGRID_RETURN_IF_ERROR(split(v_, q_dim + kv_dim, kv_dim));
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchRope({.query = q_.as<float>(),
+                                             .key = k_.as<float>(),
+                                             .positions = positions_.as<int32_t>(),
+                                             .inv_freq = inv_freq_.as<double>(),
+                                             .num_tokens = n,
+                                             .num_heads = heads,
+                                             .num_kv_heads = kv_heads,
+                                             .head_dim = hd},
+                                            stream_));
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchKvWrite({.key = k_.as<float>(),
+                                                .value = v_.as<float>(),
+                                                .slots = slots_.as<int64_t>(),
+                                                .k_cache = pool.k(layer),
+                                                .v_cache = pool.v(layer),
+                                                .k_meta = pool.k_meta(layer),
+                                                .v_meta = pool.v_meta(layer),
+                                                .invalid_slot_flag = flags + 1,
+                                                .k_dtype = g.k_dtype,
+                                                .v_dtype = g.v_dtype,
+                                                .num_tokens = n,
+                                                .num_blocks = pool.num_blocks(),
+                                                .num_kv_heads = kv_heads,
+                                                .block_size = g.block_size,
+                                                .head_dim = hd},
+                                               stream_));
+    attention.k_cache = pool.k(layer);
+    attention.v_cache = pool.v(layer);
+    attention.k_meta = pool.k_meta(layer);
+    attention.v_meta = pool.v_meta(layer);
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, stream_));
+    // The residual adds are the GEMMs' accumulate.
+    KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(), l.o_bias.as<float>(), x_.as<float>(),
+                                     n, true));
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = x_.as<float>(),
+                                                .weight = l.post_norm.as<float>(),
+                                                .output = h_.as<float>(),
+                                                .num_tokens = n,
+                                                .hidden = hidden,
+                                                .eps = eps},
+                                               stream_));
+    KVGRID_RETURN_IF_ERROR(RunLinear(l.gate_up, h_.as<float>(), nullptr, gate_up_.as<float>(), n,
+                                     false));
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchSiluAndMul({.gate_up = gate_up_.as<float>(),
+                                                   .output = act_.as<float>(),
+                                                   .num_tokens = n,
+                                                   .intermediate = inter},
+                                                  stream_));
+    KVGRID_RETURN_IF_ERROR(RunLinear(l.down, act_.as<float>(), nullptr, x_.as<float>(), n, true));
+  }
+
+  if (m > 0) {
+    // Only the requested rows go through the final norm and the vocabulary projection.
+    for (int64_t i = 0; i < m; ++i) {
+      KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          rows_.as<float>() + i * hidden, x_.as<float>() + b.logit_rows[i] * hidden,
+          hidden * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+    }
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = rows_.as<float>(),
+                                                .weight = final_norm_.as<float>(),
+                                                .output = rows_.as<float>(),
+                                                .num_tokens = m,
+                                                .hidden = hidden,
+                                                .eps = eps},
+                                               stream_));
+    KVGRID_RETURN_IF_ERROR(RunLinear(head_, rows_.as<float>(), nullptr, logits_.as<float>(), m,
+                                     false));
+  }
+  if (logits == nullptr) return absl::OkStatus();
+  logits->resize(static_cast<size_t>(m * c.vocab_size));
+  int32_t host_flags[2] = {0, 0};
+  if (m > 0) {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits->data(), logits_.get(),
+                                                logits->size() * sizeof(float),
+                                                cudaMemcpyDeviceToHost, stream_));
+  }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags, flags, sizeof(host_flags),
+                                              cudaMemcpyDeviceToHost, stream_));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (host_flags[0] != 0 || host_flags[1] != 0) {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, 2 * sizeof(int32_t), stream_));
+    logits->clear();
+    return absl::InvalidArgumentError(host_flags[0] != 0
+                                          ? "ForwardBatch: a token id is outside the vocabulary"
+                                          : "ForwardBatch: a KV slot is outside the pool");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvgrid::worker

@@ -1,0 +1,165 @@
+// The Llama-family decoder on one GPU, composed from kernels/cuda: the same forward pass as
+// LlamaModel (CPU) — fused q/k/v and gate/up, RoPE, paged KV written in the pool's dtypes,
+// paged attention, SiLU-gated MLP, logits for the rows asked for — with device weights and a
+// device KV pool laid out as KvPool's.
+//
+// Weights: fp32 (cuBLAS SGEMM without TF32, so logits track the CPU reference to fp32 noise;
+// for tests), fp16/bf16 (activations cast to the weights' type, fp32 accumulate; what a
+// deployment runs), or the CPU's quantized blocks (Q8_0/Q4_0/Q4_1/Q4_Z, uploaded as they are and
+// dequantized inside kernels/cuda/quant_linear). Activations stay fp32 between ops.
+// Tensor parallelism is not supported yet (size 1).
+//
+// Not thread-safe: one engine thread drives a model and its pool; every call enqueues on the
+// model's stream and Forward synchronizes once, when the logits come back.
+#ifndef KVGRID_WORKER_EXECUTOR_CUDA_LLAMA_MODEL_H_
+#define KVGRID_WORKER_EXECUTOR_CUDA_LLAMA_MODEL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cuda/cublas_handle.h"
+#include "model/dtype.h"
+#include "model/model_config.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+
+// Device memory owned by one object (cudaMalloc / cudaFree). Move-only.
+class DeviceBuffer {
+ public:
+  // Errors: RESOURCE_EXHAUSTED naming cudaMalloc and the size when the device is full.
+  static absl::StatusOr<DeviceBuffer> Allocate(int64_t bytes);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+
+  [[nodiscard]] void* get() const { return ptr_; }
+  [[nodiscard]] int64_t bytes() const { return bytes_; }
+  template <typename T>
+  [[nodiscard]] T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// One GPU's KV arenas, laid out as KvPool's (kernels/kv_dtype.h), zero-filled.
+class CudaKvPool {
+ public:
+  // As many blocks as `budget_bytes` holds. Errors: INVALID_ARGUMENT for a bad geometry or a
+  // budget below one block; RESOURCE_EXHAUSTED when the device cannot hold it.
+  static absl::StatusOr<std::unique_ptr<CudaKvPool>> Create(const KvGeometry& geometry,
+                                                            int64_t budget_bytes);
+
+  [[nodiscard]] const KvGeometry& geometry() const { return geometry_; }
+  [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
+  [[nodiscard]] int64_t bytes() const { return num_blocks_ * geometry_.BytesPerBlock(); }
+  // Device pointers of `layer`'s planes; the meta planes are null for float dtypes.
+  [[nodiscard]] void* k(int64_t layer) const { return k_[layer].get(); }
+  [[nodiscard]] void* v(int64_t layer) const { return v_[layer].get(); }
+  [[nodiscard]] void* k_meta(int64_t layer) const { return k_meta_[layer].get(); }
+  [[nodiscard]] void* v_meta(int64_t layer) const { return v_meta_[layer].get(); }
+
+ private:
+  CudaKvPool(const KvGeometry& geometry, int32_t num_blocks)
+      : geometry_(geometry), num_blocks_(num_blocks) {}
+
+  KvGeometry geometry_;
+  int32_t num_blocks_;
+  std::vector<DeviceBuffer> k_, v_, k_meta_, v_meta_;  // one per layer
+};
+
+class CudaLlamaModel {
+ public:
+  // Uploads `weights` (whole-model, fp32 on the host, or quantized where LlamaWeights holds
+  // QuantMatrix blocks), converting dense matrices to `dense_dtype` (kF32, kF16 or kBF16).
+  // Errors: INVALID_ARGUMENT for sizes that disagree with `config` or a bad dtype;
+  // RESOURCE_EXHAUSTED when the device is full; INTERNAL naming a failed CUDA/cuBLAS call
+  // (FAILED_PRECONDITION when no device is visible).
+  static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> FromWeights(
+      const model::ModelConfig& config, const LlamaWeights& weights, model::DType dense_dtype);
+
+  // Deterministic random dense weights made on the device (std ~ 1/sqrt(fan_in), norms 1), for
+  // benchmarks of shapes too large to build on the host. Errors: as FromWeights.
+  static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> Random(const model::ModelConfig& config,
+                                                                model::DType dense_dtype,
+                                                                uint64_t seed);
+
+  ~CudaLlamaModel();
+  CudaLlamaModel(const CudaLlamaModel&) = delete;
+  CudaLlamaModel& operator=(const CudaLlamaModel&) = delete;
+
+  [[nodiscard]] const model::ModelConfig& config() const { return config_; }
+  [[nodiscard]] int64_t WeightBytes() const;
+  [[nodiscard]] cudaStream_t stream() const { return stream_; }
+  // The KV geometry this model writes (dtypes and block size the caller's).
+  [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
+                                         kernels::KvDType v_dtype) const;
+
+  // Runs `batch` (the CPU ForwardBatch, uploaded here), writes the new K/V into `pool` and,
+  // when `logits` is not null, fills it with [batch.logit_rows.size(), vocab] floats (copied back;
+  // the call then waits for the device). With `logits` null nothing is waited for: benchmarks
+  // time steps with events on stream().
+  // Errors: INVALID_ARGUMENT for malformed batches (as LlamaModel::Forward; a token id outside
+  // the vocabulary or a slot outside the pool is found by the kernels and reported once the
+  // step is waited for); INTERNAL naming a failed CUDA/cuBLAS call.
+  absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
+
+  // A linear layer on the device: dense [out, in] in `dtype`, or quantized blocks.
+  struct Linear {
+    DeviceBuffer storage;     // the weights, unless they are another buffer's (a tied head)
+    const void* data = nullptr;  // storage.get(), or the buffer it shares
+    DeviceBuffer input_perm;  // int32 [in] or empty (quantized only)
+    bool quantized = false;
+    kernels::cpu::WeightDType format = kernels::cpu::WeightDType::kF32;  // when quantized
+    model::DType dtype = model::DType::kF32;                            // when dense
+    int64_t out = 0, in = 0;
+  };
+  struct Layer {
+    DeviceBuffer input_norm, post_norm, qkv_bias, o_bias;  // fp32
+    Linear qkv, o, gate_up, down;
+  };
+
+ private:
+  CudaLlamaModel(const model::ModelConfig& config, model::DType dense_dtype)
+      : config_(config), dense_dtype_(dense_dtype) {}
+  absl::Status Init(const std::vector<double>& inv_freq);
+  // output [n, l.out] (+)= input [n, l.in] x W^T (+ bias): fp32 SGEMM, cast + 16-bit GEMM, or
+  // the quantized kernel.
+  absl::Status RunLinear(const Linear& l, const float* input, const float* bias, float* output,
+                         int64_t n, bool accumulate);
+  // Workspaces sized for `tokens` tokens, `seqs` sequences and `logit_rows` rows (grown,
+  // never shrunk).
+  absl::Status Reserve(int64_t tokens, int64_t seqs, int64_t max_blocks, int64_t logit_rows);
+
+  model::ModelConfig config_;
+  model::DType dense_dtype_;
+  cudaStream_t stream_ = nullptr;
+  kernels::cuda::CublasHandle cublas_;
+  DeviceBuffer embed_;                 // [vocab, hidden] of dense_dtype_ (fp32 when fp32)
+  DeviceBuffer final_norm_;            // [hidden] fp32
+  Linear head_;                        // lm_head, or the tied embedding as a Linear
+  std::vector<Layer> layers_;
+  DeviceBuffer inv_freq_;              // [head_dim / 2] double
+  DeviceBuffer flags_;                 // [2] int32: invalid token id, invalid slot
+  // Per-step inputs and workspaces.
+  DeviceBuffer ids_, positions_, slots_, query_start_, seq_lens_, block_tables_;
+  DeviceBuffer x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, logits_, cast_, ones_;
+  DeviceBuffer attn_workspace_;
+  int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_blocks_ = 0, cap_rows_ = 0, cap_cast_ = 0;
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_EXECUTOR_CUDA_LLAMA_MODEL_H_
