@@ -48,6 +48,8 @@ for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do
   [[ -d "$d" ]] && libpath="$libpath:$d"
 done
 run() { "$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+# The model test reads models/kjv-tiny from the repository, which travels with the command.
+export KVGRID_SOURCE_DIR="$root"
 
 echo "== gpu tests"
 failed=()
