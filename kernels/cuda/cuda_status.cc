@@ -6,6 +6,10 @@ namespace kvgrid::kernels::cuda {
 
 absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line) {
   if (err == cudaSuccess) return absl::OkStatus();
+  // Take the error out of the runtime's last-error slot, so that a failure reported here (a
+  // cudaMalloc that did not fit, say) is not reported again by the next launch's
+  // cudaGetLastError. Sticky errors (a fault in a kernel) stay, as they must.
+  (void)cudaGetLastError();
   std::string message = absl::StrCat(call, " failed at ", file, ":", line, ": ",
                                      cudaGetErrorName(err), ": ", cudaGetErrorString(err));
   if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);

@@ -9,7 +9,7 @@ namespace {
 constexpr int kThreads = 256;
 
 // One block per token; a block-wide reduction of the sum of squares.
-__global__ void RmsNormKernel(const float* __restrict__ input, const float* __restrict__ weight,
+__global__ void RmsNormKernel(const float* input, const float* __restrict__ weight,
                               float* output, int64_t hidden, float eps) {
   const int64_t row = blockIdx.x;
   const float* x = input + row * hidden;

@@ -54,11 +54,72 @@ absl::StatusOr<DeviceBuffer> UploadVector(const std::vector<T>& v) {
   return Upload(v.data(), static_cast<int64_t>(v.size() * sizeof(T)));
 }
 
-// Grows `buffer` to at least `bytes` (contents not kept).
+// Grows `buffer` to at least `bytes` (contents not kept). The new buffer is allocated before
+// the old one is freed, so a failure leaves `buffer` as it was (still valid at its old size).
+// cudaFree waits for the device, so a buffer an earlier step still reads is not pulled away.
 absl::Status Grow(DeviceBuffer& buffer, int64_t bytes) {
   if (buffer.bytes() >= bytes) return absl::OkStatus();
-  buffer = DeviceBuffer();
-  KVGRID_ASSIGN_OR_RETURN(buffer, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
+  KVGRID_ASSIGN_OR_RETURN(DeviceBuffer bigger, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
+  buffer = std::move(bigger);
+  return absl::OkStatus();
+}
+
+// The checks LlamaModel::Forward gets from cpu::PagedAttentionParams::Validate, done on the host
+// copies before anything is uploaded: the kernels trust query_start and the block tables.
+absl::Status CheckBatch(const ForwardBatch& b, int64_t block_size, int64_t num_blocks) {
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
+  if (n > 0 && num_seqs == 0) return absl::InvalidArgumentError("ForwardBatch: tokens but no sequence");
+  if (b.query_start[0] != 0 || b.query_start[num_seqs] != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ForwardBatch: query_start must run from 0 to the ", n, " tokens"));
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = b.query_start[s + 1] - b.query_start[s];
+    const int64_t len = b.seq_lens[s];
+    if (q_len < 0 || q_len > len) {
+      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: sequence ", s, " has ", q_len,
+                                                     " query tokens for a context of ", len));
+    }
+    const int64_t used = (len + block_size - 1) / block_size;
+    if (used > b.max_blocks_per_seq) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ForwardBatch: sequence ", s, " needs ", used, " blocks, the table holds ",
+          b.max_blocks_per_seq));
+    }
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = b.block_tables[s * b.max_blocks_per_seq + i];
+      if (block < 0 || block >= num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: sequence ", s, " block ",
+                                                       block, " outside the pool of ",
+                                                       num_blocks));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A quantized matrix must hold what its shape says before it is uploaded: the kernels read
+// rows x row-bytes blocks and cols permutation entries without further checks.
+absl::Status CheckQuantized(const cpu::QuantMatrix& q, int64_t rows, int64_t cols,
+                            const char* what) {
+  if (q.dtype == cpu::WeightDType::kF32 || q.rows != rows || q.cols != cols ||
+      cols % cpu::kQuantBlock != 0 ||
+      static_cast<int64_t>(q.data.size()) != rows * q.RowBytes() ||
+      (!q.input_perm.empty() && static_cast<int64_t>(q.input_perm.size()) != cols)) {
+    return absl::InvalidArgumentError(absl::StrCat("quantized weight ", what, " is malformed (",
+                                                   q.rows, " x ", q.cols, ", ", q.data.size(),
+                                                   " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
+// The attention kernels are instantiated for these head sizes.
+absl::Status CheckHeadDim(const model::ModelConfig& c) {
+  if (c.head_dim != 64 && c.head_dim != 128) {
+    return absl::UnimplementedError(absl::StrCat("the CUDA attention supports head_dim 64 and 128, "
+                                                 "not ", c.head_dim));
+  }
   return absl::OkStatus();
 }
 
@@ -138,12 +199,17 @@ absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry&
     KVGRID_RETURN_IF_ERROR(plane(kr.meta_bytes, pool->k_meta_));
     KVGRID_RETURN_IF_ERROR(plane(vr.meta_bytes, pool->v_meta_));
   }
+  // cudaMemset on device memory returns before the device is done; any stream may use the
+  // pool next.
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return pool;
 }
 
 // --- CudaLlamaModel -----------------------------------------------------------------------
 
 CudaLlamaModel::~CudaLlamaModel() {
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // nothing to report to from here
+  cublas_ = kernels::cuda::CublasHandle();  // before the stream it is bound to
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -152,7 +218,9 @@ absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     return absl::FailedPreconditionError("CudaLlamaModel: no CUDA device is visible");
   }
-  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // A blocking stream: it waits for the uploads and memsets issued on the default stream
+  // (weights, the ones vector), so none of them needs its own synchronization.
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream_));
   KVGRID_ASSIGN_OR_RETURN(cublas_, cuda::CublasHandle::Create());
   KVGRID_ASSIGN_OR_RETURN(inv_freq_, UploadVector(inv_freq));
   KVGRID_ASSIGN_OR_RETURN(flags_, DeviceBuffer::Allocate(2 * sizeof(int32_t)));
@@ -166,9 +234,11 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
       dense_dtype != model::DType::kBF16) {
     return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
   }
-  // The host model checks every size against the config; its weights are what we upload.
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> checked, LlamaModel::FromWeights(c, w));
-  (void)checked;
+  KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
+  KVGRID_RETURN_IF_ERROR(LlamaModel::CheckWeights(c, w));
+  if (!w.lm_head_q.empty()) {
+    KVGRID_RETURN_IF_ERROR(CheckQuantized(w.lm_head_q, c.vocab_size, c.hidden_size, "lm_head"));
+  }
   KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
   std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
   KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
@@ -183,6 +253,7 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     l.out = out;
     l.in = in;
     if (!q.empty()) {
+      KVGRID_RETURN_IF_ERROR(CheckQuantized(q, out, in, "layer"));
       l.quantized = true;
       l.format = q.dtype;
       KVGRID_ASSIGN_OR_RETURN(l.storage, UploadVector(q.data));
@@ -229,6 +300,7 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
       dense_dtype != model::DType::kBF16) {
     return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
   }
+  KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
   KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
   std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
   KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
@@ -431,6 +503,9 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   }
   if (logits != nullptr) logits->clear();
   if (n == 0) return absl::OkStatus();
+  KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks()));
+  // Flags a step's kernels raise are this step's alone, whether or not the last one read them.
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_.get(), 0, 2 * sizeof(int32_t), stream_));
   int32_t max_seq_len = 0, max_query_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     max_seq_len = std::max(max_seq_len, b.seq_lens[s]);
@@ -590,7 +665,8 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
                                               cudaMemcpyDeviceToHost, stream_));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   if (host_flags[0] != 0 || host_flags[1] != 0) {
-    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, 2 * sizeof(int32_t), stream_));
+    // Unlike the CPU model, which refuses the batch before writing anything, the valid tokens'
+    // K/V are already in the pool by now; the caller frees the sequence.
     logits->clear();
     return absl::InvalidArgumentError(host_flags[0] != 0
                                           ? "ForwardBatch: a token id is outside the vocabulary"

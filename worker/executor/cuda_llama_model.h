@@ -92,6 +92,7 @@ class CudaLlamaModel {
 
   // Deterministic random dense weights made on the device (std ~ 1/sqrt(fan_in), norms 1), for
   // benchmarks of shapes too large to build on the host. Errors: as FromWeights.
+  // (Both: UNIMPLEMENTED for a head_dim other than 64 or 128, the attention kernels' sizes.)
   static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> Random(const model::ModelConfig& config,
                                                                 model::DType dense_dtype,
                                                                 uint64_t seed);
@@ -111,9 +112,11 @@ class CudaLlamaModel {
   // when `logits` is not null, fills it with [batch.logit_rows.size(), vocab] floats (copied back;
   // the call then waits for the device). With `logits` null nothing is waited for: benchmarks
   // time steps with events on stream().
-  // Errors: INVALID_ARGUMENT for malformed batches (as LlamaModel::Forward; a token id outside
+  // Errors: INVALID_ARGUMENT for malformed batches: sizes, query_start, context lengths and
+  // block tables are checked on the host first, as LlamaModel::Forward does; a token id outside
   // the vocabulary or a slot outside the pool is found by the kernels and reported once the
-  // step is waited for); INTERNAL naming a failed CUDA/cuBLAS call.
+  // step is waited for (by then the batch's valid rows are written: free the sequences);
+  // INTERNAL naming a failed CUDA/cuBLAS call.
   absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
 
   // A linear layer on the device: dense [out, in] in `dtype`, or quantized blocks.

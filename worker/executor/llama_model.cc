@@ -541,6 +541,12 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
   return w;
 }
 
+absl::Status LlamaModel::CheckWeights(const model::ModelConfig& config,
+                                      const LlamaWeights& weights, TensorParallel tp) {
+  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  return kvgrid::worker::CheckWeights(config, weights, tp);
+}
+
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromWeights(
     const model::ModelConfig& config, LlamaWeights weights, TensorParallel tp) {
   KVGRID_RETURN_IF_ERROR(tp.Validate(config));

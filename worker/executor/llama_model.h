@@ -115,6 +115,11 @@ class LlamaModel {
                                                                  LlamaWeights weights,
                                                                  TensorParallel tp = {});
 
+  // Checks every weight's size against `config` (this rank's share under `tp`) without taking
+  // a copy. Errors: INVALID_ARGUMENT naming the weight and both sizes.
+  static absl::Status CheckWeights(const model::ModelConfig& config, const LlamaWeights& weights,
+                                   TensorParallel tp = {});
+
   // Rank tp.rank's share of whole-model weights (benchmarks, tests), sliced as Load slices a
   // checkpoint. Errors: as TensorParallel::Validate.
   static absl::StatusOr<LlamaWeights> ShardWeights(const model::ModelConfig& config,
