@@ -54,9 +54,9 @@ void Die(const char* what, cudaError_t err) {
   std::exit(1);
 }
 
-#define BENCH_CUDA(call)                     \
-  do {                                       \
-    const cudaError_t err_ = (call);         \
+#define BENCH_CUDA(call)                       \
+  do {                                         \
+    const cudaError_t err_ = (call);           \
     if (err_ != cudaSuccess) Die(#call, err_); \
   } while (0)
 
@@ -70,7 +70,9 @@ __device__ uint32_t Hash(uint64_t x) {
 }
 
 // A uniform float in [-1, 1) from a hash.
-__device__ float UnitFloat(uint32_t h) { return static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f; }
+__device__ float UnitFloat(uint32_t h) {
+  return static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f;
+}
 
 // Fills a value plane with valid encodings of random values: 32-bit words of fp32, two fp16 or
 // bf16, or four int8 / eight int4 codes (any bits are valid codes there).
@@ -153,24 +155,32 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--json") json = true;
-    else if (a == "--peak-gbs") peak_flag = std::atof(next());
-    else if (a == "--contexts") contexts = ParseList(next());
-    else if (a == "--batches") batches = ParseList(next());
-    else if (a == "--dtypes") dtypes = ParseDTypes(next());
-    else if (a == "--min-ms") min_ms = std::atof(next());
-    else {
-      std::fprintf(stderr, "usage: cuda_attention_bench [--json] [--peak-gbs GB/s] "
-                           "[--contexts 1024,8192,32768] [--batches 1,4,16,64] "
-                           "[--dtypes fp16,int8,int4] [--min-ms 20]\n");
+    if (a == "--json") {
+      json = true;
+    } else if (a == "--peak-gbs") {
+      peak_flag = std::atof(next());
+    } else if (a == "--contexts") {
+      contexts = ParseList(next());
+    } else if (a == "--batches") {
+      batches = ParseList(next());
+    } else if (a == "--dtypes") {
+      dtypes = ParseDTypes(next());
+    } else if (a == "--min-ms") {
+      min_ms = std::atof(next());
+    } else {
+      std::fprintf(stderr,
+                   "usage: cuda_attention_bench [--json] [--peak-gbs GB/s] "
+                   "[--contexts 1024,8192,32768] [--batches 1,4,16,64] "
+                   "[--dtypes fp16,int8,int4] [--min-ms 20]\n");
       return 2;
     }
   }
   if (contexts.empty() || batches.empty() || dtypes.empty() ||
       *std::min_element(contexts.begin(), contexts.end()) <= 0 ||
       *std::min_element(batches.begin(), batches.end()) <= 0) {
-    std::fprintf(stderr, "cuda_attention_bench: contexts, batches and dtypes must be non-empty "
-                         "lists of positive values\n");
+    std::fprintf(stderr,
+                 "cuda_attention_bench: contexts, batches and dtypes must be non-empty "
+                 "lists of positive values\n");
     return 2;
   }
 
@@ -216,7 +226,8 @@ int main(int argc, char** argv) {
     BENCH_CUDA(cudaMalloc(&k, rows * l.value_bytes));
     BENCH_CUDA(cudaMalloc(&v, rows * l.value_bytes));
     FillValues<<<4096, 256>>>(static_cast<uint32_t*>(k), rows * l.value_bytes / 4, dtype, 1);
-    FillValues<<<4096, 256>>>(static_cast<uint32_t*>(v), rows * l.value_bytes / 4, dtype, 1ull << 40);
+    FillValues<<<4096, 256>>>(static_cast<uint32_t*>(v), rows * l.value_bytes / 4, dtype,
+                              1ull << 40);
     BENCH_CUDA(cudaGetLastError());
     if (l.meta_bytes > 0) {
       BENCH_CUDA(cudaMalloc(&k_meta, rows * l.meta_bytes));
@@ -251,8 +262,10 @@ int main(int argc, char** argv) {
         BENCH_CUDA(cudaMalloc(&d_q, query.size() * 4));
         BENCH_CUDA(cudaMalloc(&d_out, query.size() * 4));
         BENCH_CUDA(cudaMemcpy(d_tables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
-        BENCH_CUDA(cudaMemcpy(d_lens, seq_lens.data(), seq_lens.size() * 4, cudaMemcpyHostToDevice));
-        BENCH_CUDA(cudaMemcpy(d_qs, query_start.data(), query_start.size() * 4, cudaMemcpyHostToDevice));
+        BENCH_CUDA(
+            cudaMemcpy(d_lens, seq_lens.data(), seq_lens.size() * 4, cudaMemcpyHostToDevice));
+        BENCH_CUDA(
+            cudaMemcpy(d_qs, query_start.data(), query_start.size() * 4, cudaMemcpyHostToDevice));
         BENCH_CUDA(cudaMemcpy(d_q, query.data(), query.size() * 4, cudaMemcpyHostToDevice));
 
         kvgrid::kernels::cuda::PagedAttentionParams p;
@@ -299,8 +312,8 @@ int main(int argc, char** argv) {
         BENCH_CUDA(cudaEventSynchronize(stop));
         float probe_ms = 0;
         BENCH_CUDA(cudaEventElapsedTime(&probe_ms, start, stop));
-        const int64_t iters =
-            std::clamp<int64_t>(static_cast<int64_t>(min_ms / std::max(probe_ms / 5, 1e-3f)), 10, 10000);
+        const int64_t iters = std::clamp<int64_t>(
+            static_cast<int64_t>(min_ms / std::max(probe_ms / 5, 1e-3f)), 10, 10000);
         BENCH_CUDA(cudaEventRecord(start, stream));
         for (int64_t i = 0; i < iters; ++i) launch();
         BENCH_CUDA(cudaEventRecord(stop, stream));
@@ -320,8 +333,7 @@ int main(int argc, char** argv) {
         if (!json) {
           std::printf("%-5s batch %3lld ctx %6lld: %9.1f us  %8.1f GB/s  %5.1f%% of peak\n",
                       r.dtype.c_str(), static_cast<long long>(batch),
-                      static_cast<long long>(context), r.us_per_call, r.gbs,
-                      100.0 * r.gbs / peak);
+                      static_cast<long long>(context), r.us_per_call, r.gbs, 100.0 * r.gbs / peak);
           std::fflush(stdout);
         }
 
@@ -340,22 +352,23 @@ int main(int argc, char** argv) {
   }
 
   if (json) {
-    std::printf("{\"device\": \"%s\", \"sm_count\": %d, \"device_peak_gbs\": %.1f, "
-                "\"peak_gbs\": %.1f, \"peak_source\": \"%s\", \"heads\": %lld, "
-                "\"kv_heads\": %lld, \"head_dim\": %lld, \"block_size\": %lld, \"results\": [",
-                prop.name, prop.multiProcessorCount, device_peak, peak,
-                peak_flag > 0 ? "--peak-gbs" : "device attributes",
-                static_cast<long long>(kHeads), static_cast<long long>(kKvHeads),
-                static_cast<long long>(kHeadDim), static_cast<long long>(kBlockSize));
+    std::printf(
+        "{\"device\": \"%s\", \"sm_count\": %d, \"device_peak_gbs\": %.1f, "
+        "\"peak_gbs\": %.1f, \"peak_source\": \"%s\", \"heads\": %lld, "
+        "\"kv_heads\": %lld, \"head_dim\": %lld, \"block_size\": %lld, \"results\": [",
+        prop.name, prop.multiProcessorCount, device_peak, peak,
+        peak_flag > 0 ? "--peak-gbs" : "device attributes", static_cast<long long>(kHeads),
+        static_cast<long long>(kKvHeads), static_cast<long long>(kHeadDim),
+        static_cast<long long>(kBlockSize));
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::printf("%s\n  {\"k_dtype\": \"%s\", \"v_dtype\": \"%s\", \"batch\": %lld, "
-                  "\"context\": %lld, \"table_sets\": %lld, \"us_per_call\": %.3f, "
-                  "\"kv_bytes\": %.0f, \"gb_per_s\": %.1f, \"fraction_of_peak\": %.4f}",
-                  i == 0 ? "" : ",", r.dtype.c_str(), r.dtype.c_str(),
-                  static_cast<long long>(r.batch), static_cast<long long>(r.context),
-                  static_cast<long long>(r.table_sets), r.us_per_call, r.kv_bytes, r.gbs,
-                  r.gbs / peak);
+      std::printf(
+          "%s\n  {\"k_dtype\": \"%s\", \"v_dtype\": \"%s\", \"batch\": %lld, "
+          "\"context\": %lld, \"table_sets\": %lld, \"us_per_call\": %.3f, "
+          "\"kv_bytes\": %.0f, \"gb_per_s\": %.1f, \"fraction_of_peak\": %.4f}",
+          i == 0 ? "" : ",", r.dtype.c_str(), r.dtype.c_str(), static_cast<long long>(r.batch),
+          static_cast<long long>(r.context), static_cast<long long>(r.table_sets), r.us_per_call,
+          r.kv_bytes, r.gbs, r.gbs / peak);
     }
     std::printf("\n]}\n");
   } else {

@@ -42,7 +42,8 @@ constexpr int kPrefillThreads = 128;
 constexpr int kTileM = 64;
 constexpr int kTileN = 32;
 constexpr int kRowsPerThread = 4;
-constexpr int kPStride = kTileN + 1;  // p_s rows padded: the 8 writers of a row hit distinct banks
+// p_s rows are padded by a float so that the rows written together start in different banks.
+constexpr int kPStride = kTileN + 1;
 constexpr int kDefaultSmemLimit = 48 * 1024;
 
 __host__ __device__ constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -109,8 +110,8 @@ __device__ __forceinline__ Slice<D> LoadSlice(const uint8_t* __restrict__ values
     s.meta = __ldg(reinterpret_cast<const unsigned short*>(meta + row * 2));
   } else if constexpr (D == KvDType::kInt4) {
     // Channels 8 sub.. lie in group 8 sub / 32.
-    s.meta = __ldg(reinterpret_cast<const unsigned short*>(
-        meta + row * kMetaBytes<D, kHeadDim> + 2 * (sub / 4)));
+    s.meta = __ldg(reinterpret_cast<const unsigned short*>(meta + row * kMetaBytes<D, kHeadDim> +
+                                                           2 * (sub / 4)));
   } else {
     s.meta = 0;
   }
@@ -186,6 +187,34 @@ __device__ __forceinline__ float WarpSum(float v) {
   return v;
 }
 
+// Sums each of kRows per-lane partial dot products over the kLanes lanes of an aligned lane
+// group (kRows <= kLanes, both powers of two) and returns, to lane `sub` of the group, the total
+// of row sub / (kLanes / kRows). Each halving step trades half of the rows with the partner
+// lane kLanes / 2 away, so 8 rows over 16 lanes cost 4 + 2 + 1 + 1 = 8 shuffles instead of
+// 8 x 4 = 32 for a butterfly per row: the shuffles, not the loads, would otherwise bound
+// decode for int4 and int8 K.
+template <int kRows, int kLanes>
+__device__ __forceinline__ float GroupReduceRows(const float (&v)[kRows], int sub) {
+  if constexpr (kRows == 1) {
+    float x = v[0];
+#pragma unroll
+    for (int off = kLanes / 2; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+    return x;
+  } else {
+    constexpr int kHalf = kRows / 2;
+    constexpr int kOff = kLanes / 2;
+    const bool upper = (sub & kOff) != 0;  // keeps rows [kHalf, kRows), else [0, kHalf)
+    float kept[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float send = upper ? v[i] : v[i + kHalf];
+      const float keep = upper ? v[i + kHalf] : v[i];
+      kept[i] = keep + __shfl_xor_sync(kFullMask, send, kOff);
+    }
+    return GroupReduceRows<kHalf, kOff>(kept, sub);
+  }
+}
+
 // Everything the kernels read, by value. Shapes as in PagedAttentionParams.
 struct KernelArgs {
   const float* query;           // [num_tokens, num_heads, head_dim]
@@ -204,12 +233,12 @@ struct KernelArgs {
   int64_t num_blocks;
   int num_heads;
   int num_kv_heads;
-  int group;          // num_heads / num_kv_heads
-  int row_tiles;      // decode: ceil(group / kRows)
-  int block_shift;    // log2(block_size)
-  int max_ctx;        // every context is cut here (see Plan)
-  int chunk_tokens;   // decode chunk
-  int max_chunks;     // ceil(max_ctx / chunk_tokens)
+  int group;         // num_heads / num_kv_heads
+  int row_tiles;     // decode: ceil(group / kRows)
+  int block_shift;   // log2(block_size)
+  int max_ctx;       // every context is cut here (see Plan)
+  int chunk_tokens;  // decode chunk
+  int max_chunks;    // ceil(max_ctx / chunk_tokens)
   float scale;
 };
 
@@ -239,10 +268,10 @@ __device__ __forceinline__ int DecodeChunks(const KernelArgs& a, int ctx) {
 // results are dropped). Three passes over the chunk's positions [begin, end):
 //   1. scores: each key is read by a group of kLanesPerKey = head_dim / 8 lanes, one slice
 //      each, dotted with the lane's 8 channels of every query row (held in registers) and
-//      summed across the group with shuffles. A warp step covers 32 / kLanesPerKey
-//      consecutive keys, i.e. 32 slices that are contiguous in the arena (one head's rows of
-//      a block are contiguous), so every warp load is a single coalesced segment; kUnroll
-//      independent steps are in flight per warp before any is used.
+//      summed across the group with shuffles (GroupReduceRows). A warp step covers
+//      32 / kLanesPerKey consecutive keys, i.e. 32 slices that are contiguous in the arena
+//      (one head's rows of a block are contiguous), so every warp load is a single coalesced
+//      segment; kUnroll independent steps are in flight per warp before any is used.
 //   2. softmax within the chunk: max-subtracted exp, kept in shared memory with the max and
 //      sum per row.
 //   3. values: the same lane mapping, each lane accumulating p * v for its 8 channels of
@@ -254,10 +283,10 @@ template <KvDType D>
 constexpr int kUnroll = kSliceWords<D> >= 4 ? 4 : 16 / kSliceWords<D>;  // >= 64 bytes per lane
 
 inline int64_t DecodeSmemBytes(int rows, int head_dim, int64_t chunk, int block_shift) {
-  const int64_t floats = int64_t{rows} * head_dim              // q_s
-                         + int64_t{rows} * chunk               // p_s
+  const int64_t floats = int64_t{rows} * head_dim                   // q_s
+                         + int64_t{rows} * chunk                    // p_s
                          + int64_t{kDecodeWarps} * rows * head_dim  // red_s
-                         + 2 * rows;                           // stat_s
+                         + 2 * rows;                                // stat_s
   const int64_t block_ids = (chunk >> block_shift) + 2;  // blocks a chunk can touch, rounded up
   return 4 * floats + 4 * block_ids;
 }
@@ -266,7 +295,8 @@ template <KvDType KD, KvDType VD, int kHeadDim, int kRows>
 __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs a) {
   constexpr int kLanesPerKey = kHeadDim / 8;
   constexpr int kKeysPerStep = kWarpSize / kLanesPerKey;
-  static_assert(kLanesPerKey * kKeysPerStep == kWarpSize);
+  constexpr int kLanesPerRow = kLanesPerKey / kRows;  // lanes left holding each row's score
+  static_assert(kLanesPerKey * kKeysPerStep == kWarpSize && kLanesPerRow >= 1);
 
   const int s = blockIdx.z;
   const int t = a.query_start[s];
@@ -284,9 +314,9 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs 
   const int rows = min(kRows, a.group - rt * kRows);
 
   extern __shared__ float4 dynamic_smem[];
-  float* q_s = reinterpret_cast<float*>(dynamic_smem);  // [kRows, kHeadDim]
-  float* p_s = q_s + kRows * kHeadDim;                   // [kRows, chunk_tokens]
-  float* red_s = p_s + kRows * a.chunk_tokens;           // [kDecodeWarps, kRows, kHeadDim]
+  float* q_s = reinterpret_cast<float*>(dynamic_smem);      // [kRows, kHeadDim]
+  float* p_s = q_s + kRows * kHeadDim;                      // [kRows, chunk_tokens]
+  float* red_s = p_s + kRows * a.chunk_tokens;              // [kDecodeWarps, kRows, kHeadDim]
   float* stat_s = red_s + kDecodeWarps * kRows * kHeadDim;  // [2, kRows]: max, sum
   int32_t* blk_s = reinterpret_cast<int32_t*>(stat_s + 2 * kRows);  // [blocks of the chunk]
 
@@ -295,9 +325,10 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs 
   const int warp = tid / kWarpSize;
   for (int i = tid; i < kRows * kHeadDim; i += kDecodeThreads) {
     const int r = i / kHeadDim;
-    q_s[i] = r < rows ? a.query[(static_cast<int64_t>(t) * a.num_heads + h0 + r) * kHeadDim +
-                                i % kHeadDim]
-                      : 0.f;
+    q_s[i] =
+        r < rows
+            ? a.query[(static_cast<int64_t>(t) * a.num_heads + h0 + r) * kHeadDim + i % kHeadDim]
+            : 0.f;
   }
   // The chunk's block ids, read once instead of once per lane and key; -1 masks an id outside
   // the arena.
@@ -350,17 +381,11 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs 
           for (int e = 0; e < 8; ++e) acc = fmaf(q[r][e], x[e], acc);
           dot[r] = acc * factor;  // int4's factor is per group, so before the lane sum
         }
-#pragma unroll
-        for (int off = kLanesPerKey / 2; off > 0; off >>= 1) {
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(kFullMask, dot[r], off);
-        }
+        const float total = GroupReduceRows<kRows, kLanesPerKey>(dot, sub);
         const int j = step_base(j0, u) + kk;
-        if (sub == 0 && j < end) {
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            p_s[r * a.chunk_tokens + (j - begin)] = ok[u] ? dot[r] * a.scale : -INFINITY;
-          }
+        if (sub % kLanesPerRow == 0 && j < end) {
+          p_s[(sub / kLanesPerRow) * a.chunk_tokens + (j - begin)] =
+              ok[u] ? total * a.scale : -INFINITY;
         }
       }
     }
@@ -555,17 +580,17 @@ constexpr int kPrefillStride = kHeadDim + 4;
 
 template <int kHeadDim>
 constexpr int64_t PrefillSmemBytes() {
-  return 4 * (int64_t{kTileM} * kPrefillStride<kHeadDim>      // q_s
+  return 4 * (int64_t{kTileM} * kPrefillStride<kHeadDim>        // q_s
               + 2 * int64_t{kTileN} * kPrefillStride<kHeadDim>  // k_s, v_s
-              + int64_t{kTileM} * kPStride                    // p_s
-              + kTileN);                                      // key_ok_s
+              + int64_t{kTileM} * kPStride                      // p_s
+              + kTileN);                                        // key_ok_s
 }
 
 template <KvDType KD, KvDType VD, int kHeadDim>
 __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArgs a) {
   constexpr int kStride = kPrefillStride<kHeadDim>;
-  constexpr int kSlices = kHeadDim / 8;       // slices per row
-  constexpr int kChunks4 = kHeadDim / 32;     // float4 output groups per thread
+  constexpr int kSlices = kHeadDim / 8;    // slices per row
+  constexpr int kChunks4 = kHeadDim / 32;  // float4 output groups per thread
   static_assert(kTileM == (kPrefillThreads / 8) * kRowsPerThread && kTileN == 8 * 4);
 
   const int s = blockIdx.z;
@@ -581,10 +606,10 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
   const int first_pos = ctx - q_len;  // < 0 only for invalid input: those rows see no keys
 
   extern __shared__ float4 dynamic_smem[];
-  float* q_s = reinterpret_cast<float*>(dynamic_smem);  // [kTileM, kStride]
-  float* k_s = q_s + kTileM * kStride;                   // [kTileN, kStride]
-  float* v_s = k_s + kTileN * kStride;                   // [kTileN, kStride]
-  float* p_s = v_s + kTileN * kStride;                   // [kTileM, kPStride]
+  float* q_s = reinterpret_cast<float*>(dynamic_smem);              // [kTileM, kStride]
+  float* k_s = q_s + kTileM * kStride;                              // [kTileN, kStride]
+  float* v_s = k_s + kTileN * kStride;                              // [kTileN, kStride]
+  float* p_s = v_s + kTileN * kStride;                              // [kTileM, kPStride]
   int* key_ok_s = reinterpret_cast<int*>(p_s + kTileM * kPStride);  // [kTileN]
 
   const int tid = threadIdx.x;
@@ -639,8 +664,10 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
       float xk[8], xv[8];
       if (id >= 0) {
         const int64_t row = ArenaRow(a, id, g, j);
-        const float fk = DecodeSlice<KD>(LoadSlice<KD, kHeadDim>(a.k_values, a.k_meta, row, sub), xk);
-        const float fv = DecodeSlice<VD>(LoadSlice<VD, kHeadDim>(a.v_values, a.v_meta, row, sub), xv);
+        const float fk =
+            DecodeSlice<KD>(LoadSlice<KD, kHeadDim>(a.k_values, a.k_meta, row, sub), xk);
+        const float fv =
+            DecodeSlice<VD>(LoadSlice<VD, kHeadDim>(a.v_values, a.v_meta, row, sub), xv);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           xk[e] *= fk;  // the same single rounding as DequantizeRow
@@ -740,7 +767,9 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
     for (int kj = 0; kj < kTileN; ++kj) {
       float p[kRowsPerThread];
 #pragma unroll
-      for (int i = 0; i < kRowsPerThread; ++i) p[i] = p_s[(ty * kRowsPerThread + i) * kPStride + kj];
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        p[i] = p_s[(ty * kRowsPerThread + i) * kPStride + kj];
+      }
 #pragma unroll
       for (int c = 0; c < kChunks4; ++c) {
         const float4 v = *reinterpret_cast<const float4*>(v_s + kj * kStride + 32 * c + 4 * tx);
@@ -777,10 +806,10 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
 // Grid shapes and the decode chunk, a function of the params' sizes and bounds only, so that
 // PagedAttentionWorkspaceBytes and LaunchPagedAttention agree.
 struct Plan {
-  int64_t max_ctx = 0;        // contexts are cut here
+  int64_t max_ctx = 0;  // contexts are cut here
   int64_t max_query_len = 0;
-  int rows = 1;               // decode rows per block: 1, 4 or 8
-  int64_t row_tiles = 1;      // decode blocks per KV head
+  int rows = 1;           // decode rows per block: 1, 4 or 8
+  int64_t row_tiles = 1;  // decode blocks per KV head
   int64_t chunk_tokens = kMinChunk;
   int64_t max_chunks = 1;
   int64_t prefill_tiles = 0;  // row tiles per (KV head, sequence)
@@ -817,8 +846,9 @@ template <KvDType KD, KvDType VD, int kHeadDim>
 absl::Status LaunchTyped(const PagedAttentionParams& p, const Plan& plan, const KernelArgs& args,
                          cudaStream_t stream) {
   // The kernels' row geometry must be the one KvWrite fills.
-  for (auto [dtype, bytes, meta] : {std::tuple{KD, kRowBytes<KD, kHeadDim>, kMetaBytes<KD, kHeadDim>},
-                                    std::tuple{VD, kRowBytes<VD, kHeadDim>, kMetaBytes<VD, kHeadDim>}}) {
+  for (auto [dtype, bytes, meta] :
+       {std::tuple{KD, kRowBytes<KD, kHeadDim>, kMetaBytes<KD, kHeadDim>},
+        std::tuple{VD, kRowBytes<VD, kHeadDim>, kMetaBytes<VD, kHeadDim>}}) {
     const KvRowLayout layout = KvRowLayoutFor(dtype, kHeadDim);
     if (layout.value_bytes != bytes || layout.meta_bytes != meta) {
       return absl::InternalError(absl::StrCat("paged attention: the CUDA row layout of ",
@@ -901,8 +931,7 @@ bool KnownDType(KvDType d) {
     case KvDType::kF16:
     case KvDType::kBF16:
     case KvDType::kInt8:
-    case KvDType::kInt4:
-      return true;
+    case KvDType::kInt4: return true;
   }
   return false;
 }
@@ -941,10 +970,18 @@ absl::Status PagedAttentionParams::Validate() const {
   if (!IsAligned(k_meta, 2)) return invalid("k_meta is not 2-byte aligned");
   if (!IsAligned(v_meta, 2)) return invalid("v_meta is not 2-byte aligned");
   // Grid z is the sequence; CUDA caps it at 65535.
-  if (num_seqs < 0 || num_seqs > 65535) return invalid("num_seqs out of range [0, 65535]: ", num_seqs);
-  if (num_tokens < 0 || num_tokens > INT32_MAX) return invalid("num_tokens out of range: ", num_tokens);
-  if (max_blocks_per_seq <= 0) return invalid("max_blocks_per_seq must be > 0: ", max_blocks_per_seq);
-  if (num_blocks <= 0 || num_blocks > INT32_MAX) return invalid("num_blocks out of range: ", num_blocks);
+  if (num_seqs < 0 || num_seqs > 65535) {
+    return invalid("num_seqs out of range [0, 65535]: ", num_seqs);
+  }
+  if (num_tokens < 0 || num_tokens > INT32_MAX) {
+    return invalid("num_tokens out of range: ", num_tokens);
+  }
+  if (max_blocks_per_seq <= 0) {
+    return invalid("max_blocks_per_seq must be > 0: ", max_blocks_per_seq);
+  }
+  if (num_blocks <= 0 || num_blocks > INT32_MAX) {
+    return invalid("num_blocks out of range: ", num_blocks);
+  }
   if (num_heads <= 0 || num_heads > 65535) return invalid("num_heads out of range: ", num_heads);
   if (num_kv_heads <= 0) return invalid("num_kv_heads must be > 0: ", num_kv_heads);
   if (num_heads % num_kv_heads != 0) {

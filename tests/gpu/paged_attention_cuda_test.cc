@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <iostream>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -34,6 +35,10 @@
 #include "tests/gpu/device_buffer.h"
 
 namespace kvgrid::kernels {
+
+// Test names and ctest listings show dtypes by name rather than as bytes.
+void PrintTo(KvDType dtype, std::ostream* os) { *os << KvDTypeName(dtype); }
+
 namespace {
 
 using ::kvgrid::testing::DeviceBuffer;
@@ -55,9 +60,8 @@ struct Geometry {
   int64_t num_heads() const { return group * num_kv_heads; }
   std::string Name() const {
     return absl::StrCat("K ", std::string(KvDTypeName(k_dtype)), " V ",
-                        std::string(KvDTypeName(v_dtype)), " head_dim ",
-                        head_dim, " group ", group, " block_size ", block_size, " kv_heads ",
-                        num_kv_heads);
+                        std::string(KvDTypeName(v_dtype)), " head_dim ", head_dim, " group ", group,
+                        " block_size ", block_size, " kv_heads ", num_kv_heads);
   }
 };
 
@@ -69,8 +73,8 @@ struct HostCache {
   std::vector<int32_t> contexts;  // [num_seqs]
   int64_t num_blocks = 0;
   int64_t max_blocks_per_seq = 0;
-  std::vector<int32_t> tables;    // [num_seqs, max_blocks_per_seq]
-  std::vector<uint8_t> k, v;      // value planes
+  std::vector<int32_t> tables;          // [num_seqs, max_blocks_per_seq]
+  std::vector<uint8_t> k, v;            // value planes
   std::vector<uint8_t> k_meta, v_meta;  // meta planes (empty for float dtypes)
 };
 
@@ -155,27 +159,27 @@ float Scale(const Geometry& geo) { return 1.f / std::sqrt(static_cast<float>(geo
 
 std::vector<float> CpuAttention(const HostCache& c, const Batch& b) {
   std::vector<float> out(b.query.size(), std::nanf(""));
-  const absl::Status st = cpu::PagedAttention(
-      {.query = b.query.data(),
-       .output = out.data(),
-       .k_cache = c.k.data(),
-       .v_cache = c.v.data(),
-       .k_meta = c.k_meta.empty() ? nullptr : c.k_meta.data(),
-       .v_meta = c.v_meta.empty() ? nullptr : c.v_meta.data(),
-       .k_dtype = c.geo.k_dtype,
-       .v_dtype = c.geo.v_dtype,
-       .block_tables = c.tables.data(),
-       .seq_lens = c.contexts.data(),
-       .query_start = b.query_start.data(),
-       .num_seqs = static_cast<int64_t>(c.contexts.size()),
-       .num_tokens = b.num_tokens(),
-       .max_blocks_per_seq = c.max_blocks_per_seq,
-       .num_blocks = c.num_blocks,
-       .num_heads = c.geo.num_heads(),
-       .num_kv_heads = c.geo.num_kv_heads,
-       .block_size = c.geo.block_size,
-       .head_dim = c.geo.head_dim,
-       .scale = Scale(c.geo)});
+  const absl::Status st =
+      cpu::PagedAttention({.query = b.query.data(),
+                           .output = out.data(),
+                           .k_cache = c.k.data(),
+                           .v_cache = c.v.data(),
+                           .k_meta = c.k_meta.empty() ? nullptr : c.k_meta.data(),
+                           .v_meta = c.v_meta.empty() ? nullptr : c.v_meta.data(),
+                           .k_dtype = c.geo.k_dtype,
+                           .v_dtype = c.geo.v_dtype,
+                           .block_tables = c.tables.data(),
+                           .seq_lens = c.contexts.data(),
+                           .query_start = b.query_start.data(),
+                           .num_seqs = static_cast<int64_t>(c.contexts.size()),
+                           .num_tokens = b.num_tokens(),
+                           .max_blocks_per_seq = c.max_blocks_per_seq,
+                           .num_blocks = c.num_blocks,
+                           .num_heads = c.geo.num_heads(),
+                           .num_kv_heads = c.geo.num_kv_heads,
+                           .block_size = c.geo.block_size,
+                           .head_dim = c.geo.head_dim,
+                           .scale = Scale(c.geo)});
   EXPECT_TRUE(st.ok()) << st;
   return out;
 }
@@ -183,7 +187,11 @@ std::vector<float> CpuAttention(const HostCache& c, const Batch& b) {
 // The cache's planes and tables on the device.
 struct DeviceCache {
   explicit DeviceCache(const HostCache& c)
-      : k(c.k), v(c.v), k_meta(c.k_meta), v_meta(c.v_meta), tables(c.tables),
+      : k(c.k),
+        v(c.v),
+        k_meta(c.k_meta),
+        v_meta(c.v_meta),
+        tables(c.tables),
         seq_lens(c.contexts) {}
   DeviceBuffer<uint8_t> k, v, k_meta, v_meta;
   DeviceBuffer<int32_t> tables, seq_lens;
@@ -191,9 +199,8 @@ struct DeviceCache {
 
 // Params for `b` over `c` with device pointers; hints 0 mean "derive".
 cuda::PagedAttentionParams GpuParams(const HostCache& c, const DeviceCache& d, const Batch& b,
-                                     const float* query, float* output,
-                                     const int32_t* query_start, int64_t max_seq_len,
-                                     int64_t max_query_len) {
+                                     const float* query, float* output, const int32_t* query_start,
+                                     int64_t max_seq_len, int64_t max_query_len) {
   cuda::PagedAttentionParams p;
   p.query = query;
   p.output = output;
@@ -228,8 +235,8 @@ std::vector<float> GpuAttention(const HostCache& c, const DeviceCache& d, const 
   DeviceBuffer<float> out(b.query.size());
   DeviceBuffer<int32_t> query_start(b.query_start);
   EXPECT_EQ(cudaMemset(out.get(), 0xff, b.query.size() * sizeof(float)), cudaSuccess);
-  cuda::PagedAttentionParams p = GpuParams(c, d, b, query.get(), out.get(), query_start.get(),
-                                           max_seq_len, max_query_len);
+  cuda::PagedAttentionParams p =
+      GpuParams(c, d, b, query.get(), out.get(), query_start.get(), max_seq_len, max_query_len);
   const int64_t ws_bytes = cuda::PagedAttentionWorkspaceBytes(p);
   DeviceBuffer<uint8_t> workspace(static_cast<size_t>(ws_bytes));
   p.workspace = workspace.get();
@@ -242,8 +249,8 @@ std::vector<float> GpuAttention(const HostCache& c, const DeviceCache& d, const 
 
 // Largest |got - want| and whether every element is within tolerance; the first few misses
 // are printed with their (token, head, channel).
-double Compare(const std::vector<float>& got, const std::vector<float>& want,
-               const Geometry& geo, const std::string& label) {
+double Compare(const std::vector<float>& got, const std::vector<float>& want, const Geometry& geo,
+               const std::string& label) {
   EXPECT_EQ(got.size(), want.size());
   double max_err = 0;
   int misses = 0;
@@ -281,20 +288,23 @@ TEST_P(PagedAttentionCudaTest, MatchesCpuReference) {
   for (int64_t head_dim : {64, 128}) {
     for (int64_t group : {1, 4}) {
       for (int64_t block_size : {16, 32}) {
-        const Geometry geo{.k_dtype = k_dtype, .v_dtype = v_dtype, .head_dim = head_dim,
-                           .group = group, .block_size = block_size};
+        const Geometry geo{.k_dtype = k_dtype,
+                           .v_dtype = v_dtype,
+                           .head_dim = head_dim,
+                           .group = group,
+                           .block_size = block_size};
         std::mt19937_64 rng(head_dim * 1000 + group * 100 + block_size);
         const HostCache cache = MakeHostCache(geo, kContexts, rng);
         const DeviceCache dev(cache);
         // Decode with tight hints; mixed with the derived (loosest) bounds.
         const Batch decode = MakeBatch(cache, kDecodeQueries, rng);
-        max_err = std::max(max_err, Compare(GpuAttention(cache, dev, decode, 5000, 1),
-                                            CpuAttention(cache, decode), geo,
-                                            geo.Name() + " decode"));
+        max_err =
+            std::max(max_err, Compare(GpuAttention(cache, dev, decode, 5000, 1),
+                                      CpuAttention(cache, decode), geo, geo.Name() + " decode"));
         const Batch mixed = MakeBatch(cache, kMixedQueries, rng);
-        max_err = std::max(max_err, Compare(GpuAttention(cache, dev, mixed, 0, 0),
-                                            CpuAttention(cache, mixed), geo,
-                                            geo.Name() + " mixed"));
+        max_err =
+            std::max(max_err, Compare(GpuAttention(cache, dev, mixed, 0, 0),
+                                      CpuAttention(cache, mixed), geo, geo.Name() + " mixed"));
         if (HasFailure()) return;  // one configuration's report is enough
       }
     }
@@ -304,23 +314,26 @@ TEST_P(PagedAttentionCudaTest, MatchesCpuReference) {
   RecordProperty("max_abs_error", std::to_string(max_err));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDTypePairs, PagedAttentionCudaTest,
-    ::testing::Combine(::testing::ValuesIn(kAllDTypes), ::testing::ValuesIn(kAllDTypes)),
-    [](const ::testing::TestParamInfo<std::tuple<KvDType, KvDType>>& info) {
-      return absl::StrCat("K", std::string(KvDTypeName(std::get<0>(info.param))), "_V",
-                          std::string(KvDTypeName(std::get<1>(info.param))));
-    });
+INSTANTIATE_TEST_SUITE_P(AllDTypePairs, PagedAttentionCudaTest,
+                         ::testing::Combine(::testing::ValuesIn(kAllDTypes),
+                                            ::testing::ValuesIn(kAllDTypes)),
+                         [](const ::testing::TestParamInfo<std::tuple<KvDType, KvDType>>& info) {
+                           return absl::StrCat(
+                               "K", std::string(KvDTypeName(std::get<0>(info.param))), "_V",
+                               std::string(KvDTypeName(std::get<1>(info.param))));
+                         });
 
 // Groups that are not 1, 4 or 8 (padded decode rows; prefill tiles cutting a token's heads),
 // groups above 8 (decode row tiles), a block size of 8, and the mixed int8 K / int4 V pair.
 TEST(PagedAttentionCudaExtraTest, OddGroupsAndSmallBlocks) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
-  for (auto [group, block_size, head_dim] :
-       {std::tuple{2, 8, 64}, std::tuple{7, 16, 128}, std::tuple{12, 32, 128},
-        std::tuple{16, 16, 64}}) {
-    const Geometry geo{.k_dtype = KvDType::kInt8, .v_dtype = KvDType::kInt4,
-                       .head_dim = head_dim, .group = group, .block_size = block_size};
+  for (auto [group, block_size, head_dim] : {std::tuple{2, 8, 64}, std::tuple{7, 16, 128},
+                                             std::tuple{12, 32, 128}, std::tuple{16, 16, 64}}) {
+    const Geometry geo{.k_dtype = KvDType::kInt8,
+                       .v_dtype = KvDType::kInt4,
+                       .head_dim = head_dim,
+                       .group = group,
+                       .block_size = block_size};
     std::mt19937_64 rng(group);
     const HostCache cache = MakeHostCache(geo, kContexts, rng);
     const DeviceCache dev(cache);
@@ -339,8 +352,12 @@ TEST(PagedAttentionCudaExtraTest, OddGroupsAndSmallBlocks) {
 TEST(PagedAttentionCudaExtraTest, LargeBatchUsesLongChunks) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
   for (KvDType dtype : {KvDType::kF16, KvDType::kInt4}) {
-    const Geometry geo{.k_dtype = dtype, .v_dtype = dtype, .head_dim = 128, .group = 4,
-                       .block_size = 16, .num_kv_heads = 8};
+    const Geometry geo{.k_dtype = dtype,
+                       .v_dtype = dtype,
+                       .head_dim = 128,
+                       .group = 4,
+                       .block_size = 16,
+                       .num_kv_heads = 8};
     std::mt19937_64 rng(7);
     std::vector<int32_t> contexts(32, 4096);
     contexts[5] = 4095;
@@ -358,8 +375,11 @@ TEST(PagedAttentionCudaExtraTest, LargeBatchUsesLongChunks) {
 // must be computed in 64 bits. The CPU runs on a compact copy holding just those blocks.
 TEST(PagedAttentionCudaExtraTest, ArenaLargerThan2GiB) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
-  const Geometry geo{.k_dtype = KvDType::kF32, .v_dtype = KvDType::kF32, .head_dim = 128,
-                     .group = 4, .block_size = 16};
+  const Geometry geo{.k_dtype = KvDType::kF32,
+                     .v_dtype = KvDType::kF32,
+                     .head_dim = 128,
+                     .group = 4,
+                     .block_size = 16};
   std::mt19937_64 rng(11);
   const HostCache compact = MakeHostCache(geo, {300, 1000, 700}, rng);
   const int64_t block_bytes = geo.num_kv_heads * geo.block_size * 4 * geo.head_dim;
@@ -421,16 +441,19 @@ TEST(PagedAttentionCudaExtraTest, ArenaLargerThan2GiB) {
 // no readable block gets zeros, and the device is still healthy afterwards.
 TEST(PagedAttentionCudaExtraTest, OutOfRangeBlockIdsAreMaskedNotRead) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
-  const Geometry geo{.k_dtype = KvDType::kF16, .v_dtype = KvDType::kInt4, .head_dim = 128,
-                     .group = 4, .block_size = 16};
+  const Geometry geo{.k_dtype = KvDType::kF16,
+                     .v_dtype = KvDType::kInt4,
+                     .head_dim = 128,
+                     .group = 4,
+                     .block_size = 16};
   std::mt19937_64 rng(13);
   HostCache cache = MakeHostCache(geo, {100, 300, 300}, rng);
   // Sequence 0: every block bad; sequence 1: one block far outside; sequence 2: intact.
   for (int64_t b = 0; b < 7; ++b) cache.tables[b] = (b % 2 == 0) ? -5 : 1 << 30;
   cache.tables[cache.max_blocks_per_seq + 3] = static_cast<int32_t>(cache.num_blocks);
   const DeviceCache dev(cache);
-  for (const std::vector<int32_t>& q_lens : {std::vector<int32_t>{1, 1, 1},
-                                             std::vector<int32_t>{20, 20, 20}}) {
+  for (const std::vector<int32_t>& q_lens :
+       {std::vector<int32_t>{1, 1, 1}, std::vector<int32_t>{20, 20, 20}}) {
     const Batch batch = MakeBatch(cache, q_lens, rng);
     const std::vector<float> got = GpuAttention(cache, dev, batch, 0, 0);
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);
