@@ -4,6 +4,8 @@
 #ifndef KVGRID_TESTS_UNIT_MODEL_GGUF_TEST_WRITER_H_
 #define KVGRID_TESTS_UNIT_MODEL_GGUF_TEST_WRITER_H_
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -64,7 +66,19 @@ class GgufTestWriter {
     ++n_tensors_;
   }
 
-  // Writes the file as ::testing::TempDir()/<name> and returns its path.
+  // A directory of the running test's own under ::testing::TempDir(): ctest runs each test as
+  // a process of its own, in parallel, and two tests writing one path would truncate a file the
+  // other has mapped (SIGBUS).
+  static std::filesystem::path TestDir() {
+    const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    const std::string name = info != nullptr ? std::string(info->test_suite_name()) + "." +
+                                                   info->name()
+                                             : "no_test";
+    return std::filesystem::path(::testing::TempDir()) /
+           ("gguf_" + name + "_" + std::to_string(::getpid()));
+  }
+
+  // Writes the file as TestDir()/<name> and returns its path.
   std::filesystem::path Write(const std::string& name) const {
     std::string out;
     Put(&out, uint32_t{0x46554747});  // "GGUF"
@@ -75,7 +89,7 @@ class GgufTestWriter {
     out += infos_;
     while (out.size() % kAlignment != 0) out.push_back('\0');
     out += data_;
-    const std::filesystem::path path = std::filesystem::path(::testing::TempDir()) / name;
+    const std::filesystem::path path = TestDir() / name;
     std::filesystem::create_directories(path.parent_path());
     std::ofstream f(path, std::ios::binary | std::ios::trunc);
     f.write(out.data(), static_cast<std::streamsize>(out.size()));

@@ -281,8 +281,7 @@ TEST(GgufTokenizerTest, WrongValueTypeIsRefused) {
 // --- LoadModelTokenizer -------------------------------------------------------------------
 
 TEST(LoadModelTokenizerTest, GgufUsesEmbeddedElseTokenizerJsonBeside) {
-  const std::filesystem::path dir =
-      std::filesystem::path(::testing::TempDir()) / "load_model_tokenizer";
+  const std::filesystem::path dir = gguf_test::GgufTestWriter::TestDir() / "load_model_tokenizer";
   std::filesystem::remove_all(dir);
   const std::filesystem::path gguf = Spec().Write("load_model_tokenizer/m.gguf");
   auto t = LoadModelTokenizer(gguf);
