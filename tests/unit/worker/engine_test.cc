@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "model/tokenizer.h"
 
@@ -64,7 +65,7 @@ std::vector<GenerationRequest> MixedRequests() {
     std::vector<int32_t> prompt;
     for (int j = 0; j < 3 + 7 * i; ++j) prompt.push_back(100 + (j * 31 + i * 17) % 5000);
     const bool sampled = i % 2 == 1;
-    rs.push_back(Request("r" + std::to_string(i), prompt, 12 + i, sampled ? 0.8 : 0.0,
+    rs.push_back(Request(absl::StrCat("r", i), prompt, 12 + i, sampled ? 0.8 : 0.0,
                          sampled ? std::optional<uint64_t>(1000 + i) : std::nullopt));
   }
   return rs;
@@ -235,14 +236,14 @@ TEST_P(EngineFixtureTest, BurstAgainstATinyPoolCompletesWithoutLeaks) {
   for (int i = 0; i < 200; ++i) {
     std::vector<int32_t> prompt;
     for (int j = 0; j < 1 + i % 23; ++j) prompt.push_back(100 + (i * 7 + j * 3) % 900);
-    GenerationRequest r = Request("b" + std::to_string(i), prompt, 1 + i % 17,
+    GenerationRequest r = Request(absl::StrCat("b", i), prompt, 1 + i % 17,
                                   i % 2 ? 0.8 : 0.0, 9000 + i);
     ASSERT_TRUE(engine->AddRequest(std::move(r)).ok());
   }
   const auto out = Drain(*engine);  // checks that every block is back
   ASSERT_EQ(out.size(), 200u);
   for (int i = 0; i < 200; ++i) {
-    EXPECT_EQ(out.at("b" + std::to_string(i)).size(), static_cast<size_t>(1 + i % 17));
+    EXPECT_EQ(out.at(absl::StrCat("b", i)).size(), static_cast<size_t>(1 + i % 17));
   }
   EXPECT_GT(engine->Stats().num_preemptions, 0);
 }
@@ -259,10 +260,12 @@ TEST_P(EngineFixtureTest, SeededRequestIsTheSameAloneAndInABatchOfSixteen) {
   for (int i = 0; i < 15; ++i) {
     std::vector<int32_t> prompt;
     for (int j = 0; j < 2 + (i * 5) % 31; ++j) prompt.push_back(500 + i * 31 + j);
-    ASSERT_TRUE(batch->AddRequest(Request("o" + std::to_string(i), prompt, 3 + i,
+    ASSERT_TRUE(batch->AddRequest(Request(absl::StrCat("o", i), prompt, 3 + i,
                                           i % 3 ? 0.7 : 0.0, i))
                     .ok());
-    if (i == 7) ASSERT_TRUE(batch->AddRequest(probe).ok());
+    if (i == 7) {
+      ASSERT_TRUE(batch->AddRequest(probe).ok());
+    }
   }
   EXPECT_EQ(Drain(*batch)["seeded"], expected);
 }
@@ -405,7 +408,7 @@ std::vector<std::vector<GenerationRequest>> SharedPrefixWaves() {
     std::vector<int32_t> prompt = prefix;
     for (int j = 0; j <= i; ++j) prompt.push_back(4000 + i * 10 + j);
     const bool sampled = i % 3 == 2;
-    waves[i % 2].push_back(Request("p" + std::to_string(i), prompt, 10, sampled ? 0.9 : 0.0,
+    waves[i % 2].push_back(Request(absl::StrCat("p", i), prompt, 10, sampled ? 0.9 : 0.0,
                                    sampled ? std::optional<uint64_t>(77 + i) : std::nullopt));
   }
   return waves;
