@@ -26,6 +26,24 @@ inline model::ModelConfig Qwen2HalfBConfig() {
   return c;
 }
 
+// Llama-3-8B's architecture (32 layers, hidden 4096, 32 heads / 8 KV heads, head_dim 128,
+// intermediate 14336, vocab 128256, untied head).
+inline model::ModelConfig Llama3_8BConfig() {
+  model::ModelConfig c;
+  c.model_type = "llama";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.intermediate_size = 14336;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 32;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.max_position_embeddings = 8192;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  return c;
+}
+
 }  // namespace kvgrid::bench
 
 #endif  // KVGRID_BENCH_BENCH_MODELS_H_

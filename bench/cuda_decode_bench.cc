@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_models.h"
 #include "kernels/kv_dtype.h"
 #include "nlohmann/json.hpp"
 #include "worker/executor/cuda_llama_model.h"
@@ -23,22 +24,6 @@
 #include "worker/kv/block_manager.h"
 
 namespace {
-
-kvgrid::model::ModelConfig Llama3_8B() {
-  kvgrid::model::ModelConfig c;
-  c.model_type = "llama";
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.intermediate_size = 14336;
-  c.num_hidden_layers = 32;
-  c.num_attention_heads = 32;
-  c.num_key_value_heads = 8;
-  c.head_dim = 128;
-  c.max_position_embeddings = 8192;
-  c.rms_norm_eps = 1e-5;
-  c.rope_theta = 500000.0;
-  return c;
-}
 
 int Fail(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "cuda_decode_bench: %s: %s\n", what.c_str(), std::string(s.message()).c_str());
@@ -80,7 +65,7 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  const kvgrid::model::ModelConfig config = Llama3_8B();
+  const kvgrid::model::ModelConfig config = kvgrid::bench::Llama3_8BConfig();
   auto model = kvgrid::worker::CudaLlamaModel::Random(config, kvgrid::model::DType::kBF16, 1234);
   if (!model.ok()) return Fail("model", model.status());
   cudaStream_t stream = (*model)->stream();

@@ -114,6 +114,13 @@ absl::Status CheckQuantized(const cpu::QuantMatrix& q, int64_t rows, int64_t col
   return absl::OkStatus();
 }
 
+absl::Status CheckDenseDType(model::DType dtype) {
+  if (dtype != model::DType::kF32 && dtype != model::DType::kF16 && dtype != model::DType::kBF16) {
+    return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
+  }
+  return absl::OkStatus();
+}
+
 // The attention kernels are instantiated for these head sizes.
 absl::Status CheckHeadDim(const model::ModelConfig& c) {
   if (c.head_dim != 64 && c.head_dim != 128) {
@@ -230,10 +237,7 @@ absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
 
 absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     const model::ModelConfig& c, const LlamaWeights& w, model::DType dense_dtype) {
-  if (dense_dtype != model::DType::kF32 && dense_dtype != model::DType::kF16 &&
-      dense_dtype != model::DType::kBF16) {
-    return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
-  }
+  KVGRID_RETURN_IF_ERROR(CheckDenseDType(dense_dtype));
   KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
   KVGRID_RETURN_IF_ERROR(LlamaModel::CheckWeights(c, w));
   if (!w.lm_head_q.empty()) {
@@ -273,11 +277,8 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
   KVGRID_ASSIGN_OR_RETURN(m->final_norm_, UploadVector(w.final_norm));
   if (!w.lm_head_q.empty() || !w.lm_head.empty()) {
     KVGRID_ASSIGN_OR_RETURN(m->head_, linear(w.lm_head, w.lm_head_q, c.vocab_size, hidden));
-  } else {  // tied: the embedding table is the head
-    m->head_.out = c.vocab_size;
-    m->head_.in = hidden;
-    m->head_.dtype = dense_dtype;
-    m->head_.data = m->embed_.get();
+  } else {
+    m->TieHeadToEmbedding();
   }
   for (const LayerWeights& lw : w.layers) {
     Layer l;
@@ -296,10 +297,7 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
 
 absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
     const model::ModelConfig& c, model::DType dense_dtype, uint64_t seed) {
-  if (dense_dtype != model::DType::kF32 && dense_dtype != model::DType::kF16 &&
-      dense_dtype != model::DType::kBF16) {
-    return absl::InvalidArgumentError("CudaLlamaModel: dense weights must be fp32, fp16 or bf16");
-  }
+  KVGRID_RETURN_IF_ERROR(CheckDenseDType(dense_dtype));
   KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
   KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
   std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
@@ -332,10 +330,7 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
   KVGRID_ASSIGN_OR_RETURN(m->embed_, random(c.vocab_size * hidden, dense_dtype, 1.f));
   KVGRID_ASSIGN_OR_RETURN(m->final_norm_, ones(hidden));
   if (c.tie_word_embeddings) {
-    m->head_.out = c.vocab_size;
-    m->head_.in = hidden;
-    m->head_.dtype = dense_dtype;
-    m->head_.data = m->embed_.get();
+    m->TieHeadToEmbedding();
   } else {
     KVGRID_ASSIGN_OR_RETURN(m->head_, linear(c.vocab_size, hidden));
   }
@@ -354,6 +349,14 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(m->stream_));
   return m;
+}
+
+void CudaLlamaModel::TieHeadToEmbedding() {
+  head_ = Linear();
+  head_.out = config_.vocab_size;
+  head_.in = config_.hidden_size;
+  head_.dtype = dense_dtype_;
+  head_.data = embed_.get();
 }
 
 int64_t CudaLlamaModel::WeightBytes() const {
@@ -485,17 +488,7 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   const model::ModelConfig& c = config_;
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
-  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slots.size()) != n ||
-      static_cast<int64_t>(b.query_start.size()) != num_seqs + 1 ||
-      static_cast<int64_t>(b.block_tables.size()) != num_seqs * b.max_blocks_per_seq) {
-    return absl::InvalidArgumentError("ForwardBatch: inconsistent sizes");
-  }
-  for (int32_t row : b.logit_rows) {
-    if (row < 0 || row >= n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ForwardBatch: logit row ", row, " outside [0, ", n, ")"));
-    }
-  }
+  KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
   const KvGeometry& g = pool.geometry();
   if (g.num_layers != c.num_hidden_layers || g.num_kv_heads != c.num_key_value_heads ||
       g.head_dim != c.head_dim) {

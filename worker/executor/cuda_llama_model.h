@@ -138,6 +138,8 @@ class CudaLlamaModel {
   CudaLlamaModel(const model::ModelConfig& config, model::DType dense_dtype)
       : config_(config), dense_dtype_(dense_dtype) {}
   absl::Status Init(const std::vector<double>& inv_freq);
+  // The head reads the embedding table (tie_word_embeddings): no copy.
+  void TieHeadToEmbedding();
   // output [n, l.out] (+)= input [n, l.in] x W^T (+ bias): fp32 SGEMM, cast + 16-bit GEMM, or
   // the quantized kernel.
   absl::Status RunLinear(const Linear& l, const float* input, const float* bias, float* output,

@@ -242,6 +242,23 @@ ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId>
   return b;
 }
 
+absl::Status ForwardBatch::ValidateSizes() const {
+  const int64_t n = static_cast<int64_t>(token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
+  if (static_cast<int64_t>(positions.size()) != n || static_cast<int64_t>(slots.size()) != n ||
+      static_cast<int64_t>(query_start.size()) != num_seqs + 1 ||
+      static_cast<int64_t>(block_tables.size()) != num_seqs * max_blocks_per_seq) {
+    return absl::InvalidArgumentError("ForwardBatch: inconsistent sizes");
+  }
+  for (int32_t row : logit_rows) {
+    if (row < 0 || row >= n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardBatch: logit row ", row, " outside [0, ", n, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
@@ -346,36 +363,28 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
       KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "self_attn.o_proj", d.hidden, d.q_dim, &l.o, &l.o_q));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.down_proj", d.hidden, d.inter, &l.down, &l.down_q));
-      if (bias) {
-        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.bias", {full.q_dim}, q0, q1, &l.qkv_bias, &scratch));
-        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
-        KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
-      }
-      if (c.Contains(p + "self_attn.o_proj.bias")) {
-        KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
-      }
-      w.layers.push_back(std::move(l));
-      continue;
+    } else {
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.weight", {full.q_dim, d.hidden}, q0, q1, &l.qkv, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
+      KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, full.q_dim},
+                                            {.dim = 1, .begin = q0, .end = q1}, &l.o));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.gate_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
+      KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.up_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
+      KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, full.inter},
+                                            {.dim = 1, .begin = i0, .end = i1}, &l.down));
     }
-    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.weight", {full.q_dim, d.hidden}, q0, q1, &l.qkv, &scratch));
-    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
-    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.weight", {full.kv_dim, d.hidden}, kv0, kv1, &l.qkv, &scratch));
+    // Biases are plain tensors in every checkpoint format.
     if (bias) {
       KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.q_proj.bias", {full.q_dim}, q0, q1, &l.qkv_bias, &scratch));
       KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.k_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
       KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "self_attn.v_proj.bias", {full.kv_dim}, kv0, kv1, &l.qkv_bias, &scratch));
     }
-    KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "self_attn.o_proj.weight", std::vector<int64_t>{d.hidden, full.q_dim},
-                                          {.dim = 1, .begin = q0, .end = q1}, &l.o));
     // Llama with attention_bias also biases o_proj; Qwen2 does not. Added once, by rank 0,
     // since the partial outputs are summed.
     if (c.Contains(p + "self_attn.o_proj.bias") && tp.rank == 0) {
       KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
     }
-    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.gate_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
-    KVGRID_RETURN_IF_ERROR(AppendRows(c, p + "mlp.up_proj.weight", {full.inter, d.hidden}, i0, i1, &l.gate_up, &scratch));
-    KVGRID_RETURN_IF_ERROR(c.ReadF32Slice(p + "mlp.down_proj.weight", std::vector<int64_t>{d.hidden, full.inter},
-                                          {.dim = 1, .begin = i0, .end = i1}, &l.down));
     w.layers.push_back(std::move(l));
   }
   return FromWeights(*config, std::move(w), tp);
@@ -648,17 +657,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   const Dims d = DimsOf(config_, tp_);
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
-  if (static_cast<int64_t>(b.positions.size()) != n || static_cast<int64_t>(b.slots.size()) != n ||
-      static_cast<int64_t>(b.query_start.size()) != num_seqs + 1 ||
-      static_cast<int64_t>(b.block_tables.size()) != num_seqs * b.max_blocks_per_seq) {
-    return absl::InvalidArgumentError("ForwardBatch: inconsistent sizes");
-  }
-  for (int32_t row : b.logit_rows) {
-    if (row < 0 || row >= n) {
-      return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: logit row ", row,
-                                                     " outside [0, ", n, ")"));
-    }
-  }
+  KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
   const KvGeometry& g = pool.geometry();
   if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != d.kv_heads ||
       g.head_dim != d.head_dim) {

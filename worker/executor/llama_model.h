@@ -80,6 +80,10 @@ struct ForwardBatch {
   std::vector<int32_t> block_tables;  // [num_seqs, max_blocks_per_seq], padded with 0
   int64_t max_blocks_per_seq = 0;
   std::vector<int32_t> logit_rows;    // token indices whose logits are returned, in order
+
+  // INVALID_ARGUMENT unless the arrays' sizes agree with each other and every logit row is a
+  // token of the batch (the contents are the kernels' to check).
+  absl::Status ValidateSizes() const;
 };
 
 // The batch that computes positions [begin, begin + tokens.size()) of one sequence whose
