@@ -68,7 +68,7 @@ inline double DecodeRate(worker::LlamaModel& model, KvDType dtype, int64_t conte
     const int64_t pos = context + i;
     std::vector<int32_t> next;
     for (int64_t s = 1; s <= batch; ++s) {
-      next.push_back(static_cast<int32_t>((pos * 7919 + s) % 150000));
+      next.push_back(static_cast<int32_t>((pos * 7919 + s) % model.config().vocab_size));
     }
     const worker::ForwardBatch b = worker::DecodeBatch(blocks, seqs, pos, next);
     if (!model.Forward(b, **pool, &logits).ok()) return 0;

@@ -1,15 +1,16 @@
 // long_decode_bench: whole-model decode speed at long contexts for each KV dtype, on
-// a Qwen2-0.5B-shaped model with random weights, the cache filled with random rows
-// (bench/decode_rate.h). Each (context, dtype) decodes --steps tokens; dtypes alternate within
+// a Qwen2-0.5B-shaped model with random weights (or a checkpoint given by --model), the cache
+// filled with random rows (bench/decode_rate.h). Each (context, dtype) decodes --steps tokens; dtypes alternate within
 // each repeat, best of --repeats.
 //
 //   build/bin/long_decode_bench [--json] [--contexts 1024,4096,8192] [--steps 8] [--repeats 2]
-//                               [--batch 1] [--weight-dtype fp32|q8_0|q4_0]
+//                               [--batch 1] [--weight-dtype fp32|q8_0|q4_0] [--model DIR]
 // With --batch B, B sequences each at the context decode together (output tokens/s counted).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -31,6 +32,7 @@ int main(int argc, char** argv) {
   std::vector<int64_t> contexts = {1024, 4096, 8192};
   int64_t steps = 8, repeats = 2, batch = 1;
   kvgrid::kernels::cpu::WeightDType weight_dtype = kvgrid::kernels::cpu::WeightDType::kF32;
+  std::string model_dir;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -52,17 +54,29 @@ int main(int argc, char** argv) {
         return 2;
       }
       weight_dtype = *d;
+    } else if (a == "--model" && i + 1 < argc) {
+      model_dir = argv[++i];
     } else {
       std::fprintf(stderr, "usage: long_decode_bench [--json] [--contexts 1024,4096,8192] "
-                           "[--steps N] [--repeats N] [--batch N] [--weight-dtype W]\n");
+                           "[--steps N] [--repeats N] [--batch N] [--weight-dtype W] "
+                           "[--model DIR]\n");
       return 2;
     }
   }
-  const kvgrid::model::ModelConfig config = kvgrid::bench::Qwen2HalfBConfig();
-  auto model = kvgrid::worker::LlamaModel::FromWeights(
-      config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
-  if (!model.ok() || !(*model)->QuantizeWeights(weight_dtype).ok()) {
-    std::fprintf(stderr, "long_decode_bench: cannot build the model\n");
+  absl::StatusOr<std::unique_ptr<kvgrid::worker::LlamaModel>> model;
+  if (model_dir.empty()) {
+    const kvgrid::model::ModelConfig config = kvgrid::bench::Qwen2HalfBConfig();
+    model = kvgrid::worker::LlamaModel::FromWeights(
+        config, kvgrid::worker::LlamaModel::RandomWeights(config, 1234));
+  } else {
+    model = kvgrid::worker::LlamaModel::Load(model_dir);
+  }
+  if (!model.ok()) {
+    std::fprintf(stderr, "long_decode_bench: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  if (absl::Status s = (*model)->QuantizeWeights(weight_dtype); !s.ok()) {
+    std::fprintf(stderr, "long_decode_bench: %s\n", std::string(s.message()).c_str());
     return 1;
   }
   const std::pair<const char*, KvDType> dtypes[] = {{"fp32", KvDType::kF32},
@@ -85,7 +99,7 @@ int main(int argc, char** argv) {
                       {"vs_fp16", best[name] / best["fp16"]}});
     }
   }
-  nlohmann::json j = {{"model", "qwen2-0.5b-shape (random weights)"},
+  nlohmann::json j = {{"model", model_dir.empty() ? "qwen2-0.5b-shape (random weights)" : model_dir},
                       {"weight_dtype", std::string(kvgrid::kernels::cpu::WeightDTypeName(weight_dtype))},
                       {"batch", batch},
                       {"steps", steps},

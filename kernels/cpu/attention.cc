@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -111,8 +112,8 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   const int64_t nh = p.num_heads;
   const KvRowLayout kl = KvRowLayoutFor(p.k_dtype, hd);
   const KvRowLayout vl = KvRowLayoutFor(p.v_dtype, hd);
-  const KvRowKernels kk = KvRowKernelsFor(p.k_dtype);
-  const KvRowKernels vk = KvRowKernelsFor(p.v_dtype);
+  const KvRowKernels kk = KvRowKernelsFor(p.k_dtype, p.precision);
+  const KvRowKernels vk = KvRowKernelsFor(p.v_dtype, p.precision);
   const auto* k_values = static_cast<const std::byte*>(p.k_cache);
   const auto* v_values = static_cast<const std::byte*>(p.v_cache);
   const auto* k_meta = static_cast<const std::byte*>(p.k_meta);
@@ -172,6 +173,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   {
     std::vector<float> scores;  // [heads of the item, len]
     std::vector<float> sums;    // [heads of the item]
+    std::vector<std::byte> prepared_buffer;  // the item's queries as kk.prepare_query left them
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < work; ++it) {
       const WorkItem& w = items[it];
@@ -198,14 +200,30 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         if (meta) Prefetch(meta + row * l.meta_bytes, rows * l.meta_bytes);
       };
       const float* q = p.query + (t * nh + g0 * group) * hd;
+      // Kernels that round the queries do it once per item, not once per block.
+      std::byte* prepared = nullptr;
+      if (kk.prepare_query) {
+        const size_t bytes = heads * kk.prepared_query_bytes;
+        prepared_buffer.resize(bytes + 64);
+        void* aligned = prepared_buffer.data();
+        size_t space = prepared_buffer.size();
+        prepared = static_cast<std::byte*>(std::align(64, bytes, aligned, space));
+        if (!kk.prepare_query(q, hd, heads, prepared)) prepared = nullptr;
+      }
       for (int64_t j = begin; j < end; j += bs) {
         prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
         const int64_t rows = std::min(bs, end - j);
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
-          kk.dot(k_values + row * kl.value_bytes,
-                 k_meta ? k_meta + row * kl.meta_bytes : nullptr, hd, rows, q + g * group * hd,
-                 group, scores.data() + g * group * len + (j - begin), len);
+          const std::byte* values = k_values + row * kl.value_bytes;
+          const std::byte* meta = k_meta ? k_meta + row * kl.meta_bytes : nullptr;
+          float* sc = scores.data() + g * group * len + (j - begin);
+          if (prepared) {
+            kk.dot_prepared(values, meta, hd, rows,
+                            prepared + g * group * kk.prepared_query_bytes, group, sc, len);
+          } else {
+            kk.dot(values, meta, hd, rows, q + g * group * hd, group, sc, len);
+          }
         }
       }
       // Unnormalized softmax weights; the output is divided by their sum at the end.

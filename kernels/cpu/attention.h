@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/kv_quant.h"
 #include "kernels/kv_dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -41,6 +42,10 @@ struct PagedAttentionParams {
   int64_t block_size = 0;
   int64_t head_dim = 0;
   float scale = 0.f;                     // usually 1 / sqrt(head_dim)
+  // kFast lets int8 K/V use integer dot products that round the queries and the softmax
+  // weights to int8 (kernels/cpu/kv_int8_vnni.h); kExact keeps fp32 arithmetic on the
+  // decoded rows.
+  KvKernelPrecision precision = KvKernelPrecision::kFast;
 
   // INVALID_ARGUMENT naming the field: null pointers (a meta plane is required exactly when
   // its dtype has metadata), an odd head_dim, heads not divisible by kv heads,

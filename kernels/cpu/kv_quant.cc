@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string_view>
 
+#include "kernels/cpu/kv_int8_vnni.h"
 #include "kernels/cpu/vec.h"
 #include "model/dtype.h"
 
@@ -161,7 +162,7 @@ void DequantizePortable(const void* values, const void* meta, int64_t n, int64_t
 
 template <KvDType D>
 constexpr KvRowKernels kPortableKernels = {DotPortable<D>, AxpyPortable<D>, DequantizePortable<D>,
-                                           "portable"};
+                                           "portable", false};
 
 // --- AVX2/FMA/F16C kernels ---
 //
@@ -511,14 +512,54 @@ KVGRID_AVX2 void DequantizeAvx2(const void* values, const void* meta, int64_t n,
 }
 
 template <KvDType D>
-constexpr KvRowKernels kAvx2Kernels = {DotAvx2<D>, AxpyAvx2<D>, DequantizeAvx2<D>, "avx2"};
+constexpr KvRowKernels kAvx2Kernels = {DotAvx2<D>, AxpyAvx2<D>, DequantizeAvx2<D>, "avx2", false};
+
+// Int8 on integer dot products where the shape allows, the AVX2 kernels elsewhere.
+void DotInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
+                    const float* q, int64_t num_q, float* scores, int64_t score_stride) {
+  if (Int8VnniCovers(n, num_q)) {
+    DotInt8Vnni(values, meta, n, rows, q, num_q, scores, score_stride);
+  } else {
+    DotAvx2<KvDType::kInt8>(values, meta, n, rows, q, num_q, scores, score_stride);
+  }
+}
+void AxpyInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
+                     const float* p, int64_t num_q, int64_t p_stride, float* out) {
+  if (Int8VnniCovers(n, num_q)) {
+    AxpyInt8Vnni(values, meta, n, rows, p, num_q, p_stride, out);
+  } else {
+    AxpyAvx2<KvDType::kInt8>(values, meta, n, rows, p, num_q, p_stride, out);
+  }
+}
+bool PrepareInt8Queries(const float* q, int64_t n, int64_t num_q, void* prepared) {
+  if (n > kVnniMaxChannels) return false;
+  RoundQueriesInt8(q, n, num_q, static_cast<Int8Query*>(prepared));
+  return true;
+}
+void DotInt8Prepared(const void* values, const void* meta, int64_t n, int64_t rows,
+                     const void* prepared, int64_t num_q, float* scores, int64_t score_stride) {
+  DotInt8VnniPrepared(values, meta, n, rows, static_cast<const Int8Query*>(prepared), num_q,
+                      scores, score_stride);
+}
+constexpr KvRowKernels kInt8VnniKernels = {DotInt8Vnni512,
+                                           AxpyInt8Vnni512,
+                                           DequantizeAvx2<KvDType::kInt8>,
+                                           "avx512-vnni",
+                                           true,
+                                           PrepareInt8Queries,
+                                           DotInt8Prepared,
+                                           sizeof(Int8Query)};
 
 #endif  // __x86_64__
 
 template <KvDType D>
-KvRowKernels Best() {
+KvRowKernels Best(KvKernelPrecision precision) {
 #if defined(__x86_64__)
   static const bool avx2 = std::string_view(Vec().name) == "avx2";
+  if constexpr (D == KvDType::kInt8) {
+    static const bool vnni = avx2 && HaveInt8Vnni();
+    if (vnni && precision == KvKernelPrecision::kFast) return kInt8VnniKernels;
+  }
   if (avx2) return kAvx2Kernels<D>;
 #endif
   return kPortableKernels<D>;
@@ -563,15 +604,15 @@ KvRowKernels PortableKvRowKernelsFor(KvDType dtype) {
   return kPortableKernels<KvDType::kF32>;
 }
 
-KvRowKernels KvRowKernelsFor(KvDType dtype) {
+KvRowKernels KvRowKernelsFor(KvDType dtype, KvKernelPrecision precision) {
   switch (dtype) {
-    case KvDType::kF32: return Best<KvDType::kF32>();
-    case KvDType::kF16: return Best<KvDType::kF16>();
-    case KvDType::kBF16: return Best<KvDType::kBF16>();
-    case KvDType::kInt8: return Best<KvDType::kInt8>();
-    case KvDType::kInt4: return Best<KvDType::kInt4>();
+    case KvDType::kF32: return Best<KvDType::kF32>(precision);
+    case KvDType::kF16: return Best<KvDType::kF16>(precision);
+    case KvDType::kBF16: return Best<KvDType::kBF16>(precision);
+    case KvDType::kInt8: return Best<KvDType::kInt8>(precision);
+    case KvDType::kInt4: return Best<KvDType::kInt4>(precision);
   }
-  return Best<KvDType::kF32>();
+  return Best<KvDType::kF32>(precision);
 }
 
 }  // namespace kvgrid::kernels::cpu

@@ -5,7 +5,10 @@
 // come in a portable version and an AVX2/FMA/F16C version chosen at run time (as in
 // kernels/cpu/vec.h). Both versions decode every element to the same float as DequantizeRow,
 // so they differ from each other, and from fp32 math on DequantizeRow's output, only in the
-// order of the sums. All functions are pure and thread-safe.
+// order of the sums. On CPUs with AVX-512 VNNI the fast int8 kernels instead round the float
+// operand (queries, attention weights) to int8 and use integer dot products, within the bounds
+// stated in kernels/cpu/kv_int8_vnni.h; KvKernelPrecision::kExact keeps the float kernels.
+// All functions are pure and thread-safe.
 #ifndef KVGRID_KERNELS_CPU_KV_QUANT_H_
 #define KVGRID_KERNELS_CPU_KV_QUANT_H_
 
@@ -48,11 +51,28 @@ struct KvRowKernels {
                int64_t num_q, int64_t p_stride, float* out);
   // out[r * n + i] = x̂_r[i]; bit-identical to DequantizeRow row by row.
   void (*dequantize)(const void* values, const void* meta, int64_t n, int64_t rows, float* out);
-  const char* name;  // "avx2" or "portable"
+  const char* name;  // "avx512-vnni", "avx2" or "portable"
+  // True when dot/axpy round their float operand to int8 (kernels/cpu/kv_int8_vnni.h).
+  bool rounds_operands = false;
+  // Optional (null when absent), for callers that run many dots over the same queries:
+  // prepare_query rounds q [num_q, n] once into `prepared` (num_q * prepared_query_bytes bytes,
+  // 64-byte aligned) and returns false when it does not take this shape (then call dot);
+  // dot_prepared is dot on those queries.
+  bool (*prepare_query)(const float* q, int64_t n, int64_t num_q, void* prepared) = nullptr;
+  void (*dot_prepared)(const void* values, const void* meta, int64_t n, int64_t rows,
+                       const void* prepared, int64_t num_q, float* scores,
+                       int64_t score_stride) = nullptr;
+  int64_t prepared_query_bytes = 0;
 };
 
-// The best kernels for `dtype` on this CPU.
-KvRowKernels KvRowKernelsFor(KvDType dtype);
+enum class KvKernelPrecision {
+  kFast,   // the fastest kernels on this CPU (int8: integer dot products where available)
+  kExact,  // fp32 arithmetic on the decoded rows (references, tests)
+};
+
+// The best kernels for `dtype` on this CPU at `precision`.
+KvRowKernels KvRowKernelsFor(KvDType dtype,
+                             KvKernelPrecision precision = KvKernelPrecision::kFast);
 // The portable kernels (for tests comparing the two).
 KvRowKernels PortableKvRowKernelsFor(KvDType dtype);
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -203,6 +204,13 @@ Plane MakePlane(KvDType dtype, int64_t n, int64_t rows, std::mt19937_64& rng) {
   return p;
 }
 
+// Row r's int8 scale (the kernels that round operands are int8 kernels).
+double RowScale(const Plane& p, int64_t r) {
+  uint16_t h;
+  std::memcpy(&h, p.meta.data() + 2 * r, sizeof(h));
+  return model::F16ToF32(h);
+}
+
 void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows, int64_t num_q,
                   uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -228,7 +236,30 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
         want += static_cast<double>(q[h * n + i]) * p.decoded[r * n + i];
         mag += std::abs(static_cast<double>(q[h * n + i]) * p.decoded[r * n + i]);
       }
-      ASSERT_NEAR(scores[h * stride + r], want, 1e-5 * mag + 1e-6) << "h=" << h << " r=" << r;
+      // Kernels that round q to int8 (kv_int8_vnni.h) may also be off by qs / 2 per channel.
+      double bound = 1e-5 * mag + 1e-6;
+      if (k.rounds_operands) {
+        double qmax = 0, kabs = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          qmax = std::max(qmax, std::abs(static_cast<double>(q[h * n + i])));
+          kabs += std::abs(static_cast<double>(p.decoded[r * n + i]));
+        }
+        bound += 0.5 * qmax / 127 * kabs;
+      }
+      ASSERT_NEAR(scores[h * stride + r], want, bound) << "h=" << h << " r=" << r;
+    }
+  }
+
+  // Queries rounded once give the same scores as dot.
+  if (k.prepare_query) {
+    std::vector<std::byte> buffer(num_q * k.prepared_query_bytes + 64);
+    void* prepared = buffer.data();
+    size_t space = buffer.size();
+    prepared = std::align(64, num_q * k.prepared_query_bytes, prepared, space);
+    if (k.prepare_query(q.data(), n, num_q, prepared)) {
+      std::vector<float> again(num_q * stride, 0.f);
+      k.dot_prepared(p.values.data(), meta, n, rows, prepared, num_q, again.data(), stride);
+      ASSERT_EQ(again, scores);
     }
   }
 
@@ -239,13 +270,28 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
   out = init;
   k.axpy(p.values.data(), meta, n, rows, w.data(), num_q, stride, out.data());
   for (int64_t h = 0; h < num_q; ++h) {
+    // Kernels that round the weights times the row scales to int8 may be off by half a step
+    // (at most max_r |w_r s_r| / 254) per row: bound = that * sum_r |code_r,i|.
+    double amax = 0;
+    if (k.rounds_operands) {
+      for (int64_t r = 0; r < rows; ++r) {
+        amax = std::max(amax, std::abs(static_cast<double>(w[h * stride + r]) * RowScale(p, r)));
+      }
+    }
     for (int64_t i = 0; i < n; ++i) {
+      double bound = 0;
+      if (k.rounds_operands) {
+        for (int64_t r = 0; r < rows; ++r) {
+          bound += 0.5 * amax / 127 * std::abs(static_cast<double>(
+                                           static_cast<int8_t>(p.values[r * n + i])));
+        }
+      }
       double want = init[h * n + i], mag = std::abs(want);
       for (int64_t r = 0; r < rows; ++r) {
         want += static_cast<double>(w[h * stride + r]) * p.decoded[r * n + i];
         mag += std::abs(static_cast<double>(w[h * stride + r]) * p.decoded[r * n + i]);
       }
-      ASSERT_NEAR(out[h * n + i], want, 1e-5 * mag + 1e-6) << "h=" << h << " i=" << i;
+      ASSERT_NEAR(out[h * n + i], want, bound + 1e-5 * mag + 1e-6) << "h=" << h << " i=" << i;
     }
   }
 }
@@ -259,6 +305,8 @@ TEST(KvQuantTest, RowKernelsMatchDecodedRows) {
         for (int64_t num_q : {int64_t{1}, int64_t{3}, int64_t{4}, int64_t{7}}) {
           CheckKernels(PortableKvRowKernelsFor(dtype), dtype, n, rows, num_q, seed);
           CheckKernels(KvRowKernelsFor(dtype), dtype, n, rows, num_q, seed);
+          CheckKernels(KvRowKernelsFor(dtype, KvKernelPrecision::kExact), dtype, n, rows, num_q,
+                       seed);
           ++seed;
         }
       }
@@ -267,14 +315,15 @@ TEST(KvQuantTest, RowKernelsMatchDecodedRows) {
 }
 
 TEST(KvQuantTest, BestKernelsAgreeWithPortable) {
-  // Same inputs through both: dequantize is bit-identical, dot/axpy differ in sum order only.
+  // Same inputs through both: dequantize is bit-identical, dot/axpy differ in sum order only
+  // (the exact kernels; RowKernelsMatchDecodedRows bounds the ones that round operands).
   std::mt19937_64 rng(99);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (KvDType dtype : kAllDTypes) {
     const int64_t n = 128, rows = 16, num_q = 4;
     const Plane p = MakePlane(dtype, n, rows, rng);
     const void* meta = p.meta.empty() ? nullptr : p.meta.data();
-    const KvRowKernels best = KvRowKernelsFor(dtype);
+    const KvRowKernels best = KvRowKernelsFor(dtype, KvKernelPrecision::kExact);
     const KvRowKernels portable = PortableKvRowKernelsFor(dtype);
     std::vector<float> a(rows * n), b(rows * n);
     best.dequantize(p.values.data(), meta, n, rows, a.data());
@@ -295,3 +344,4 @@ TEST(KvQuantTest, BestKernelsAgreeWithPortable) {
 
 }  // namespace
 }  // namespace kvgrid::kernels::cpu
+
