@@ -1,7 +1,9 @@
 // kv_quality_bench: what each KV-cache dtype costs in quality on the embedded trained model.
 // For every dtype (and int8 K + int4 V), held-out perplexity and top-1 agreement with the fp16
 // cache (the share of predicted positions whose most likely token is the same), all through
-// the paged cache with the evaluation windowing of `kvgrid perplexity`.
+// the paged cache with the evaluation windowing of `kvgrid perplexity`. Int8 runs twice where
+// the CPU has integer dot products: with the fast kernels (queries and softmax weights rounded
+// to int8) and the exact ones (fp32 math on the decoded rows).
 //
 //   build/bin/kv_quality_bench [--json] [--model DIR] [--text-file F] [--max-tokens N]
 #include <cstdio>
@@ -60,14 +62,18 @@ int main(int argc, char** argv) {
   auto model = kvgrid::worker::LlamaModel::Load(model_dir);
   if (!model.ok()) return Fail(std::string(model.status().message()));
 
+  using kvgrid::kernels::cpu::KvKernelPrecision;
   struct Variant {
     const char* name;
     KvDType k, v;
+    KvKernelPrecision precision = KvKernelPrecision::kFast;
   };
   const Variant variants[] = {{"fp16", KvDType::kF16, KvDType::kF16},
                               {"fp32", KvDType::kF32, KvDType::kF32},
                               {"bf16", KvDType::kBF16, KvDType::kBF16},
                               {"int8", KvDType::kInt8, KvDType::kInt8},
+                              {"int8 (exact kernels)", KvDType::kInt8, KvDType::kInt8,
+                               KvKernelPrecision::kExact},
                               {"int4", KvDType::kInt4, KvDType::kInt4},
                               {"int8k-int4v", KvDType::kInt8, KvDType::kInt4}};
   nlohmann::json rows = nlohmann::json::array();
@@ -78,12 +84,16 @@ int main(int argc, char** argv) {
     o.k_dtype = var.k;
     o.v_dtype = var.v;
     o.keep_argmax = true;
+    (*model)->SetAttentionPrecision(var.precision);
+    const std::string kernels =
+        kvgrid::kernels::cpu::KvRowKernelsFor(var.k, var.precision).name;
     auto r = kvgrid::worker::EvaluateTokens(**model, tokens, o);
     if (!r.ok()) return Fail(std::string(var.name) + ": " + std::string(r.status().message()));
     if (rows.empty()) reference = *r;
     int64_t same = 0;
     for (size_t i = 0; i < r->argmax.size(); ++i) same += r->argmax[i] == reference.argmax[i];
     rows.push_back({{"kv_dtype", var.name},
+                    {"k_kernels", kernels},
                     {"perplexity", r->perplexity},
                     {"tokens", r->predicted},
                     {"perplexity_vs_fp16", r->perplexity / reference.perplexity - 1.0},

@@ -87,6 +87,8 @@ Run Generate(Forward forward, BlockManager& blocks, int64_t vocab, int steps) {
 void Compare(const model::ModelConfig& config, LlamaModel& cpu_model, model::DType dense,
              KvDType kv, double tolerance, bool tokens_equal, const std::string& what) {
   SCOPED_TRACE(what);
+  // The device kernels decode int8 K/V to fp32: compare with the CPU doing the same.
+  cpu_model.SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
   const KvGeometry g = cpu_model.KvGeometryFor(16, kv, kv);
   const int64_t budget = 256 * g.BytesPerBlock();
   auto cpu_pool = KvPool::Create(g, budget);

@@ -179,7 +179,9 @@ std::vector<float> CpuAttention(const HostCache& c, const Batch& b) {
                            .num_kv_heads = c.geo.num_kv_heads,
                            .block_size = c.geo.block_size,
                            .head_dim = c.geo.head_dim,
-                           .scale = Scale(c.geo)});
+                           .scale = Scale(c.geo),
+                           // The device kernels decode int8 to fp32; compare with the same.
+                           .precision = cpu::KvKernelPrecision::kExact});
   EXPECT_TRUE(st.ok()) << st;
   return out;
 }

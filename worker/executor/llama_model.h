@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/cpu/kv_quant.h"
 #include "kernels/cpu/quant_linear.h"
 #include "model/model_config.h"
 #include "worker/comm/communicator.h"
@@ -146,6 +147,13 @@ class LlamaModel {
   // round-to-nearest, in place, and the head to Q8_0 (as llama.cpp keeps the output layer at
   // higher precision than 4 bits); the embedding lookup and norms stay fp32. fp32 is a no-op.
   absl::Status QuantizeWeights(kernels::cpu::WeightDType dtype);
+  // How attention reads int8 K/V (kernels/cpu/attention.h): kFast (the default) may round
+  // queries and softmax weights to int8 for integer dot products; kExact keeps fp32 math on
+  // the decoded rows (the reference the CUDA backend is compared with). Not thread-safe with
+  // Forward.
+  void SetAttentionPrecision(kernels::cpu::KvKernelPrecision precision) {
+    attention_precision_ = precision;
+  }
   // The KV geometry this rank needs: its own KV heads (dtypes and block size left to the
   // caller).
   [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
@@ -173,6 +181,7 @@ class LlamaModel {
                                  int64_t out_features);
 
   model::ModelConfig config_;
+  kernels::cpu::KvKernelPrecision attention_precision_ = kernels::cpu::KvKernelPrecision::kFast;
   TensorParallel tp_;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]

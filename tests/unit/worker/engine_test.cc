@@ -3,6 +3,7 @@
 // requests are refused with the field named.
 #include "worker/engine/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -337,6 +338,76 @@ TEST_P(EngineFixtureTest, StopTokenEndsTheSequence) {
   const std::vector<int32_t> stopped = Drain(*engine)["s"];
   const size_t first = std::find(greedy.begin(), greedy.end(), greedy[3]) - greedy.begin();
   EXPECT_EQ(stopped, std::vector<int32_t>(greedy.begin(), greedy.begin() + first + 1));
+}
+
+// Outputs of every request, run to completion.
+std::map<std::string, std::vector<TokenOutput>> DrainOutputs(Engine& engine) {
+  std::map<std::string, std::vector<TokenOutput>> out;
+  int guard = 0;
+  while (engine.HasWork() && ++guard < 10000) {
+    auto step = engine.Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) break;
+    for (const TokenOutput& t : *step) out[t.request_id].push_back(t);
+  }
+  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
+  return out;
+}
+
+std::vector<int32_t> Ids(const std::vector<TokenOutput>& outputs) {
+  std::vector<int32_t> ids;
+  for (const TokenOutput& t : outputs) ids.push_back(t.token_id);
+  return ids;
+}
+
+TEST_P(EngineFixtureTest, EosIdsEndTheSequenceUnlessIgnoredOrMasked) {
+  std::vector<int32_t> greedy;
+  {
+    auto engine = MakeEngine(GetParam());
+    ASSERT_NE(engine, nullptr);
+    ASSERT_TRUE(engine->AddRequest(Request("g", {10, 11, 12}, 8, 0.0)).ok());
+    greedy = Drain(*engine)["g"];
+  }
+  ASSERT_EQ(greedy.size(), 8u);
+  // Two EOS ids, as Llama-3 instruct models have (<|end_of_text|>, <|eot_id|>).
+  EngineOptions options;
+  options.eos_token_ids = {greedy[5], greedy[2]};
+  const size_t first_eos = std::find_if(greedy.begin(), greedy.end(), [&](int32_t t) {
+                             return t == greedy[5] || t == greedy[2];
+                           }) - greedy.begin();
+  auto engine = MakeEngine(GetParam(), options);
+  ASSERT_NE(engine, nullptr);
+
+  GenerationRequest stops = Request("eos", {10, 11, 12}, 8, 0.0);
+  stops.stopping.ignore_eos = false;
+  GenerationRequest ignores = Request("ignore", {10, 11, 12}, 8, 0.0);  // ignore_eos
+  GenerationRequest masked = Request("masked", {10, 11, 12}, 8, 0.0);
+  masked.stopping.ignore_eos = false;
+  masked.stopping.min_tokens = static_cast<int64_t>(first_eos) + 2;
+  for (GenerationRequest* r : {&stops, &ignores, &masked}) {
+    ASSERT_TRUE(engine->AddRequest(std::move(*r)).ok());
+  }
+  auto out = DrainOutputs(*engine);
+
+  // The EOS token is emitted and ends the sequence with finish reason stop.
+  EXPECT_EQ(Ids(out["eos"]),
+            std::vector<int32_t>(greedy.begin(), greedy.begin() + first_eos + 1));
+  EXPECT_EQ(out["eos"].back().finish, FinishReason::kStop);
+  // ignore_eos runs to max_new_tokens.
+  EXPECT_EQ(Ids(out["ignore"]), greedy);
+  EXPECT_EQ(out["ignore"].back().finish, FinishReason::kLength);
+  // min_tokens masks every EOS id until it is reached.
+  const std::vector<int32_t> late = Ids(out["masked"]);
+  ASSERT_GE(late.size(), first_eos + 2);
+  for (size_t i = 0; i < first_eos + 2; ++i) {
+    EXPECT_NE(late[i], greedy[5]) << i;
+    EXPECT_NE(late[i], greedy[2]) << i;
+  }
+  EXPECT_EQ(std::vector<int32_t>(late.begin(), late.begin() + first_eos),
+            std::vector<int32_t>(greedy.begin(), greedy.begin() + first_eos));
+  if (out["masked"].back().finish == FinishReason::kStop) {
+    EXPECT_TRUE(late.back() == greedy[5] || late.back() == greedy[2]);
+  }
 }
 
 TEST_P(EngineFixtureTest, RefusesBadRequestsNamingTheField) {
