@@ -71,7 +71,8 @@ constexpr char kHelp[] =
     "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
     "                              --v-cache-dtype override one)\n"
     "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
-    "  --swap-space BYTES --enable-prefix-caching BOOL\n";
+    "  --swap-space BYTES --preemption-mode auto|swap|recompute --watermark F\n"
+    "  --enable-prefix-caching BOOL\n";
 
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
 // the leader's engine broadcasts, until the leader stops it or the group breaks. SIGTERM

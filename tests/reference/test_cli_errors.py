@@ -90,6 +90,41 @@ def test_unknown_flag_and_bad_values(model_copy):
                              "--kv-cache-dtype", "int3"), "int3")
     assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi",
                              "--kv-cache-memory", "lots"), "--kv-cache-memory")
+    assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi",
+                             "--preemption-mode", "never"), "--preemption-mode", "never")
+    for bad in ("1", "-0.1", "lots"):
+        assert_clean_failure(run("run", "--model", model_copy, "--prompt", "hi",
+                                 "--watermark", bad), "--watermark")
+
+
+KJV_TINY = Path(os.environ.get("KVGRID_SOURCE_DIR",
+                               Path(__file__).resolve().parents[2])) / "models" / "kjv-tiny"
+
+
+def test_preemption_modes_keep_greedy_tokens(tmp_path):
+    # The trained model (its greedy choices have real margins, unlike the random fixtures').
+    # Four sequences of 15 tokens, 2 blocks of 8 each, in a pool of 4 blocks: preemption is
+    # certain (fp32 KV, 4 KiB per token: 128 KiB; int8 K / int4 V, 816 B: 26 KiB).
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("In the beginning\nAnd God said\nLet there be\nAnd the earth\n")
+
+    def tokens(*flags):
+        r = run("run", "--model", KJV_TINY, "--prompts-file", prompts, "--json",
+                "--max-new-tokens", "12", "--temperature", "0", *flags)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line)["token_ids"] for line in r.stdout.splitlines()]
+
+    tight = ["--block-size", "8", "--swap-space", "1MiB", "--watermark", "0"]
+    unconstrained = tokens()
+    # However a sequence was preempted, its greedy tokens are those of a run without
+    # preemption. (With a rounded cache a recompute may round a row differently from the
+    # first pass, so only swaps are exact there.)
+    for mode in ("swap", "recompute", "auto"):
+        assert tokens(*tight, "--kv-cache-memory", "128KiB", "--preemption-mode",
+                      mode) == unconstrained, mode
+    quantized = ["--k-cache-dtype", "int8", "--v-cache-dtype", "int4"]
+    assert tokens(*tight, "--kv-cache-memory", "26KiB", "--preemption-mode", "swap",
+                  *quantized) == tokens(*quantized)
 
 
 def test_kv_cache_too_small_for_the_request(model_copy):

@@ -46,6 +46,10 @@ constexpr char kHelp[] =
     "  --max-model-len N           context window (default: max_position_embeddings)\n"
     "  --swap-space BYTES          host space for preempted sequences' blocks (default 0:\n"
     "                              preempted sequences are recomputed)\n"
+    "  --preemption-mode M         auto (default: swap or recompute, whichever the engine\n"
+    "                              measures as cheaper), swap or recompute\n"
+    "  --watermark F               share of the KV pool kept free when admitting new\n"
+    "                              requests while others run (default 0.01)\n"
     "  --enable-prefix-caching B   share cached prompt blocks (default true)\n"
     "  --json                      print one JSON object at the end instead of streaming\n";
 

@@ -46,14 +46,15 @@ constexpr char kHelp[] =
     "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
-    "  --swap-space --enable-prefix-caching --threads (default: the cores divided among the\n"
-    "  workers, so they do not oversubscribe the machine)\n";
+    "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
+    "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
+    "  the machine)\n";
 
 constexpr const char* kWorkerFlags[] = {
     "kv-cache-memory",        "kv-cache-dtype", "k-cache-dtype", "v-cache-dtype",
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
-    "weight-dtype"};
+    "weight-dtype",           "preemption-mode", "watermark"};
 
 // Workers in state SERVING, or -1 while the coordinator does not answer.
 int ServingWorkers(v1::Generation::Stub& stub) {

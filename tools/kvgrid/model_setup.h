@@ -42,8 +42,9 @@ absl::StatusOr<LoadedModel> LoadModelDir(
 absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args);
 
 // Reads --kv-cache-memory (bytes, with KiB/MiB/GiB or KB/MB/GB suffixes), --block-size,
-// --max-num-seqs, --max-num-batched-tokens, --max-model-len, --swap-space (bytes) and
-// --enable-prefix-caching (true/false). The KV dtypes stay at their
+// --max-num-seqs, --max-num-batched-tokens, --max-model-len, --swap-space (bytes),
+// --preemption-mode (auto, swap, recompute), --watermark (share of the pool kept free when
+// admitting, in [0, 1)) and --enable-prefix-caching (true/false). The KV dtypes stay at their
 // defaults: they come from KvDTypesFromArgs, which may need the model's config.
 absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args);
 

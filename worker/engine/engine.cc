@@ -214,14 +214,56 @@ void Engine::Abort(const std::string& request_id) {
   }
 }
 
+bool ChooseSwap(PreemptionMode mode, bool can_swap, double recompute_s, double swap_s) {
+  if (!can_swap) return false;
+  switch (mode) {
+    case PreemptionMode::kSwap: return true;
+    case PreemptionMode::kRecompute: return false;
+    case PreemptionMode::kAuto: break;
+  }
+  if (recompute_s < 0 || swap_s < 0) return true;  // not measured yet: keep the work done
+  return swap_s <= recompute_s;
+}
+
+absl::StatusOr<PreemptionMode> ParsePreemptionMode(std::string_view name) {
+  if (name == "auto") return PreemptionMode::kAuto;
+  if (name == "swap") return PreemptionMode::kSwap;
+  if (name == "recompute") return PreemptionMode::kRecompute;
+  return absl::InvalidArgumentError(absl::StrCat("--preemption-mode: unknown mode '",
+                                                 std::string(name),
+                                                 "' (accepted: auto, swap, recompute)"));
+}
+
+namespace {
+
+// Moving average that starts at the first observation.
+void Observe(double* average, double value) {
+  constexpr double kWeight = 0.2;
+  *average = *average < 0 ? value : (1 - kWeight) * *average + kWeight * value;
+}
+
+}  // namespace
+
 absl::Status Engine::PreemptNewest() {
   std::unique_ptr<Sequence> victim = std::move(running_.back());
   running_.pop_back();
-  if (swap_pool_ && blocks_.CanSwapOut(victim->seq_id)) {
-    copies_.clear();
-    KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &copies_));
+  // Recompute redoes the forward pass over every token it has computed; a swap copies the
+  // blocks it holds alone out now and back in later.
+  const double recompute_s =
+      seconds_per_token_ < 0 ? -1 : seconds_per_token_ * static_cast<double>(victim->num_computed);
+  const double swap_s =
+      seconds_per_swap_byte_ < 0
+          ? -1
+          : seconds_per_swap_byte_ * 2.0 *
+                static_cast<double>(blocks_.ExclusiveBlocks(victim->seq_id) *
+                                    pool_->geometry().BytesPerBlock());
+  if (swap_pool_ && ChooseSwap(options_.preemption_mode, blocks_.CanSwapOut(victim->seq_id),
+                               recompute_s, swap_s)) {
+    // Its own list: Schedule preempts while collecting copy-on-write copies in copies_.
+    std::vector<BlockCopy> out;
+    KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &out));
     // Copy now: the freed device blocks may be reallocated and written in this very step.
-    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, copies_));
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
     swapped_.push_front(std::move(victim));
     ++num_swap_outs_;
   } else {
@@ -529,14 +571,19 @@ absl::Status Engine::Copy(PlanKind kind, const std::vector<BlockCopy>& copies) {
     std::string plan = EncodePlan(StepPlan{.kind = kind, .copies = copies});
     KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
   }
-  switch (kind) {
-    case PlanKind::kCopyDeviceToSwap:
-      return CopyKvBlocks(*pool_, *swap_pool_, copies);
-    case PlanKind::kCopySwapToDevice:
-      return CopyKvBlocks(*swap_pool_, *pool_, copies);
-    default:
-      return CopyKvBlocks(*pool_, *pool_, copies);
+  if (kind != PlanKind::kCopyDeviceToSwap && kind != PlanKind::kCopySwapToDevice) {
+    return CopyKvBlocks(*pool_, *pool_, copies);
   }
+  const auto start = std::chrono::steady_clock::now();
+  KVGRID_RETURN_IF_ERROR(kind == PlanKind::kCopyDeviceToSwap
+                             ? CopyKvBlocks(*pool_, *swap_pool_, copies)
+                             : CopyKvBlocks(*swap_pool_, *pool_, copies));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Observe(&seconds_per_swap_byte_,
+          seconds / static_cast<double>(static_cast<int64_t>(copies.size()) *
+                                        pool_->geometry().BytesPerBlock()));
+  return absl::OkStatus();
 }
 
 absl::Status Engine::RunForward() {
@@ -544,7 +591,16 @@ absl::Status Engine::RunForward() {
     std::string plan = EncodePlan(StepPlan{.kind = PlanKind::kForward, .batch = batch_});
     KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
   }
-  return model_->Forward(batch_, *pool_, &logits_);
+  const auto start = std::chrono::steady_clock::now();
+  KVGRID_RETURN_IF_ERROR(model_->Forward(batch_, *pool_, &logits_));
+  // A recompute is a prefill: measure on prefill-sized steps only (a step of a few decodes
+  // costs far more per token).
+  if (batch_.token_ids.size() >= 16) {
+    Observe(&seconds_per_token_,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+                static_cast<double>(batch_.token_ids.size()));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Engine::KeepGroupAlive() {

@@ -31,6 +31,7 @@
 #include <span>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -59,6 +60,23 @@ struct StoppingParams {
   std::vector<std::string> stop_strings;
   bool include_stop_str_in_output = false;
 };
+
+// How a preempted sequence gives its KV blocks back.
+enum class PreemptionMode {
+  // By cost: swap when copying its blocks to the swap space and back is estimated to take
+  // less time than recomputing its KV, from the engine's own measurements (seconds per token
+  // of forward pass, seconds per byte of swap copy); swap until both have been measured.
+  kAuto,
+  kSwap,       // swap whenever the swap space has room, else recompute
+  kRecompute,  // always free the blocks and recompute later
+};
+
+// Whether to swap a preempted sequence out rather than recompute it. `recompute_s` and
+// `swap_s` (copy out and back in) are estimates in seconds, negative while unknown.
+bool ChooseSwap(PreemptionMode mode, bool can_swap, double recompute_s, double swap_s);
+
+// Parses "auto", "swap" or "recompute". Errors: INVALID_ARGUMENT naming --preemption-mode.
+absl::StatusOr<PreemptionMode> ParsePreemptionMode(std::string_view name);
 
 struct GenerationRequest {
   std::string id;                     // unique among live requests
@@ -135,6 +153,7 @@ struct EngineOptions {
   // outlive the engine. May be null (ids only).
   const model::Tokenizer* tokenizer = nullptr;
   int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
+  PreemptionMode preemption_mode = PreemptionMode::kAuto;
   std::vector<int32_t> eos_token_ids = {};
   // Tensor-parallel leader (rank 0 of a group of size > 1): every block copy and forward pass
   // is first broadcast as a StepPlan, which the other ranks run in RunFollower. Not owned; the
@@ -229,7 +248,8 @@ class Engine {
          std::unique_ptr<KvPool> pool, std::unique_ptr<KvPool> swap_pool, int64_t max_model_len);
 
   // Preempts the newest running sequence (`running_` must not be empty): swaps it out when the
-  // swap space has room, else frees its blocks and requeues it for recompute.
+  // swap space has room and ChooseSwap agrees, else frees its blocks and requeues it for
+  // recompute.
   absl::Status PreemptNewest();
   // Brings swapped-out sequences back, oldest first, while their blocks fit.
   absl::Status SwapInReady();
@@ -258,6 +278,9 @@ class Engine {
   SequenceId next_seq_id_ = 1;
   int64_t num_swap_outs_ = 0;
   int64_t num_recomputes_ = 0;
+  // Measured costs for PreemptionMode::kAuto (moving averages; negative until measured).
+  double seconds_per_token_ = -1;      // forward pass time per token computed
+  double seconds_per_swap_byte_ = -1;  // swap copy time per byte moved
   std::vector<BlockCopy> copies_;
   ForwardBatch batch_;
   std::vector<float> logits_;

@@ -95,6 +95,8 @@ EngineOptions Tight(const std::string& fixture, EngineOptions base, int64_t swap
   base.block_size = 8;
   base.kv_cache_memory = 8 * 8 * per_token;
   base.swap_space = swap_blocks * 8 * per_token;
+  // kAuto's choice depends on measured timings; these tests need a fixed one.
+  if (base.preemption_mode == PreemptionMode::kAuto) base.preemption_mode = PreemptionMode::kSwap;
   return base;
 }
 
@@ -517,6 +519,67 @@ TEST_P(EngineFixtureTest, PreemptionBySwapKeepsGreedyOutputsAndLeaksNothing) {
   EXPECT_GT(st.num_swap_outs, 0);
   EXPECT_EQ(st.swap_blocks_used, 0);
   EXPECT_EQ(st.num_swapped, 0);
+}
+
+TEST_P(EngineFixtureTest, RecomputeModeNeverSwapsAndAutoModeKeepsOutputs) {
+  const auto expected = GreedyMixed(GetParam(), {});
+  EngineOptions recompute;
+  recompute.preemption_mode = PreemptionMode::kRecompute;
+  EngineStats st;
+  EXPECT_EQ(GreedyMixed(GetParam(), Tight(GetParam(), recompute, 64), &st), expected);
+  EXPECT_GT(st.num_recomputes, 0);
+  EXPECT_EQ(st.num_swap_outs, 0);
+  // Auto picks by measured cost, whichever it picks, outputs and accounting stay exact.
+  EngineOptions by_cost = Tight(GetParam(), {}, 64);
+  by_cost.preemption_mode = PreemptionMode::kAuto;
+  EXPECT_EQ(GreedyMixed(GetParam(), by_cost, &st), expected);
+  EXPECT_GT(st.num_preemptions, 0);
+  EXPECT_EQ(st.num_preemptions, st.num_swap_outs + st.num_recomputes);
+  EXPECT_EQ(st.swap_blocks_used, 0);
+}
+
+TEST_P(EngineFixtureTest, WatermarkKeepsRoomForRunningSequences) {
+  auto probe = MakeEngine(GetParam());
+  ASSERT_NE(probe, nullptr);
+  for (double watermark : {0.0, 0.9}) {
+    EngineOptions o;
+    o.kv_cache_memory = 10 * 16 * probe->Stats().bytes_per_token;  // 10 blocks of 16
+    o.watermark = watermark;
+    auto engine = MakeEngine(GetParam(), o);
+    ASSERT_NE(engine, nullptr);
+    std::map<std::string, size_t> tokens;
+    ASSERT_TRUE(engine->AddRequest(Request("a", {5, 6, 7, 8}, 4, 0.0)).ok());
+    auto step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    for (const TokenOutput& t : *step) ++tokens[t.request_id];
+    ASSERT_TRUE(engine->AddRequest(Request("b", {9, 10, 11, 12}, 4, 0.0)).ok());
+    step = engine->Step();
+    ASSERT_TRUE(step.ok());
+    for (const TokenOutput& t : *step) ++tokens[t.request_id];
+    // b needs one block: 9 free - 1 leaves 8, under a watermark of 9 blocks but not of 0.
+    EXPECT_EQ(engine->Stats().num_running, watermark == 0.0 ? 2 : 1) << watermark;
+    for (const auto& [id, ids] : Drain(*engine)) tokens[id] += ids.size();
+    EXPECT_EQ(tokens["a"], 4u);
+    EXPECT_EQ(tokens["b"], 4u);
+  }
+}
+
+TEST(PreemptionTest, ChooseSwapByModeAndCost) {
+  // Without room in the swap space every mode recomputes.
+  for (PreemptionMode m : {PreemptionMode::kAuto, PreemptionMode::kSwap,
+                           PreemptionMode::kRecompute}) {
+    EXPECT_FALSE(ChooseSwap(m, false, 1.0, 0.001));
+  }
+  EXPECT_TRUE(ChooseSwap(PreemptionMode::kSwap, true, 0.001, 1.0));
+  EXPECT_FALSE(ChooseSwap(PreemptionMode::kRecompute, true, 1.0, 0.001));
+  EXPECT_TRUE(ChooseSwap(PreemptionMode::kAuto, true, -1, -1));    // nothing measured yet
+  EXPECT_TRUE(ChooseSwap(PreemptionMode::kAuto, true, 0.5, -1));
+  EXPECT_TRUE(ChooseSwap(PreemptionMode::kAuto, true, 0.5, 0.01));  // copying is cheaper
+  EXPECT_FALSE(ChooseSwap(PreemptionMode::kAuto, true, 0.01, 0.5)); // a short sequence
+  EXPECT_EQ(*ParsePreemptionMode("recompute"), PreemptionMode::kRecompute);
+  const auto bad = ParsePreemptionMode("never");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("--preemption-mode"), std::string::npos);
 }
 
 TEST_P(EngineFixtureTest, SwapKeepsQuantizedCachesIntact) {
