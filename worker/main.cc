@@ -26,6 +26,7 @@
 #include "worker/comm/coordinator_store.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/step_plan.h"
+#include "worker/executor/cpu_executor.h"
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
@@ -77,26 +78,26 @@ constexpr char kHelp[] =
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
 // the leader's engine broadcasts, until the leader stops it or the group breaks. SIGTERM
 // waits up to the drain timeout for the leader to stop the group.
-absl::Status Follow(kvgrid::worker::LlamaModel& model, kvgrid::worker::EngineOptions options,
+absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
+                    kvgrid::worker::EngineOptions options,
                     const kvgrid::cli::KvDTypeFlags& kv_dtypes,
                     kvgrid::worker::Communicator& comm, const std::string& group,
                     double drain_timeout) {
-  kv_dtypes.ApplyTo(model.config(), &options);
-  const kvgrid::worker::KvGeometry geometry =
-      model.KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::KvPool> pool,
-                          kvgrid::worker::KvPool::Create(geometry, options.kv_cache_memory));
-  std::unique_ptr<kvgrid::worker::KvPool> swap;
-  if (options.swap_space > 0) {
-    KVGRID_ASSIGN_OR_RETURN(swap, kvgrid::worker::KvPool::Create(geometry, options.swap_space));
-  }
+  kv_dtypes.ApplyTo(model->config(), &options);
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::CpuExecutor> executor,
+                          kvgrid::worker::CpuExecutor::Create(
+                              std::move(model), {.block_size = options.block_size,
+                                                 .k_dtype = options.k_dtype,
+                                                 .v_dtype = options.v_dtype,
+                                                 .kv_cache_memory = options.kv_cache_memory,
+                                                 .swap_space = options.swap_space}));
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
-               comm.rank(), group.c_str(), static_cast<long long>(pool->num_blocks()));
+               comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));
   std::atomic<bool> done{false};
   absl::Status status;
   std::thread follower([&] {
     kvgrid::kernels::cpu::UseConfiguredThreads();
-    status = kvgrid::worker::RunFollower(model, *pool, swap.get(), comm);
+    status = kvgrid::worker::RunFollower(*executor, comm);
     done.store(true);
   });
   sigset_t signals;
@@ -189,7 +190,8 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
                           kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
   if (my_rank > 0) {
-    return Follow(*loaded.model, options, kv_dtypes, *comm, group, drain_timeout.value_or(30.0));
+    return Follow(std::move(loaded.model), options, kv_dtypes, *comm, group,
+                  drain_timeout.value_or(30.0));
   }
   options.group = comm.get();
   kv_dtypes.ApplyTo(loaded.model->config(), &options);

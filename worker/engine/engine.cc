@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
-#include "worker/kv/kv_block_copy.h"
+#include "worker/executor/cpu_executor.h"
 
 namespace kvgrid::worker {
 
@@ -27,6 +27,22 @@ std::string_view FinishReasonName(FinishReason reason) {
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaModel> model,
                                                        const EngineOptions& options) {
+  if (!(options.block_size == 8 || options.block_size == 16 || options.block_size == 32)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
+  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CpuExecutor> executor,
+                          CpuExecutor::Create(std::move(model),
+                                              {.block_size = options.block_size,
+                                               .k_dtype = options.k_dtype,
+                                               .v_dtype = options.v_dtype,
+                                               .kv_cache_memory = options.kv_cache_memory,
+                                               .swap_space = options.swap_space}));
+  return Create(std::unique_ptr<Executor>(std::move(executor)), options);
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Executor> executor,
+                                                       const EngineOptions& options) {
   if (options.max_num_seqs < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max-num-seqs: must be >= 1, got ", options.max_num_seqs));
@@ -35,54 +51,38 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
     return absl::InvalidArgumentError(absl::StrCat(
         "--max-num-batched-tokens: must be >= 1, got ", options.max_num_batched_tokens));
   }
-  const int64_t model_len = model->config().max_position_embeddings;
+  const int64_t model_len = executor->config().max_position_embeddings;
   int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
   if (max_model_len <= 1 || (model_len > 0 && max_model_len > model_len)) {
     return absl::InvalidArgumentError(absl::StrCat("--max-model-len: must be in [2, ", model_len,
                                                    "], got ", max_model_len));
   }
-  if (!(options.block_size == 8 || options.block_size == 16 || options.block_size == 32)) {
+  if (options.block_size != executor->kv_geometry().block_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
+        absl::StrCat("--block-size: ", options.block_size, " is not the KV pool's (",
+                     executor->kv_geometry().block_size, ")"));
   }
   if (!(options.watermark >= 0.0 && options.watermark < 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("watermark: must be in [0, 1), got ", options.watermark));
   }
-  if (options.swap_space < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
-  }
-  const TensorParallel& tp = model->tensor_parallel();
+  const TensorParallel& tp = executor->tensor_parallel();
   if ((tp.size > 1) != (options.group != nullptr) || (tp.size > 1 && tp.rank != 0)) {
     return absl::InvalidArgumentError(
         "group: a tensor-parallel model needs the group's communicator, on rank 0 only");
   }
-  const KvGeometry geometry =
-      model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<KvPool> pool,
-                          KvPool::Create(geometry, options.kv_cache_memory));
-  std::unique_ptr<KvPool> swap_pool;
-  if (options.swap_space > 0) {
-    // The host space has the device pool's layout, so a swap is a plain block copy.
-    KVGRID_ASSIGN_OR_RETURN(swap_pool, KvPool::Create(geometry, options.swap_space));
-  }
-  return std::unique_ptr<Engine>(new Engine(std::move(model), options, std::move(pool),
-                                            std::move(swap_pool), max_model_len));
+  return std::unique_ptr<Engine>(new Engine(std::move(executor), options, max_model_len));
 }
 
-Engine::Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
-               std::unique_ptr<KvPool> pool, std::unique_ptr<KvPool> swap_pool,
+Engine::Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
                int64_t max_model_len)
-    : model_(std::move(model)),
+    : executor_(std::move(executor)),
       options_(options),
-      pool_(std::move(pool)),
-      swap_pool_(std::move(swap_pool)),
       blocks_(BlockManager::Options{
-          .num_blocks = pool_->num_blocks(),
+          .num_blocks = executor_->num_blocks(),
           .block_size = static_cast<int32_t>(options.block_size),
           .prefix_caching = options.enable_prefix_caching,
-          .num_swap_slots = swap_pool_ ? swap_pool_->num_blocks() : 0}),
+          .num_swap_slots = executor_->num_swap_blocks()}),
       max_model_len_(max_model_len) {}
 
 absl::Status Engine::AddRequest(GenerationRequest request) {
@@ -92,7 +92,7 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
         absl::StrCat("request_id: '", request.id, "' is already in use"));
   }
   if (request.prompt.empty()) return absl::InvalidArgumentError("prompt: must not be empty");
-  const int64_t vocab = model_->config().vocab_size;
+  const int64_t vocab = executor_->config().vocab_size;
   for (size_t i = 0; i < request.prompt.size(); ++i) {
     if (request.prompt[i] < 0 || request.prompt[i] >= vocab) {
       return absl::InvalidArgumentError(absl::StrCat("prompt[", i, "]: token id ",
@@ -164,7 +164,7 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   if (blocks_.BlocksFor(worst) > blocks_.num_blocks()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt + max_new_tokens: the sequence may need ", worst, " tokens (",
-        blocks_.BlocksFor(worst), " KV blocks), the KV cache holds ", pool_->capacity_tokens(),
+        blocks_.BlocksFor(worst), " KV blocks), the KV cache holds ", CapacityTokens(),
         " tokens (", blocks_.num_blocks(), " blocks)"));
   }
 
@@ -256,8 +256,8 @@ absl::Status Engine::PreemptNewest() {
           ? -1
           : seconds_per_swap_byte_ * 2.0 *
                 static_cast<double>(blocks_.ExclusiveBlocks(victim->seq_id) *
-                                    pool_->geometry().BytesPerBlock());
-  if (swap_pool_ && ChooseSwap(options_.preemption_mode, blocks_.CanSwapOut(victim->seq_id),
+                                    executor_->kv_geometry().BytesPerBlock());
+  if (executor_->num_swap_blocks() > 0 && ChooseSwap(options_.preemption_mode, blocks_.CanSwapOut(victim->seq_id),
                                recompute_s, swap_s)) {
     // Its own list: Schedule preempts while collecting copy-on-write copies in copies_.
     std::vector<BlockCopy> out;
@@ -503,7 +503,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
   KVGRID_RETURN_IF_ERROR(RunForward());
 
   // 5. Sample, append, and retire finished sequences.
-  const int64_t vocab = model_->config().vocab_size;
+  const int64_t vocab = executor_->config().vocab_size;
   std::vector<TokenOutput> outputs;
   outputs.reserve(running_.size());
   SeqList forks;  // siblings of n > 1 requests, created from their prompt's logits
@@ -572,17 +572,18 @@ absl::Status Engine::Copy(PlanKind kind, const std::vector<BlockCopy>& copies) {
     KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
   }
   if (kind != PlanKind::kCopyDeviceToSwap && kind != PlanKind::kCopySwapToDevice) {
-    return CopyKvBlocks(*pool_, *pool_, copies);
+    return executor_->CopyBlocks(BlockCopyKind::kDeviceToDevice, copies);
   }
   const auto start = std::chrono::steady_clock::now();
-  KVGRID_RETURN_IF_ERROR(kind == PlanKind::kCopyDeviceToSwap
-                             ? CopyKvBlocks(*pool_, *swap_pool_, copies)
-                             : CopyKvBlocks(*swap_pool_, *pool_, copies));
+  KVGRID_RETURN_IF_ERROR(executor_->CopyBlocks(kind == PlanKind::kCopyDeviceToSwap
+                                                   ? BlockCopyKind::kDeviceToSwap
+                                                   : BlockCopyKind::kSwapToDevice,
+                                               copies));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   Observe(&seconds_per_swap_byte_,
           seconds / static_cast<double>(static_cast<int64_t>(copies.size()) *
-                                        pool_->geometry().BytesPerBlock()));
+                                        executor_->kv_geometry().BytesPerBlock()));
   return absl::OkStatus();
 }
 
@@ -592,7 +593,7 @@ absl::Status Engine::RunForward() {
     KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
   }
   const auto start = std::chrono::steady_clock::now();
-  KVGRID_RETURN_IF_ERROR(model_->Forward(batch_, *pool_, &logits_));
+  KVGRID_RETURN_IF_ERROR(executor_->Forward(batch_, &logits_));
   // A recompute is a prefill: measure on prefill-sized steps only (a step of a few decodes
   // costs far more per token).
   if (batch_.token_ids.size() >= 16) {
@@ -622,8 +623,8 @@ EngineStats Engine::Stats() const {
   st.blocks_free = blocks_.num_free_blocks();
   st.blocks_cached = bm.blocks_cached;
   st.blocks_used = bm.blocks_used;
-  st.bytes_per_token = pool_->geometry().BytesPerToken();
-  st.tokens_capacity = pool_->capacity_tokens();
+  st.bytes_per_token = executor_->kv_geometry().BytesPerToken();
+  st.tokens_capacity = CapacityTokens();
   // Distinct slots written: a block shared by several sequences counts once, at its fullest.
   absl::flat_hash_map<int32_t, int64_t> fill;
   const int64_t bs = blocks_.block_size();

@@ -42,6 +42,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/engine/step_plan.h"
 #include "worker/engine/stop_strings.h"
+#include "worker/executor/executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/executor/sampler.h"
 #include "worker/kv/block_manager.h"
@@ -187,8 +188,15 @@ struct EngineStats {
 
 class Engine {
  public:
-  // Allocates the KV pool. Errors: INVALID_ARGUMENT for bad options (naming the option).
+  // Runs on a CpuExecutor whose pool and swap space `options` size (kv_cache_memory,
+  // swap_space, block_size, k_dtype, v_dtype). Errors: INVALID_ARGUMENT for bad options
+  // (naming the option).
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<LlamaModel> model,
+                                                        const EngineOptions& options);
+  // Runs on `executor`, whose pool and swap space are used as they are (options' pool sizes
+  // and dtypes are ignored; options.block_size must be the pool's). Errors: INVALID_ARGUMENT
+  // for bad options (naming the option).
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<Executor> executor,
                                                         const EngineOptions& options);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -222,7 +230,6 @@ class Engine {
   // collective timeout. No-op without a group.
   absl::Status KeepGroupAlive();
   [[nodiscard]] bool has_group() const { return options_.group != nullptr; }
-  [[nodiscard]] const LlamaModel& model() const { return *model_; }
   [[nodiscard]] int64_t max_model_len() const { return max_model_len_; }
   [[nodiscard]] const BlockManager& block_manager() const { return blocks_; }
 
@@ -244,8 +251,8 @@ class Engine {
   };
   using SeqList = std::list<std::unique_ptr<Sequence>>;
 
-  Engine(std::unique_ptr<LlamaModel> model, const EngineOptions& options,
-         std::unique_ptr<KvPool> pool, std::unique_ptr<KvPool> swap_pool, int64_t max_model_len);
+  Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
+         int64_t max_model_len);
 
   // Preempts the newest running sequence (`running_` must not be empty): swaps it out when the
   // swap space has room and ChooseSwap agrees, else frees its blocks and requeues it for
@@ -258,6 +265,9 @@ class Engine {
   // pool is dry; sets their num_scheduled and takes it from `*budget`.
   absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
+  [[nodiscard]] int64_t CapacityTokens() const {
+    return static_cast<int64_t>(executor_->num_blocks()) * executor_->kv_geometry().block_size;
+  }
   // Block copies and forward passes, announced to the group first when there is one.
   absl::Status Copy(PlanKind kind, const std::vector<BlockCopy>& copies);
   absl::Status RunForward();
@@ -265,10 +275,8 @@ class Engine {
   // output with logprobs, and usage and timings when the sequence finishes.
   TokenOutput SampleNext(Sequence& seq, std::span<float> row);
 
-  std::unique_ptr<LlamaModel> model_;
+  std::unique_ptr<Executor> executor_;  // the model, its KV pool and swap space
   EngineOptions options_;
-  std::unique_ptr<KvPool> pool_;
-  std::unique_ptr<KvPool> swap_pool_;  // host space; null without --swap-space
   BlockManager blocks_;
   int64_t max_model_len_;
   SeqList waiting_;

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
-#include "worker/kv/kv_block_copy.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -90,7 +89,7 @@ absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes) {
   return plan;
 }
 
-absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Communicator& comm) {
+absl::Status RunFollower(Executor& executor, Communicator& comm) {
   std::string bytes;
   std::vector<float> logits;
   for (;;) {
@@ -103,19 +102,16 @@ absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Com
         break;
       case PlanKind::kForward:
         // The leader validated the batch; a failure here would desynchronize the group.
-        KVGRID_RETURN_IF_ERROR(model.Forward(plan.batch, pool, &logits));
+        KVGRID_RETURN_IF_ERROR(executor.Forward(plan.batch, &logits));
         break;
       case PlanKind::kCopyDeviceToDevice:
-        KVGRID_RETURN_IF_ERROR(CopyKvBlocks(pool, pool, plan.copies));
+        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kDeviceToDevice, plan.copies));
         break;
       case PlanKind::kCopyDeviceToSwap:
+        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kDeviceToSwap, plan.copies));
+        break;
       case PlanKind::kCopySwapToDevice:
-        if (swap_pool == nullptr) {
-          return absl::FailedPreconditionError("step plan: a swap without a swap space");
-        }
-        KVGRID_RETURN_IF_ERROR(plan.kind == PlanKind::kCopyDeviceToSwap
-                                   ? CopyKvBlocks(pool, *swap_pool, plan.copies)
-                                   : CopyKvBlocks(*swap_pool, pool, plan.copies));
+        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kSwapToDevice, plan.copies));
         break;
     }
   }

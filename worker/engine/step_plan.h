@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "worker/comm/communicator.h"
+#include "worker/executor/executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
@@ -41,10 +42,10 @@ std::string EncodePlan(const StepPlan& plan);
 // Errors: INVALID_ARGUMENT for a truncated or malformed message.
 absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes);
 
-// A follower rank's loop: receives each plan from rank 0 and runs it on this rank's shard and
-// pools (`swap_pool` may be null), until kStop (OK) or a collective fails (UNAVAILABLE: the
+// A follower rank's loop: receives each plan from rank 0 and runs it on this rank's executor
+// (its shard, pool and swap space), until kStop (OK) or a collective fails (UNAVAILABLE: the
 // group is broken).
-absl::Status RunFollower(LlamaModel& model, KvPool& pool, KvPool* swap_pool, Communicator& comm);
+absl::Status RunFollower(Executor& executor, Communicator& comm);
 
 }  // namespace kvgrid::worker
 

@@ -15,6 +15,7 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/step_plan.h"
+#include "worker/executor/cpu_executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
@@ -172,11 +173,12 @@ std::map<std::string, std::vector<int32_t>> EngineOutputs(int size, EngineStats*
     if (rank == 0) return leader(&comm);
     auto model = LlamaModel::Load(dir, {.rank = rank, .size = size, .comm = &comm});
     ASSERT_TRUE(model.ok());
-    const auto g = (*model)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32);
-    auto pool = KvPool::Create(g, pool_bytes(**model));
-    auto swap = KvPool::Create(g, options.swap_space);
-    ASSERT_TRUE(pool.ok() && swap.ok());
-    EXPECT_TRUE(RunFollower(**model, **pool, swap->get(), comm).ok());
+    const int64_t kv_bytes = pool_bytes(**model);
+    auto executor = CpuExecutor::Create(*std::move(model), {.block_size = 16,
+                                                            .kv_cache_memory = kv_bytes,
+                                                            .swap_space = options.swap_space});
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    EXPECT_TRUE(RunFollower(**executor, comm).ok());
   });
   return out;
 }
