@@ -1,5 +1,6 @@
 #include "worker/kv/kv_planner.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -182,6 +183,40 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
     rows.push_back(std::move(row));
   }
   return rows;
+}
+
+int64_t StepWorkspaceBytes(const model::ModelConfig& config, int64_t max_tokens,
+                           int64_t max_logit_rows) {
+  const int64_t head_dim = config.head_dim > 0 ? config.head_dim
+                                               : config.hidden_size / config.num_attention_heads;
+  const int64_t q = config.num_attention_heads * head_dim;
+  const int64_t kv = config.num_key_value_heads * head_dim;
+  // Floats per token: x, h, fused qkv, q/k/v, attention output, gate_up, act, a 16-bit cast
+  // copy of the widest input (counted as fp32).
+  const int64_t per_token = 2 * config.hidden_size + 2 * (q + 2 * kv) + q +
+                            3 * config.intermediate_size +
+                            std::max(config.hidden_size, config.intermediate_size);
+  constexpr int64_t kFixed = 256ll << 20;
+  return 4 * (max_tokens * per_token + max_logit_rows * (config.hidden_size + config.vocab_size)) +
+         kFixed;
+}
+
+absl::StatusOr<int64_t> GpuKvBudget(int64_t total_bytes, int64_t free_bytes, double utilization,
+                                    int64_t workspace_bytes) {
+  if (!(utilization > 0.0 && utilization <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu-memory-utilization: must be in (0, 1], got ", utilization));
+  }
+  const int64_t allowed = static_cast<int64_t>(utilization * static_cast<double>(total_bytes));
+  const int64_t in_use = total_bytes - free_bytes;
+  const int64_t budget = allowed - in_use - workspace_bytes;
+  if (budget <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu-memory-utilization ", utilization, ": ", allowed, " of the card's ", total_bytes,
+        " bytes leave nothing for the KV cache after ", in_use, " bytes in use (weights, "
+        "context) and a ", workspace_bytes, "-byte step workspace"));
+  }
+  return budget;
 }
 
 }  // namespace kvgrid::worker

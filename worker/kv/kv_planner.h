@@ -90,6 +90,20 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
                                                       int64_t block_size,
                                                       const WeightFootprint& weights);
 
+// Device memory one forward step of `max_tokens` tokens returning `max_logit_rows` rows of
+// logits takes for activations (fp32 between ops, as CudaLlamaModel keeps them: residual,
+// normed input, q/k/v, attention output, gate/up and their product, logits), plus 256 MiB for
+// the cuBLAS workspace and the attention kernels' split-K partials.
+[[nodiscard]] int64_t StepWorkspaceBytes(const model::ModelConfig& config, int64_t max_tokens,
+                                         int64_t max_logit_rows);
+
+// The KV pool's share of a GPU sized by --gpu-memory-utilization: utilization x total, minus
+// what is in use already (weights, the CUDA context, other processes: total - free), minus
+// `workspace_bytes`. Errors: INVALID_ARGUMENT naming --gpu-memory-utilization when it is
+// outside (0, 1] or leaves no room for the cache (with the numbers).
+absl::StatusOr<int64_t> GpuKvBudget(int64_t total_bytes, int64_t free_bytes, double utilization,
+                                    int64_t workspace_bytes);
+
 }  // namespace kvgrid::worker
 
 #endif  // KVGRID_WORKER_KV_KV_PLANNER_H_

@@ -236,5 +236,33 @@ TEST(KvPlannerTest, QuantizedWeightsByHand) {
   EXPECT_GT(q4_blocks, 2 * bf16_blocks);
 }
 
+TEST(KvPlannerTest, StepWorkspaceOfLlama3_8BByHand) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  // Per token: x, h (2 x 4096) + fused qkv and q/k/v (2 x 6144) + attention (4096) +
+  // gate_up and act (3 x 14336) + cast copy (14336) = 81920 floats.
+  const int64_t per_token = 2 * 4096 + 2 * 6144 + 4096 + 3 * 14336 + 14336;
+  EXPECT_EQ(per_token, 81920);
+  const int64_t rows = 64 * (4096 + 128256);
+  EXPECT_EQ(StepWorkspaceBytes(c, 8192, 64), 4 * (8192 * per_token + rows) + (256ll << 20));
+}
+
+TEST(KvPlannerTest, GpuKvBudgetIsUtilizationMinusWhatIsInUse) {
+  constexpr int64_t kGiB = 1ll << 30;
+  // An 80 GiB card with 16 GiB in use (weights, context), 90%, a 2 GiB workspace.
+  auto b = GpuKvBudget(80 * kGiB, 64 * kGiB, 0.9, 2 * kGiB);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(*b, static_cast<int64_t>(0.9 * 80 * kGiB) - 16 * kGiB - 2 * kGiB);
+  // Nothing left: the numbers are in the message.
+  auto none = GpuKvBudget(80 * kGiB, 64 * kGiB, 0.2, 2 * kGiB);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(none.status().message()).find("--gpu-memory-utilization 0.2"),
+            std::string::npos)
+      << none.status();
+  for (double bad : {0.0, -0.5, 1.5}) {
+    EXPECT_EQ(GpuKvBudget(80 * kGiB, 64 * kGiB, bad, 0).status().code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+}
+
 }  // namespace
 }  // namespace kvgrid::worker

@@ -1,0 +1,129 @@
+// The engine on the GPU executor against the engine on the CPU: the same greedy tokens for the
+// trained model, with preemption by swap through pinned host memory; pool sizing by
+// --gpu-memory-utilization; bad block copies refused. Skipped without a device.
+#include "worker/executor/cuda_executor.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/device_buffer.h"
+#include "worker/engine/engine.h"
+#include "worker/executor/llama_model.h"
+
+namespace kvgrid::worker {
+namespace {
+
+using ::kvgrid::testing::HaveGpu;
+
+std::filesystem::path KjvTiny() {
+  const char* env = std::getenv("KVGRID_SOURCE_DIR");
+  return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
+}
+
+std::map<std::string, std::vector<int32_t>> Greedy(Engine& engine) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      {258, 900, 44}, {267, 309, 297, 336}, {259, 402}, {368, 287, 258, 1016, 268}};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerationRequest r;
+    r.id = absl::StrCat("r", i);
+    r.prompt = prompts[i];
+    r.sampling.temperature = 0;
+    r.stopping.max_new_tokens = 12;
+    r.stopping.ignore_eos = true;
+    EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
+  }
+  std::map<std::string, std::vector<int32_t>> out;
+  for (int guard = 0; engine.HasWork() && guard < 1000; ++guard) {
+    auto step = engine.Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) break;
+    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
+  }
+  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
+  return out;
+}
+
+TEST(CudaExecutorTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  auto cpu_model = LlamaModel::Load(KjvTiny());
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  // The CPU engine runs the exact attention kernels the device is compared with.
+  (*cpu_model)->SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
+  auto gpu_model =
+      CudaLlamaModel::FromWeights((*cpu_model)->config(), (*cpu_model)->weights(),
+                                  model::DType::kF32);
+  ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+
+  // Four sequences of up to 17 tokens (3 blocks of 8) in a pool of 5 blocks: swaps certain.
+  const KvGeometry g = (*cpu_model)->KvGeometryFor(8, kernels::KvDType::kF16,
+                                                   kernels::KvDType::kF16);
+  EngineOptions options;
+  options.block_size = 8;
+  options.k_dtype = options.v_dtype = kernels::KvDType::kF16;
+  options.kv_cache_memory = 5 * g.BytesPerBlock();
+  options.swap_space = 16 * g.BytesPerBlock();
+  options.watermark = 0;
+  options.preemption_mode = PreemptionMode::kSwap;
+
+  auto gpu = CudaExecutor::Create(*std::move(gpu_model),
+                                  {.block_size = 8,
+                                   .k_dtype = kernels::KvDType::kF16,
+                                   .v_dtype = kernels::KvDType::kF16,
+                                   .kv_cache_memory = options.kv_cache_memory,
+                                   .swap_space = options.swap_space});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  EXPECT_EQ((*gpu)->num_blocks(), 5);
+  EXPECT_EQ((*gpu)->num_swap_blocks(), 16);
+  auto gpu_engine = Engine::Create(std::unique_ptr<Executor>(*std::move(gpu)), options);
+  ASSERT_TRUE(gpu_engine.ok()) << gpu_engine.status();
+  auto cpu_engine = Engine::Create(*std::move(cpu_model), options);
+  ASSERT_TRUE(cpu_engine.ok()) << cpu_engine.status();
+
+  const auto on_cpu = Greedy(**cpu_engine);
+  const auto on_gpu = Greedy(**gpu_engine);
+  EXPECT_EQ(on_gpu, on_cpu);
+  EXPECT_GT((*gpu_engine)->Stats().num_swap_outs, 0);
+  EXPECT_EQ((*gpu_engine)->Stats().num_swap_outs, (*cpu_engine)->Stats().num_swap_outs);
+}
+
+TEST(CudaExecutorTest, SizesThePoolByUtilizationAndRefusesBadCopies) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  auto cpu_model = LlamaModel::Load(KjvTiny());
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  auto make = [&]() {
+    return CudaLlamaModel::FromWeights((*cpu_model)->config(), (*cpu_model)->weights(),
+                                       model::DType::kF16);
+  };
+  auto m = make();
+  ASSERT_TRUE(m.ok()) << m.status();
+  auto executor = CudaExecutor::Create(*std::move(m), {.gpu_memory_utilization = 0.5,
+                                                       .swap_space = 1 << 20});
+  ASSERT_TRUE(executor.ok()) << executor.status();
+  size_t free_bytes = 0, total_bytes = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+  const int64_t pool_bytes =
+      (*executor)->num_blocks() * (*executor)->kv_geometry().BytesPerBlock();
+  EXPECT_GT((*executor)->num_blocks(), 1000);
+  EXPECT_LE(pool_bytes, static_cast<int64_t>(0.5 * static_cast<double>(total_bytes)));
+
+  const std::vector<BlockCopy> outside = {{0, (*executor)->num_swap_blocks()}};
+  EXPECT_EQ((*executor)->CopyBlocks(BlockCopyKind::kDeviceToSwap, outside).code(),
+            absl::StatusCode::kInvalidArgument);
+  executor->reset();
+
+  // A utilization already exceeded by what is in use leaves no room: a clear error.
+  auto m2 = make();
+  ASSERT_TRUE(m2.ok());
+  auto none = CudaExecutor::Create(*std::move(m2), {.gpu_memory_utilization = 1e-6});
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(none.status().message()).find("--gpu-memory-utilization"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvgrid::worker

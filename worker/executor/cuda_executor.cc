@@ -1,0 +1,149 @@
+#include "worker/executor/cuda_executor.h"
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "model/status_macros.h"
+#include "worker/kv/kv_planner.h"
+
+namespace kvgrid::worker {
+
+namespace cuda = kernels::cuda;
+
+absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(int64_t bytes) {
+  PinnedBuffer b;
+  if (bytes <= 0) return b;
+  const cudaError_t err = cudaMallocHost(&b.ptr_, static_cast<size_t>(bytes));
+  if (err != cudaSuccess) {
+    b.ptr_ = nullptr;
+    absl::Status s = cuda::CudaStatus(err, "cudaMallocHost", __FILE__, __LINE__);
+    return absl::ResourceExhaustedError(absl::StrCat(s.message(), " (", bytes, " bytes)"));
+  }
+  b.bytes_ = bytes;
+  std::memset(b.ptr_, 0, static_cast<size_t>(bytes));
+  return b;
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : ptr_(std::exchange(other.ptr_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = std::exchange(other.ptr_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_ != nullptr) cudaFreeHost(ptr_);
+}
+
+absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
+    std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options) {
+  if (options.swap_space < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
+  }
+  const KvGeometry geometry =
+      model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
+  int64_t budget = options.kv_cache_memory;
+  if (budget <= 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const int64_t workspace =
+        StepWorkspaceBytes(model->config(), options.max_num_batched_tokens, options.max_num_seqs);
+    KVGRID_ASSIGN_OR_RETURN(
+        budget, GpuKvBudget(static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
+                            options.gpu_memory_utilization, workspace));
+  }
+  absl::StatusOr<std::unique_ptr<CudaKvPool>> pool = CudaKvPool::Create(geometry, budget);
+  if (!pool.ok()) {
+    return absl::Status(pool.status().code(),
+                        absl::StrCat("KV cache: ", pool.status().message()));
+  }
+  std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
+  if (options.swap_space > 0) {
+    const int64_t blocks = options.swap_space / geometry.BytesPerBlock();
+    if (blocks < 1 || blocks > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--swap-space: ", options.swap_space, " bytes must hold between one block (",
+          geometry.BytesPerBlock(), " bytes) and 2^31 blocks"));
+    }
+    executor->num_swap_blocks_ = static_cast<int32_t>(blocks);
+    for (int64_t layer = 0; layer < geometry.num_layers; ++layer) {
+      for (int plane = 0; plane < 4; ++plane) {
+        KVGRID_ASSIGN_OR_RETURN(PinnedBuffer b,
+                                PinnedBuffer::Allocate(blocks * executor->PlaneBlockBytes(plane)));
+        executor->swap_.push_back(std::move(b));
+      }
+    }
+  }
+  return executor;
+}
+
+int64_t CudaExecutor::PlaneBlockBytes(int plane) const {
+  const KvGeometry& g = pool_->geometry();
+  const kernels::KvRowLayout l =
+      kernels::KvRowLayoutFor(plane % 2 == 0 ? g.k_dtype : g.v_dtype, g.head_dim);
+  return g.num_kv_heads * g.block_size * (plane < 2 ? l.value_bytes : l.meta_bytes);
+}
+
+void* CudaExecutor::DevicePlane(int64_t layer, int plane) const {
+  switch (plane) {
+    case 0: return pool_->k(layer);
+    case 1: return pool_->v(layer);
+    case 2: return pool_->k_meta(layer);
+    default: return pool_->v_meta(layer);
+  }
+}
+
+absl::Status CudaExecutor::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
+  return model_->Forward(batch, *pool_, logits);
+}
+
+absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) {
+  if (kind != BlockCopyKind::kDeviceToDevice && num_swap_blocks_ == 0) {
+    return absl::FailedPreconditionError("block copy: a swap without a swap space");
+  }
+  const int32_t src_blocks = kind == BlockCopyKind::kSwapToDevice ? num_swap_blocks_ : num_blocks();
+  const int32_t dst_blocks = kind == BlockCopyKind::kDeviceToSwap ? num_swap_blocks_ : num_blocks();
+  for (const BlockCopy& c : copies) {
+    if (c.src < 0 || c.src >= src_blocks || c.dst < 0 || c.dst >= dst_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat("block copy ", c.src, " -> ", c.dst,
+                                                     ": outside the pool (", num_blocks(),
+                                                     " blocks) or swap space (",
+                                                     num_swap_blocks_, ")"));
+    }
+  }
+  const cudaMemcpyKind direction = kind == BlockCopyKind::kDeviceToDevice
+                                       ? cudaMemcpyDeviceToDevice
+                                       : kind == BlockCopyKind::kDeviceToSwap
+                                             ? cudaMemcpyDeviceToHost
+                                             : cudaMemcpyHostToDevice;
+  // On the model's stream: a copy is ordered after the forward passes that wrote its source
+  // and before the ones that read its destination, and the host never waits here.
+  for (int64_t layer = 0; layer < pool_->geometry().num_layers; ++layer) {
+    for (int plane = 0; plane < 4; ++plane) {
+      const int64_t bytes = PlaneBlockBytes(plane);
+      if (bytes == 0) continue;  // no metadata plane for float dtypes
+      auto* device = static_cast<std::byte*>(DevicePlane(layer, plane));
+      auto* host = num_swap_blocks_ > 0 ? static_cast<std::byte*>(swap_[layer * 4 + plane].get())
+                                        : nullptr;
+      std::byte* src_base = kind == BlockCopyKind::kSwapToDevice ? host : device;
+      std::byte* dst_base = kind == BlockCopyKind::kDeviceToSwap ? host : device;
+      for (const BlockCopy& c : copies) {
+        KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst_base + c.dst * bytes,
+                                                    src_base + c.src * bytes,
+                                                    static_cast<size_t>(bytes), direction,
+                                                    model_->stream()));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvgrid::worker

@@ -1,0 +1,91 @@
+// The GPU executor: CudaLlamaModel over a CudaKvPool, with the swap space in pinned host
+// memory laid out as the pool (so a swap is one asynchronous copy per block, layer and plane on
+// the model's stream, ordered with the forward passes around it).
+//
+// Pool size: --kv-cache-memory bytes when given, else --gpu-memory-utilization of the card
+// after the weights and a step workspace (GpuKvBudget). Tensor parallelism: size 1 only.
+// Not thread-safe (one engine thread), like the model.
+#ifndef KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
+#define KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/kv_dtype.h"
+#include "worker/executor/cuda_llama_model.h"
+#include "worker/executor/executor.h"
+
+namespace kvgrid::worker {
+
+// Page-locked host memory (cudaMallocHost / cudaFreeHost), zero-filled. Move-only.
+class PinnedBuffer {
+ public:
+  // Errors: RESOURCE_EXHAUSTED naming cudaMallocHost and the size.
+  static absl::StatusOr<PinnedBuffer> Allocate(int64_t bytes);
+  PinnedBuffer() = default;
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer();
+
+  [[nodiscard]] void* get() const { return ptr_; }
+  [[nodiscard]] int64_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+class CudaExecutor final : public Executor {
+ public:
+  struct PoolOptions {
+    int64_t block_size = 16;
+    kernels::KvDType k_dtype = kernels::KvDType::kF16;
+    kernels::KvDType v_dtype = kernels::KvDType::kF16;
+    int64_t kv_cache_memory = 0;          // bytes; 0: size by gpu_memory_utilization
+    double gpu_memory_utilization = 0.9;  // share of the card this process may fill
+    int64_t max_num_batched_tokens = 8192;  // sizes the step workspace kept free
+    int64_t max_num_seqs = 64;
+    int64_t swap_space = 0;               // pinned host bytes; 0: none
+  };
+
+  // Allocates the pool and the swap space for `model` (already on the device). Errors:
+  // INVALID_ARGUMENT naming the option (a budget below one block, a utilization that leaves
+  // no room); RESOURCE_EXHAUSTED when the device or the host cannot hold them; INTERNAL naming
+  // a failed CUDA call.
+  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
+      std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options);
+
+  [[nodiscard]] const model::ModelConfig& config() const override { return model_->config(); }
+  [[nodiscard]] const TensorParallel& tensor_parallel() const override { return tp_; }
+  [[nodiscard]] const KvGeometry& kv_geometry() const override { return pool_->geometry(); }
+  [[nodiscard]] int32_t num_blocks() const override { return pool_->num_blocks(); }
+  [[nodiscard]] int32_t num_swap_blocks() const override { return num_swap_blocks_; }
+  absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) override;
+  absl::Status CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) override;
+
+  [[nodiscard]] CudaLlamaModel& model() { return *model_; }
+  [[nodiscard]] CudaKvPool& pool() { return *pool_; }
+
+ private:
+  CudaExecutor(std::unique_ptr<CudaLlamaModel> model, std::unique_ptr<CudaKvPool> pool)
+      : model_(std::move(model)), pool_(std::move(pool)) {}
+
+  // Bytes of one block in plane `plane` (0: K values, 1: V values, 2: K meta, 3: V meta).
+  [[nodiscard]] int64_t PlaneBlockBytes(int plane) const;
+  [[nodiscard]] void* DevicePlane(int64_t layer, int plane) const;
+
+  std::unique_ptr<CudaLlamaModel> model_;
+  std::unique_ptr<CudaKvPool> pool_;
+  TensorParallel tp_;
+  int32_t num_swap_blocks_ = 0;
+  std::vector<PinnedBuffer> swap_;  // [layer * 4 + plane], laid out as the pool's planes
+};
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
