@@ -27,6 +27,9 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/step_plan.h"
 #include "worker/executor/cpu_executor.h"
+#if KVGRID_HAVE_CUDA
+#include "worker/executor/cuda_executor.h"
+#endif
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
@@ -66,14 +69,64 @@ constexpr char kHelp[] =
     "                              (default 30)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
-    "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB)\n"
+    "  --device cpu|cuda           where the model runs (default cpu); cuda needs a build with\n"
+    "                              CUDA and serves tensor-parallel size 1\n"
+    "  --gpu-memory-utilization F  cuda: share of the card's memory this worker may fill; the\n"
+    "                              KV pool gets what the weights and a step workspace leave\n"
+    "                              (default 0.9; --kv-cache-memory sets the pool instead)\n"
+    "  --dtype auto|fp16|bf16|fp32 cuda: the dense weights' type (auto: the checkpoint's\n"
+    "                              torch_dtype, fp16 when it is not bf16)\n"
+    "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB on cpu)\n"
     "  --weight-dtype DT           fp32 (default), q8_0 or q4_0: quantize the layers'\n"
     "                              weights at load\n"
     "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
-    "                              --v-cache-dtype override one)\n"
+    "                              --v-cache-dtype override one; default fp32 on cpu, auto on\n"
+    "                              cuda)\n"
     "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
     "  --swap-space BYTES --preemption-mode auto|swap|recompute --watermark F\n"
     "  --enable-prefix-caching BOOL\n";
+
+// The engine on this machine's GPU: the loaded weights go to the device (dense matrices in
+// `dense_dtype`, quantized ones as they are) and the host copy is dropped.
+absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
+    std::unique_ptr<kvgrid::worker::LlamaModel> model,
+    const kvgrid::worker::EngineOptions& options, const std::string& dense_dtype,
+    double gpu_memory_utilization, bool kv_memory_given) {
+#if KVGRID_HAVE_CUDA
+  using kvgrid::model::DType;
+  DType dense = DType::kF16;
+  if (dense_dtype == "bf16" || (dense_dtype == "auto" && model->config().torch_dtype == "bfloat16")) {
+    dense = DType::kBF16;
+  } else if (dense_dtype == "fp32") {
+    dense = DType::kF32;
+  }
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<kvgrid::worker::CudaLlamaModel> gpu_model,
+      kvgrid::worker::CudaLlamaModel::FromWeights(model->config(), model->weights(), dense));
+  model.reset();
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<kvgrid::worker::CudaExecutor> executor,
+      kvgrid::worker::CudaExecutor::Create(
+          std::move(gpu_model),
+          {.block_size = options.block_size,
+           .k_dtype = options.k_dtype,
+           .v_dtype = options.v_dtype,
+           .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
+           .gpu_memory_utilization = gpu_memory_utilization,
+           .max_num_batched_tokens = options.max_num_batched_tokens,
+           .max_num_seqs = options.max_num_seqs,
+           .swap_space = options.swap_space}));
+  std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens\n",
+               static_cast<long long>(executor->num_blocks()),
+               static_cast<long long>(options.block_size));
+  return kvgrid::worker::Engine::Create(
+      std::unique_ptr<kvgrid::worker::Executor>(std::move(executor)), options);
+#else
+  (void)model, (void)options, (void)dense_dtype, (void)gpu_memory_utilization,
+      (void)kv_memory_given;
+  return absl::UnimplementedError("--device cuda: this kvgrid-worker was built without CUDA");
+#endif
+}
 
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
 // the leader's engine broadcasts, until the leader stops it or the group breaks. SIGTERM
@@ -141,15 +194,36 @@ absl::Status Serve(Args& args) {
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
                                  args.GetString("cluster-token"), "cluster-token-file"));
+  const std::string device = args.GetString("device").value_or("cpu");
+  KVGRID_ASSIGN_OR_RETURN(auto gpu_memory_utilization, args.GetDouble("gpu-memory-utilization"));
+  const std::string dense_dtype = args.GetString("dtype").value_or("auto");
+  const bool kv_memory_given = args.Has("kv-cache-memory");
+  const bool kv_dtype_given =
+      args.Has("kv-cache-dtype") || args.Has("k-cache-dtype") || args.Has("v-cache-dtype");
   KVGRID_ASSIGN_OR_RETURN(kvgrid::worker::EngineOptions options,
                           kvgrid::cli::EngineOptionsFromArgs(args));
-  KVGRID_ASSIGN_OR_RETURN(const kvgrid::cli::KvDTypeFlags kv_dtypes,
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::KvDTypeFlags kv_dtypes,
                           kvgrid::cli::KvDTypesFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::kernels::cpu::WeightDType weight_dtype,
                           kvgrid::cli::WeightDTypeFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
+  if (device != "cpu" && device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: must be cpu or cuda, got '", device, "'"));
+  }
+  if (dense_dtype != "auto" && dense_dtype != "fp16" && dense_dtype != "bf16" &&
+      dense_dtype != "fp32") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--dtype: must be auto, fp16, bf16 or fp32, got '", dense_dtype, "'"));
+  }
+  if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
   const int tp = static_cast<int>(tp_size.value_or(1));
+  if (device == "cuda" && tp > 1) {
+    return absl::UnimplementedError(
+        "--device cuda: tensor parallelism over NCCL is not served yet (use "
+        "--tensor-parallel-size 1)");
+  }
   const int my_rank = static_cast<int>(rank.value_or(0));
   if (tp < 1 || tp > 64) {
     return absl::InvalidArgumentError(
@@ -199,8 +273,15 @@ absl::Status Serve(Args& args) {
       kvgrid::model::ResolveEosTokenIds(loaded.generation, loaded.model->config());
   options.tokenizer = loaded.tokenizer.get();
   const int32_t vocab = static_cast<int32_t>(loaded.model->config().vocab_size);
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Engine> engine,
-                          kvgrid::worker::Engine::Create(std::move(loaded.model), options));
+  std::unique_ptr<kvgrid::worker::Engine> engine;
+  if (device == "cuda") {
+    KVGRID_ASSIGN_OR_RETURN(
+        engine, CudaEngine(std::move(loaded.model), options, dense_dtype,
+                           gpu_memory_utilization.value_or(0.9), kv_memory_given));
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(engine,
+                            kvgrid::worker::Engine::Create(std::move(loaded.model), options));
+  }
   const kvgrid::v1::KvCapacity capacity =
       kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
   // A failed step in a group means the group is broken: shut down, so the coordinator's

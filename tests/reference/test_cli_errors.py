@@ -150,3 +150,17 @@ def test_huge_max_new_tokens_does_not_hang(model_copy):
     r = run("run", "--model", model_copy, "--prompt-ids", ",".join(["5"] * 20),
             "--max-new-tokens", "9223372036854775807", "--kv-cache-memory", "8KiB")
     assert_clean_failure(r, "KV cache")
+
+
+def test_worker_device_flags(model_copy):
+    worker = BIN.parent / "kvgrid-worker"
+
+    def run_worker(*args):
+        return subprocess.run([str(worker), "--model", str(model_copy), *map(str, args)],
+                              capture_output=True, text=True, timeout=60)
+
+    assert_clean_failure(run_worker("--device", "tpu"), "--device", "tpu")
+    assert_clean_failure(run_worker("--device", "cuda", "--dtype", "fp8"), "--dtype")
+    assert_clean_failure(run_worker("--device", "cuda", "--tensor-parallel-size", "2",
+                                    "--coordinator", "127.0.0.1:1", "--group", "g"),
+                         "--device cuda", "tensor parallelism")
