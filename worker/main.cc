@@ -27,9 +27,7 @@
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/step_plan.h"
 #include "worker/executor/cpu_executor.h"
-#if KVGRID_HAVE_CUDA
-#include "worker/executor/cuda_executor.h"
-#endif
+#include "worker/executor/cuda_plugin.h"
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
@@ -86,46 +84,28 @@ constexpr char kHelp[] =
     "  --swap-space BYTES --preemption-mode auto|swap|recompute --watermark F\n"
     "  --enable-prefix-caching BOOL\n";
 
-// The engine on this machine's GPU: the loaded weights go to the device (dense matrices in
-// `dense_dtype`, quantized ones as they are) and the host copy is dropped.
+// The engine on this machine's GPU, through the CUDA plugin (worker/executor/cuda_plugin.h):
+// the loaded weights go to the device and the host copy is dropped.
 absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
-    std::unique_ptr<kvgrid::worker::LlamaModel> model,
+    kvgrid::worker::CreateCudaExecutorFn create, std::unique_ptr<kvgrid::worker::LlamaModel> model,
     const kvgrid::worker::EngineOptions& options, const std::string& dense_dtype,
     double gpu_memory_utilization, bool kv_memory_given) {
-#if KVGRID_HAVE_CUDA
-  using kvgrid::model::DType;
-  DType dense = DType::kF16;
-  if (dense_dtype == "bf16" || (dense_dtype == "auto" && model->config().torch_dtype == "bfloat16")) {
-    dense = DType::kBF16;
-  } else if (dense_dtype == "fp32") {
-    dense = DType::kF32;
-  }
+  KVGRID_RETURN_IF_ERROR(kvgrid::worker::Engine::ValidateOptions(options, model->config()));
   KVGRID_ASSIGN_OR_RETURN(
-      std::unique_ptr<kvgrid::worker::CudaLlamaModel> gpu_model,
-      kvgrid::worker::CudaLlamaModel::FromWeights(model->config(), model->weights(), dense));
-  model.reset();
-  KVGRID_ASSIGN_OR_RETURN(
-      std::unique_ptr<kvgrid::worker::CudaExecutor> executor,
-      kvgrid::worker::CudaExecutor::Create(
-          std::move(gpu_model),
-          {.block_size = options.block_size,
-           .k_dtype = options.k_dtype,
-           .v_dtype = options.v_dtype,
-           .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
-           .gpu_memory_utilization = gpu_memory_utilization,
-           .max_num_batched_tokens = options.max_num_batched_tokens,
-           .max_num_seqs = options.max_num_seqs,
-           .swap_space = options.swap_space}));
+      std::unique_ptr<kvgrid::worker::Executor> executor,
+      create(std::move(model), {.dense_dtype = dense_dtype,
+                                .block_size = options.block_size,
+                                .k_dtype = options.k_dtype,
+                                .v_dtype = options.v_dtype,
+                                .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
+                                .gpu_memory_utilization = gpu_memory_utilization,
+                                .max_num_batched_tokens = options.max_num_batched_tokens,
+                                .max_num_seqs = options.max_num_seqs,
+                                .swap_space = options.swap_space}));
   std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens\n",
                static_cast<long long>(executor->num_blocks()),
                static_cast<long long>(options.block_size));
-  return kvgrid::worker::Engine::Create(
-      std::unique_ptr<kvgrid::worker::Executor>(std::move(executor)), options);
-#else
-  (void)model, (void)options, (void)dense_dtype, (void)gpu_memory_utilization,
-      (void)kv_memory_given;
-  return absl::UnimplementedError("--device cuda: this kvgrid-worker was built without CUDA");
-#endif
+  return kvgrid::worker::Engine::Create(std::move(executor), options);
 }
 
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
@@ -217,12 +197,22 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--dtype: must be auto, fp16, bf16 or fp32, got '", dense_dtype, "'"));
   }
+  if (gpu_memory_utilization &&
+      !(*gpu_memory_utilization > 0.0 && *gpu_memory_utilization <= 1.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--gpu-memory-utilization: must be in (0, 1], got ", *gpu_memory_utilization));
+  }
   if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
   const int tp = static_cast<int>(tp_size.value_or(1));
   if (device == "cuda" && tp > 1) {
     return absl::UnimplementedError(
         "--device cuda: tensor parallelism over NCCL is not served yet (use "
         "--tensor-parallel-size 1)");
+  }
+  // Before the model is loaded: a missing plugin is reported at once.
+  kvgrid::worker::CreateCudaExecutorFn create_cuda = nullptr;
+  if (device == "cuda") {
+    KVGRID_ASSIGN_OR_RETURN(create_cuda, kvgrid::worker::LoadCudaPlugin());
   }
   const int my_rank = static_cast<int>(rank.value_or(0));
   if (tp < 1 || tp > 64) {
@@ -276,7 +266,7 @@ absl::Status Serve(Args& args) {
   std::unique_ptr<kvgrid::worker::Engine> engine;
   if (device == "cuda") {
     KVGRID_ASSIGN_OR_RETURN(
-        engine, CudaEngine(std::move(loaded.model), options, dense_dtype,
+        engine, CudaEngine(create_cuda, std::move(loaded.model), options, dense_dtype,
                            gpu_memory_utilization.value_or(0.9), kv_memory_given));
   } else {
     KVGRID_ASSIGN_OR_RETURN(engine,

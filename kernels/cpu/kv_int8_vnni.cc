@@ -50,11 +50,14 @@ KVGRID_VNNI float RoundToInt8(const float* x, int64_t n, int8_t* out, int64_t pa
   std::memset(out, 0, padded);
   *code_sum = 0;
   if (!(m > 0.f) || !std::isfinite(m)) return 0.f;
-  const __m512 inv = _mm512_set1_ps(127.f / m);
+  // x / m first: 127 / m would overflow for a subnormal m.
+  const __m512 max = _mm512_set1_ps(m);
+  const __m512 full = _mm512_set1_ps(127.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 k = LaneMask(n - i);
-    const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), inv));
+    const __m512i c = _mm512_cvtps_epi32(
+        _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), max), full));
     sum = _mm512_add_epi32(sum, c);
     _mm_mask_storeu_epi8(out + i, k, _mm512_cvtsepi32_epi8(c));
   }
@@ -91,6 +94,17 @@ KVGRID_VNNI inline __m512 RowScales(const uint8_t* meta, int64_t rows) {
 }
 
 }  // namespace
+
+KVGRID_VNNI bool Int8VnniRounds(const float* x, int64_t n) {
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(LaneMask(n - i), x + i));
+    // NaN (unordered with itself) or infinite.
+    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
+           _mm512_cmp_ps_mask(v, _mm512_set1_ps(3.40282347e38f), _CMP_GT_OQ);
+  }
+  return bad == 0;
+}
 
 KVGRID_VNNI void RoundQueriesInt8(const float* q, int64_t n, int64_t num_q, Int8Query* out) {
   const int64_t padded = (n + 63) / 64 * 64;
@@ -139,9 +153,14 @@ KVGRID_VNNI void DotInt8VnniPrepared(const void* values, const void* meta, int64
 KVGRID_VNNI void DotInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows,
                              const float* q, int64_t num_q, float* scores,
                              int64_t score_stride) {
-  Int8Query prepared[kVnniMaxHeads];
-  RoundQueriesInt8(q, n, num_q, prepared);
-  DotInt8VnniPrepared(values, meta, n, rows, prepared, num_q, scores, score_stride);
+  constexpr int64_t kHeads = 8;  // rounded on the stack, a few heads at a time
+  Int8Query prepared[kHeads];
+  for (int64_t h0 = 0; h0 < num_q; h0 += kHeads) {
+    const int64_t hn = std::min(kHeads, num_q - h0);
+    RoundQueriesInt8(q + h0 * n, n, hn, prepared);
+    DotInt8VnniPrepared(values, meta, n, rows, prepared, hn, scores + h0 * score_stride,
+                        score_stride);
+  }
 }
 
 KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows,
@@ -230,6 +249,7 @@ KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, i
 #else  // !__x86_64__
 
 bool HaveInt8Vnni() { return false; }
+bool Int8VnniRounds(const float*, int64_t) { return false; }
 void RoundQueriesInt8(const float*, int64_t, int64_t, Int8Query*) {}
 void DotInt8VnniPrepared(const void*, const void*, int64_t, int64_t, const Int8Query*, int64_t,
                          float*, int64_t) {}

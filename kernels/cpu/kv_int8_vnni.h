@@ -25,12 +25,13 @@ namespace kvgrid::kernels::cpu {
 // True when this CPU has AVX-512 F/BW/VL and VNNI.
 bool HaveInt8Vnni();
 
-// Limits of the integer kernels; other shapes must use the float kernels.
+// Limit of the integer kernels (channels per row); longer rows must use the float kernels.
 inline constexpr int64_t kVnniMaxChannels = 512;
-inline constexpr int64_t kVnniMaxHeads = 16;
-inline bool Int8VnniCovers(int64_t n, int64_t num_q) {
-  return n <= kVnniMaxChannels && num_q <= kVnniMaxHeads;
-}
+inline bool Int8VnniCovers(int64_t n) { return n <= kVnniMaxChannels; }
+
+// True when every x[i] is finite: only then do the integer kernels' bounds hold (callers use
+// the float kernels otherwise, which propagate NaN and Inf as they are).
+bool Int8VnniRounds(const float* x, int64_t n);
 
 // One query head rounded to int8 for DotInt8VnniPrepared: codes zero-padded to a multiple of
 // 64 channels, the scale and the sum of the codes.
@@ -49,7 +50,7 @@ void DotInt8VnniPrepared(const void* values, const void* meta, int64_t n, int64_
                          const Int8Query* q, int64_t num_q, float* scores, int64_t score_stride);
 
 // KvRowKernels' dot and axpy (kernels/cpu/kv_quant.h) for int8 rows, with the rounding above.
-// Call only when HaveInt8Vnni() and Int8VnniCovers(n, num_q).
+// Call only when HaveInt8Vnni() and Int8VnniCovers(n).
 void DotInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
                  int64_t num_q, float* scores, int64_t score_stride);
 void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,

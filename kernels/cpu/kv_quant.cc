@@ -514,10 +514,10 @@ KVGRID_AVX2 void DequantizeAvx2(const void* values, const void* meta, int64_t n,
 template <KvDType D>
 constexpr KvRowKernels kAvx2Kernels = {DotAvx2<D>, AxpyAvx2<D>, DequantizeAvx2<D>, "avx2", false};
 
-// Int8 on integer dot products where the shape allows, the AVX2 kernels elsewhere.
+// Int8 on integer dot products where the shape and values allow, the AVX2 kernels elsewhere.
 void DotInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
                     const float* q, int64_t num_q, float* scores, int64_t score_stride) {
-  if (Int8VnniCovers(n, num_q)) {
+  if (Int8VnniCovers(n) && Int8VnniRounds(q, num_q * n)) {
     DotInt8Vnni(values, meta, n, rows, q, num_q, scores, score_stride);
   } else {
     DotAvx2<KvDType::kInt8>(values, meta, n, rows, q, num_q, scores, score_stride);
@@ -525,14 +525,16 @@ void DotInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t row
 }
 void AxpyInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
                      const float* p, int64_t num_q, int64_t p_stride, float* out) {
-  if (Int8VnniCovers(n, num_q)) {
+  bool rounds = Int8VnniCovers(n);
+  for (int64_t h = 0; rounds && h < num_q; ++h) rounds = Int8VnniRounds(p + h * p_stride, rows);
+  if (rounds) {
     AxpyInt8Vnni(values, meta, n, rows, p, num_q, p_stride, out);
   } else {
     AxpyAvx2<KvDType::kInt8>(values, meta, n, rows, p, num_q, p_stride, out);
   }
 }
 bool PrepareInt8Queries(const float* q, int64_t n, int64_t num_q, void* prepared) {
-  if (n > kVnniMaxChannels) return false;
+  if (n > kVnniMaxChannels || !Int8VnniRounds(q, num_q * n)) return false;
   RoundQueriesInt8(q, n, num_q, static_cast<Int8Query*>(prepared));
   return true;
 }

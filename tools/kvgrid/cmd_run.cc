@@ -135,8 +135,13 @@ absl::Status RunBatch(
     }
   }
   std::fflush(stdout);
-  std::fprintf(stderr, "[%zu prompts, %lld tokens generated in %.2f s: %.1f tokens/s]\n",
-               items.size(), static_cast<long long>(generated), seconds, generated / seconds);
+  const worker::EngineStats stats = engine.Stats();
+  std::fprintf(stderr,
+               "[%zu prompts, %lld tokens generated in %.2f s: %.1f tokens/s; preemptions: "
+               "%lld swaps, %lld recomputes]\n",
+               items.size(), static_cast<long long>(generated), seconds, generated / seconds,
+               static_cast<long long>(stats.num_swap_outs),
+               static_cast<long long>(stats.num_recomputes));
   return absl::OkStatus();
 }
 

@@ -25,12 +25,53 @@ std::string_view FinishReasonName(FinishReason reason) {
   return "?";
 }
 
-absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaModel> model,
-                                                       const EngineOptions& options) {
+absl::Status Engine::ValidateOptions(const EngineOptions& options,
+                                     const model::ModelConfig& config) {
+  if (options.max_num_seqs < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-num-seqs: must be >= 1, got ", options.max_num_seqs));
+  }
+  if (options.max_num_batched_tokens < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max-num-batched-tokens: must be >= 1, got ", options.max_num_batched_tokens));
+  }
+  const int64_t model_len = config.max_position_embeddings;
+  const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
+  if (max_model_len <= 1 || (model_len > 0 && max_model_len > model_len)) {
+    return absl::InvalidArgumentError(absl::StrCat("--max-model-len: must be in [2, ", model_len,
+                                                   "], got ", max_model_len));
+  }
   if (!(options.block_size == 8 || options.block_size == 16 || options.block_size == 32)) {
     return absl::InvalidArgumentError(
         absl::StrCat("--block-size: must be 8, 16 or 32, got ", options.block_size));
   }
+  if (!(options.watermark >= 0.0 && options.watermark < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("watermark: must be in [0, 1), got ", options.watermark));
+  }
+  if (options.swap_space < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status CheckGroup(const TensorParallel& tp, const EngineOptions& options) {
+  if ((tp.size > 1) != (options.group != nullptr) || (tp.size > 1 && tp.rank != 0)) {
+    return absl::InvalidArgumentError(
+        "group: a tensor-parallel model needs the group's communicator, on rank 0 only");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaModel> model,
+                                                       const EngineOptions& options) {
+  KVGRID_RETURN_IF_ERROR(ValidateOptions(options, model->config()));
+  KVGRID_RETURN_IF_ERROR(CheckGroup(model->tensor_parallel(), options));
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CpuExecutor> executor,
                           CpuExecutor::Create(std::move(model),
                                               {.block_size = options.block_size,
@@ -43,34 +84,20 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Executor> executor,
                                                        const EngineOptions& options) {
-  if (options.max_num_seqs < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--max-num-seqs: must be >= 1, got ", options.max_num_seqs));
-  }
-  if (options.max_num_batched_tokens < 1) {
+  KVGRID_RETURN_IF_ERROR(ValidateOptions(options, executor->config()));
+  KVGRID_RETURN_IF_ERROR(CheckGroup(executor->tensor_parallel(), options));
+  const KvGeometry& g = executor->kv_geometry();
+  if (options.block_size != g.block_size || options.k_dtype != g.k_dtype ||
+      options.v_dtype != g.v_dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--max-num-batched-tokens: must be >= 1, got ", options.max_num_batched_tokens));
+        "--block-size / --k-cache-dtype / --v-cache-dtype: ", options.block_size, " ",
+        std::string(kernels::KvDTypeName(options.k_dtype)), " ",
+        std::string(kernels::KvDTypeName(options.v_dtype)), " are not the KV pool's (",
+        g.block_size, " ", std::string(kernels::KvDTypeName(g.k_dtype)), " ",
+        std::string(kernels::KvDTypeName(g.v_dtype)), ")"));
   }
   const int64_t model_len = executor->config().max_position_embeddings;
-  int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
-  if (max_model_len <= 1 || (model_len > 0 && max_model_len > model_len)) {
-    return absl::InvalidArgumentError(absl::StrCat("--max-model-len: must be in [2, ", model_len,
-                                                   "], got ", max_model_len));
-  }
-  if (options.block_size != executor->kv_geometry().block_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--block-size: ", options.block_size, " is not the KV pool's (",
-                     executor->kv_geometry().block_size, ")"));
-  }
-  if (!(options.watermark >= 0.0 && options.watermark < 1.0)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("watermark: must be in [0, 1), got ", options.watermark));
-  }
-  const TensorParallel& tp = executor->tensor_parallel();
-  if ((tp.size > 1) != (options.group != nullptr) || (tp.size > 1 && tp.rank != 0)) {
-    return absl::InvalidArgumentError(
-        "group: a tensor-parallel model needs the group's communicator, on rank 0 only");
-  }
+  const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
   return std::unique_ptr<Engine>(new Engine(std::move(executor), options, max_model_len));
 }
 

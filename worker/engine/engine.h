@@ -193,11 +193,15 @@ class Engine {
   // (naming the option).
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<LlamaModel> model,
                                                         const EngineOptions& options);
-  // Runs on `executor`, whose pool and swap space are used as they are (options' pool sizes
-  // and dtypes are ignored; options.block_size must be the pool's). Errors: INVALID_ARGUMENT
-  // for bad options (naming the option).
+  // Runs on `executor`, whose pool and swap space are used as they are (options' pool and
+  // swap sizes are ignored; block_size, k_dtype and v_dtype must be the pool's). Errors:
+  // INVALID_ARGUMENT for bad options (naming the option).
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::unique_ptr<Executor> executor,
                                                         const EngineOptions& options);
+  // The checks Create makes on `options` alone, to run before a model or pool is put on a
+  // device. Errors: INVALID_ARGUMENT naming the option.
+  static absl::Status ValidateOptions(const EngineOptions& options,
+                                      const model::ModelConfig& config);
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 

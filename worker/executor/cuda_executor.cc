@@ -125,7 +125,7 @@ absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockC
                                              ? cudaMemcpyDeviceToHost
                                              : cudaMemcpyHostToDevice;
   // On the model's stream: a copy is ordered after the forward passes that wrote its source
-  // and before the ones that read its destination, and the host never waits here.
+  // and before the ones that read its destination.
   for (int64_t layer = 0; layer < pool_->geometry().num_layers; ++layer) {
     for (int plane = 0; plane < 4; ++plane) {
       const int64_t bytes = PlaneBlockBytes(plane);
@@ -143,7 +143,17 @@ absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockC
       }
     }
   }
+  // Swaps are waited for: they are rare, and the engine times them to choose between swapping
+  // and recomputing (a copy still queued would look free and slow down the next step).
+  if (kind != BlockCopyKind::kDeviceToDevice) {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(model_->stream()));
+  }
   return absl::OkStatus();
+}
+
+CudaExecutor::~CudaExecutor() {
+  // Copies into or out of the pinned swap space may still be queued; wait before freeing it.
+  if (model_ != nullptr) cudaStreamSynchronize(model_->stream());
 }
 
 }  // namespace kvgrid::worker

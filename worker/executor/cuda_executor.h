@@ -60,6 +60,10 @@ class CudaExecutor final : public Executor {
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
       std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options);
 
+  ~CudaExecutor() override;
+  CudaExecutor(const CudaExecutor&) = delete;
+  CudaExecutor& operator=(const CudaExecutor&) = delete;
+
   [[nodiscard]] const model::ModelConfig& config() const override { return model_->config(); }
   [[nodiscard]] const TensorParallel& tensor_parallel() const override { return tp_; }
   [[nodiscard]] const KvGeometry& kv_geometry() const override { return pool_->geometry(); }

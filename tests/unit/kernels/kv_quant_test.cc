@@ -314,6 +314,43 @@ TEST(KvQuantTest, RowKernelsMatchDecodedRows) {
   }
 }
 
+// Shapes at the integer kernels' limits (several 64-channel chunks, 512 channels, more heads
+// than are rounded at once) and past them (576 channels: the float fallback), and non-finite
+// operands, which must reach the output as the float kernels give them.
+TEST(KvQuantTest, Int8KernelsAtTheirLimits) {
+  uint64_t seed = 500;
+  for (int64_t n : {int64_t{192}, int64_t{250}, int64_t{512}, int64_t{576}}) {
+    for (int64_t num_q : {int64_t{2}, int64_t{16}, int64_t{17}}) {
+      CheckKernels(KvRowKernelsFor(KvDType::kInt8), KvDType::kInt8, n, 33, num_q, seed++);
+    }
+  }
+  std::mt19937_64 rng(5);
+  const int64_t n = 64, rows = 16;
+  const Plane p = MakePlane(KvDType::kInt8, n, rows, rng);
+  const KvRowKernels k = KvRowKernelsFor(KvDType::kInt8);
+  std::vector<float> q(n, 0.5f), scores(rows);
+  q[3] = std::numeric_limits<float>::quiet_NaN();
+  k.dot(p.values.data(), p.meta.data(), n, rows, q.data(), 1, scores.data(), rows);
+  for (float s : scores) EXPECT_TRUE(std::isnan(s));
+  std::vector<float> w(rows, 0.25f), out(n, 0.f);
+  w[5] = std::numeric_limits<float>::infinity();
+  k.axpy(p.values.data(), p.meta.data(), n, rows, w.data(), 1, rows, out.data());
+  int64_t non_finite = 0;
+  for (float o : out) non_finite += !std::isfinite(o);
+  EXPECT_GT(non_finite, 0);
+  // Subnormal weights still round within the bound (checked against the decoded rows).
+  std::vector<float> tiny(rows, 1e-40f), got(n, 0.f);
+  k.axpy(p.values.data(), p.meta.data(), n, rows, tiny.data(), 1, rows, got.data());
+  for (int64_t i = 0; i < n; ++i) {
+    double want = 0, mag = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      want += 1e-40 * p.decoded[r * n + i];
+      mag += std::abs(1e-40 * p.decoded[r * n + i]);
+    }
+    EXPECT_NEAR(got[i], want, 0.02 * mag + 1e-44) << i;
+  }
+}
+
 TEST(KvQuantTest, BestKernelsAgreeWithPortable) {
   // Same inputs through both: dequantize is bit-identical, dot/axpy differ in sum order only
   // (the exact kernels; RowKernelsMatchDecodedRows bounds the ones that round operands).

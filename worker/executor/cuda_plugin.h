@@ -1,0 +1,47 @@
+// The CUDA executor as a plugin that kvgrid-worker loads at run time (dlopen) for
+// --device cuda. The worker binary then links no CUDA library: it runs on machines without
+// them, and the libraries' large static TLS (cuBLASLt's ~90 KiB) does not shrink every thread's
+// stack (civetweb's threads, with their fixed small stacks, cannot start once it is loaded at
+// startup).
+//
+// The plugin (libkvgrid_cuda_plugin.so, built with CUDA) is looked up at $KVGRID_CUDA_PLUGIN,
+// else beside the running executable. Both sides are built from this tree by one compiler.
+#ifndef KVGRID_WORKER_EXECUTOR_CUDA_PLUGIN_H_
+#define KVGRID_WORKER_EXECUTOR_CUDA_PLUGIN_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "kernels/kv_dtype.h"
+#include "worker/executor/executor.h"
+#include "worker/executor/llama_model.h"
+
+namespace kvgrid::worker {
+
+struct CudaExecutorOptions {
+  std::string dense_dtype = "auto";     // auto (the checkpoint's torch_dtype), fp16, bf16, fp32
+  int64_t block_size = 16;
+  kernels::KvDType k_dtype = kernels::KvDType::kF16;
+  kernels::KvDType v_dtype = kernels::KvDType::kF16;
+  int64_t kv_cache_memory = 0;          // bytes; 0: by gpu_memory_utilization
+  double gpu_memory_utilization = 0.9;
+  int64_t max_num_batched_tokens = 8192;
+  int64_t max_num_seqs = 64;
+  int64_t swap_space = 0;
+};
+
+// The plugin's entry point: uploads `model`'s weights (dense matrices in
+// options.dense_dtype) and builds a CudaExecutor; the host model is dropped.
+using CreateCudaExecutorFn = absl::StatusOr<std::unique_ptr<Executor>> (*)(
+    std::unique_ptr<LlamaModel> model, const CudaExecutorOptions& options);
+inline constexpr char kCreateCudaExecutorSymbol[] = "kvgrid_create_cuda_executor";
+
+// Loads the plugin (once; it stays loaded) and returns its entry point. Errors:
+// FAILED_PRECONDITION naming the path when it is missing or not a kvgrid CUDA plugin.
+absl::StatusOr<CreateCudaExecutorFn> LoadCudaPlugin();
+
+}  // namespace kvgrid::worker
+
+#endif  // KVGRID_WORKER_EXECUTOR_CUDA_PLUGIN_H_
