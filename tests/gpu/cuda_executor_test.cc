@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -48,8 +49,13 @@ std::map<std::string, std::vector<int32_t>> Greedy(Engine& engine) {
   return out;
 }
 
-TEST(CudaExecutorTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
+// fp16 KV, and int8 K / int4 V, whose scale planes must travel with the values.
+class CudaExecutorSwapTest
+    : public ::testing::TestWithParam<std::pair<kernels::KvDType, kernels::KvDType>> {};
+
+TEST_P(CudaExecutorSwapTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const auto [k_dtype, v_dtype] = GetParam();
   auto cpu_model = LlamaModel::Load(KjvTiny());
   ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
   // The CPU engine runs the exact attention kernels the device is compared with.
@@ -60,11 +66,11 @@ TEST(CudaExecutorTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
 
   // Four sequences of up to 17 tokens (3 blocks of 8) in a pool of 5 blocks: swaps certain.
-  const KvGeometry g = (*cpu_model)->KvGeometryFor(8, kernels::KvDType::kF16,
-                                                   kernels::KvDType::kF16);
+  const KvGeometry g = (*cpu_model)->KvGeometryFor(8, k_dtype, v_dtype);
   EngineOptions options;
   options.block_size = 8;
-  options.k_dtype = options.v_dtype = kernels::KvDType::kF16;
+  options.k_dtype = k_dtype;
+  options.v_dtype = v_dtype;
   options.kv_cache_memory = 5 * g.BytesPerBlock();
   options.swap_space = 16 * g.BytesPerBlock();
   options.watermark = 0;
@@ -72,8 +78,8 @@ TEST(CudaExecutorTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
 
   auto gpu = CudaExecutor::Create(*std::move(gpu_model),
                                   {.block_size = 8,
-                                   .k_dtype = kernels::KvDType::kF16,
-                                   .v_dtype = kernels::KvDType::kF16,
+                                   .k_dtype = k_dtype,
+                                   .v_dtype = v_dtype,
                                    .kv_cache_memory = options.kv_cache_memory,
                                    .swap_space = options.swap_space});
   ASSERT_TRUE(gpu.ok()) << gpu.status();
@@ -90,6 +96,12 @@ TEST(CudaExecutorTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   EXPECT_GT((*gpu_engine)->Stats().num_swap_outs, 0);
   EXPECT_EQ((*gpu_engine)->Stats().num_swap_outs, (*cpu_engine)->Stats().num_swap_outs);
 }
+
+INSTANTIATE_TEST_SUITE_P(KvDTypes, CudaExecutorSwapTest,
+                         ::testing::Values(std::pair{kernels::KvDType::kF16,
+                                                     kernels::KvDType::kF16},
+                                           std::pair{kernels::KvDType::kInt8,
+                                                     kernels::KvDType::kInt4}));
 
 TEST(CudaExecutorTest, SizesThePoolByUtilizationAndRefusesBadCopies) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";

@@ -534,7 +534,6 @@ TEST_P(EngineFixtureTest, RecomputeModeNeverSwapsAndAutoModeKeepsOutputs) {
   by_cost.preemption_mode = PreemptionMode::kAuto;
   EXPECT_EQ(GreedyMixed(GetParam(), by_cost, &st), expected);
   EXPECT_GT(st.num_preemptions, 0);
-  EXPECT_EQ(st.num_preemptions, st.num_swap_outs + st.num_recomputes);
   EXPECT_EQ(st.swap_blocks_used, 0);
 }
 
