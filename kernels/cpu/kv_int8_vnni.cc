@@ -200,8 +200,8 @@ KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, i
     const __m512 row_scale = RowScales(m + 2 * r0, tr);
     for (int64_t h = 0; h < num_q; ++h) {
       alignas(64) float alpha[kTile];
-      _mm512_store_ps(alpha, _mm512_mul_ps(_mm512_maskz_loadu_ps(LaneMask(tr), p + h * p_stride + r0),
-                                           row_scale));
+      const __m512 weights = _mm512_maskz_loadu_ps(LaneMask(tr), p + h * p_stride + r0);
+      _mm512_store_ps(alpha, _mm512_mul_ps(weights, row_scale));
       alignas(64) int8_t ai[kTile];
       int32_t asum = 0;
       const float as = RoundToInt8(alpha, kTile, ai, kTile, &asum);

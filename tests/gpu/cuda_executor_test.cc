@@ -101,7 +101,12 @@ INSTANTIATE_TEST_SUITE_P(KvDTypes, CudaExecutorSwapTest,
                          ::testing::Values(std::pair{kernels::KvDType::kF16,
                                                      kernels::KvDType::kF16},
                                            std::pair{kernels::KvDType::kInt8,
-                                                     kernels::KvDType::kInt4}));
+                                                     kernels::KvDType::kInt4}),
+                         [](const auto& info) {
+                           const std::string k(kernels::KvDTypeName(info.param.first));
+                           const std::string v(kernels::KvDTypeName(info.param.second));
+                           return absl::StrCat(k, "_", v);
+                         });
 
 TEST(CudaExecutorTest, SizesThePoolByUtilizationAndRefusesBadCopies) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";

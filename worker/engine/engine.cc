@@ -277,15 +277,18 @@ absl::Status Engine::PreemptNewest() {
   // Recompute redoes the forward pass over every token it has computed; a swap copies the
   // blocks it holds alone out now and back in later.
   const double recompute_s =
-      seconds_per_token_ < 0 ? -1 : seconds_per_token_ * static_cast<double>(victim->num_computed);
+      seconds_per_token_ < 0
+          ? -1
+          : seconds_per_token_ * static_cast<double>(victim->num_computed);
   const double swap_s =
       seconds_per_swap_byte_ < 0
           ? -1
           : seconds_per_swap_byte_ * 2.0 *
                 static_cast<double>(blocks_.ExclusiveBlocks(victim->seq_id) *
                                     executor_->kv_geometry().BytesPerBlock());
-  if (executor_->num_swap_blocks() > 0 && ChooseSwap(options_.preemption_mode, blocks_.CanSwapOut(victim->seq_id),
-                               recompute_s, swap_s)) {
+  const bool can_swap =
+      executor_->num_swap_blocks() > 0 && blocks_.CanSwapOut(victim->seq_id);
+  if (ChooseSwap(options_.preemption_mode, can_swap, recompute_s, swap_s)) {
     // Its own list: Schedule preempts while collecting copy-on-write copies in copies_.
     std::vector<BlockCopy> out;
     KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &out));

@@ -45,18 +45,31 @@ GenerationRequest Request(const std::string& id, std::vector<int32_t> prompt, in
   return r;
 }
 
-// Runs to completion; returns generated tokens per request id and checks finish bookkeeping.
-std::map<std::string, std::vector<int32_t>> Drain(Engine& engine) {
-  std::map<std::string, std::vector<int32_t>> out;
+// Outputs of every request, run to completion; checks that every block came back.
+std::map<std::string, std::vector<TokenOutput>> DrainOutputs(Engine& engine) {
+  std::map<std::string, std::vector<TokenOutput>> out;
   int guard = 0;
   while (engine.HasWork() && ++guard < 10000) {
     auto step = engine.Step();
     EXPECT_TRUE(step.ok()) << step.status();
     if (!step.ok()) break;
-    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
+    for (const TokenOutput& t : *step) out[t.request_id].push_back(t);
   }
   EXPECT_FALSE(engine.HasWork());
   EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
+  return out;
+}
+
+std::vector<int32_t> Ids(const std::vector<TokenOutput>& outputs) {
+  std::vector<int32_t> ids;
+  for (const TokenOutput& t : outputs) ids.push_back(t.token_id);
+  return ids;
+}
+
+// Runs to completion; returns generated tokens per request id and checks finish bookkeeping.
+std::map<std::string, std::vector<int32_t>> Drain(Engine& engine) {
+  std::map<std::string, std::vector<int32_t>> out;
+  for (const auto& [id, outputs] : DrainOutputs(engine)) out[id] = Ids(outputs);
   return out;
 }
 
@@ -340,26 +353,6 @@ TEST_P(EngineFixtureTest, StopTokenEndsTheSequence) {
   const std::vector<int32_t> stopped = Drain(*engine)["s"];
   const size_t first = std::find(greedy.begin(), greedy.end(), greedy[3]) - greedy.begin();
   EXPECT_EQ(stopped, std::vector<int32_t>(greedy.begin(), greedy.begin() + first + 1));
-}
-
-// Outputs of every request, run to completion.
-std::map<std::string, std::vector<TokenOutput>> DrainOutputs(Engine& engine) {
-  std::map<std::string, std::vector<TokenOutput>> out;
-  int guard = 0;
-  while (engine.HasWork() && ++guard < 10000) {
-    auto step = engine.Step();
-    EXPECT_TRUE(step.ok()) << step.status();
-    if (!step.ok()) break;
-    for (const TokenOutput& t : *step) out[t.request_id].push_back(t);
-  }
-  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
-  return out;
-}
-
-std::vector<int32_t> Ids(const std::vector<TokenOutput>& outputs) {
-  std::vector<int32_t> ids;
-  for (const TokenOutput& t : outputs) ids.push_back(t.token_id);
-  return ids;
 }
 
 TEST_P(EngineFixtureTest, EosIdsEndTheSequenceUnlessIgnoredOrMasked) {
