@@ -99,7 +99,9 @@ int main(int argc, char** argv) {
                       {"vs_fp16", best[name] / best["fp16"]}});
     }
   }
-  nlohmann::json j = {{"model", model_dir.empty() ? "qwen2-0.5b-shape (random weights)" : model_dir},
+  const std::string model_name =
+      model_dir.empty() ? "qwen2-0.5b-shape (random weights)" : model_dir;
+  nlohmann::json j = {{"model", model_name},
                       {"weight_dtype", std::string(kvgrid::kernels::cpu::WeightDTypeName(weight_dtype))},
                       {"batch", batch},
                       {"steps", steps},

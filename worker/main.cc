@@ -119,11 +119,7 @@ absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
   kv_dtypes.ApplyTo(model->config(), &options);
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::CpuExecutor> executor,
                           kvgrid::worker::CpuExecutor::Create(
-                              std::move(model), {.block_size = options.block_size,
-                                                 .k_dtype = options.k_dtype,
-                                                 .v_dtype = options.v_dtype,
-                                                 .kv_cache_memory = options.kv_cache_memory,
-                                                 .swap_space = options.swap_space}));
+                              std::move(model), kvgrid::worker::CpuPoolOptions(options)));
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
                comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));
   std::atomic<bool> done{false};

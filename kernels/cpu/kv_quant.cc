@@ -534,7 +534,7 @@ void AxpyInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t ro
   }
 }
 bool PrepareInt8Queries(const float* q, int64_t n, int64_t num_q, void* prepared) {
-  if (n > kVnniMaxChannels || !Int8VnniRounds(q, num_q * n)) return false;
+  if (!Int8VnniCovers(n) || !Int8VnniRounds(q, num_q * n)) return false;
   RoundQueriesInt8(q, n, num_q, static_cast<Int8Query*>(prepared));
   return true;
 }

@@ -25,6 +25,23 @@ std::string_view FinishReasonName(FinishReason reason) {
   return "?";
 }
 
+namespace {
+
+// --max-model-len, or the model's context window when it is not given.
+int64_t MaxModelLen(const EngineOptions& options, const model::ModelConfig& config) {
+  return options.max_model_len > 0 ? options.max_model_len : config.max_position_embeddings;
+}
+
+}  // namespace
+
+CpuExecutor::PoolOptions CpuPoolOptions(const EngineOptions& options) {
+  return {.block_size = options.block_size,
+          .k_dtype = options.k_dtype,
+          .v_dtype = options.v_dtype,
+          .kv_cache_memory = options.kv_cache_memory,
+          .swap_space = options.swap_space};
+}
+
 absl::Status Engine::ValidateOptions(const EngineOptions& options,
                                      const model::ModelConfig& config) {
   if (options.max_num_seqs < 1) {
@@ -36,7 +53,7 @@ absl::Status Engine::ValidateOptions(const EngineOptions& options,
         "--max-num-batched-tokens: must be >= 1, got ", options.max_num_batched_tokens));
   }
   const int64_t model_len = config.max_position_embeddings;
-  const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
+  const int64_t max_model_len = MaxModelLen(options, config);
   if (max_model_len <= 1 || (model_len > 0 && max_model_len > model_len)) {
     return absl::InvalidArgumentError(absl::StrCat("--max-model-len: must be in [2, ", model_len,
                                                    "], got ", max_model_len));
@@ -73,19 +90,19 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
   KVGRID_RETURN_IF_ERROR(ValidateOptions(options, model->config()));
   KVGRID_RETURN_IF_ERROR(CheckGroup(model->tensor_parallel(), options));
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CpuExecutor> executor,
-                          CpuExecutor::Create(std::move(model),
-                                              {.block_size = options.block_size,
-                                               .k_dtype = options.k_dtype,
-                                               .v_dtype = options.v_dtype,
-                                               .kv_cache_memory = options.kv_cache_memory,
-                                               .swap_space = options.swap_space}));
-  return Create(std::unique_ptr<Executor>(std::move(executor)), options);
+                          CpuExecutor::Create(std::move(model), CpuPoolOptions(options)));
+  return Make(std::move(executor), options);
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Executor> executor,
                                                        const EngineOptions& options) {
   KVGRID_RETURN_IF_ERROR(ValidateOptions(options, executor->config()));
   KVGRID_RETURN_IF_ERROR(CheckGroup(executor->tensor_parallel(), options));
+  return Make(std::move(executor), options);
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Make(std::unique_ptr<Executor> executor,
+                                                     const EngineOptions& options) {
   const KvGeometry& g = executor->kv_geometry();
   if (options.block_size != g.block_size || options.k_dtype != g.k_dtype ||
       options.v_dtype != g.v_dtype) {
@@ -96,8 +113,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Executor>
         g.block_size, " ", std::string(kernels::KvDTypeName(g.k_dtype)), " ",
         std::string(kernels::KvDTypeName(g.v_dtype)), ")"));
   }
-  const int64_t model_len = executor->config().max_position_embeddings;
-  const int64_t max_model_len = options.max_model_len > 0 ? options.max_model_len : model_len;
+  const int64_t max_model_len = MaxModelLen(options, executor->config());
   return std::unique_ptr<Engine>(new Engine(std::move(executor), options, max_model_len));
 }
 
@@ -601,14 +617,10 @@ absl::Status Engine::Copy(PlanKind kind, const std::vector<BlockCopy>& copies) {
     std::string plan = EncodePlan(StepPlan{.kind = kind, .copies = copies});
     KVGRID_RETURN_IF_ERROR(BroadcastBytes(*options_.group, &plan, /*root=*/0));
   }
-  if (kind != PlanKind::kCopyDeviceToSwap && kind != PlanKind::kCopySwapToDevice) {
-    return executor_->CopyBlocks(BlockCopyKind::kDeviceToDevice, copies);
-  }
+  const BlockCopyKind copy_kind = ToBlockCopyKind(kind);
+  if (copy_kind == BlockCopyKind::kDeviceToDevice) return executor_->CopyBlocks(copy_kind, copies);
   const auto start = std::chrono::steady_clock::now();
-  KVGRID_RETURN_IF_ERROR(executor_->CopyBlocks(kind == PlanKind::kCopyDeviceToSwap
-                                                   ? BlockCopyKind::kDeviceToSwap
-                                                   : BlockCopyKind::kSwapToDevice,
-                                               copies));
+  KVGRID_RETURN_IF_ERROR(executor_->CopyBlocks(copy_kind, copies));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   Observe(&seconds_per_swap_byte_,

@@ -42,6 +42,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/engine/step_plan.h"
 #include "worker/engine/stop_strings.h"
+#include "worker/executor/cpu_executor.h"
 #include "worker/executor/executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/executor/sampler.h"
@@ -186,6 +187,9 @@ struct EngineStats {
   int32_t swap_blocks_used = 0;
 };
 
+// The CPU executor's pool and swap space as `options` size them.
+CpuExecutor::PoolOptions CpuPoolOptions(const EngineOptions& options);
+
 class Engine {
  public:
   // Runs on a CpuExecutor whose pool and swap space `options` size (kv_cache_memory,
@@ -257,6 +261,9 @@ class Engine {
 
   Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
          int64_t max_model_len);
+  // Create's last part, once the options are validated: checks the pool against them.
+  static absl::StatusOr<std::unique_ptr<Engine>> Make(std::unique_ptr<Executor> executor,
+                                                      const EngineOptions& options);
 
   // Preempts the newest running sequence (`running_` must not be empty): swaps it out when the
   // swap space has room and ChooseSwap agrees, else frees its blocks and requeues it for

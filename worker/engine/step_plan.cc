@@ -89,6 +89,14 @@ absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes) {
   return plan;
 }
 
+BlockCopyKind ToBlockCopyKind(PlanKind kind) {
+  switch (kind) {
+    case PlanKind::kCopyDeviceToSwap: return BlockCopyKind::kDeviceToSwap;
+    case PlanKind::kCopySwapToDevice: return BlockCopyKind::kSwapToDevice;
+    default: return BlockCopyKind::kDeviceToDevice;
+  }
+}
+
 absl::Status RunFollower(Executor& executor, Communicator& comm) {
   std::string bytes;
   std::vector<float> logits;
@@ -105,13 +113,9 @@ absl::Status RunFollower(Executor& executor, Communicator& comm) {
         KVGRID_RETURN_IF_ERROR(executor.Forward(plan.batch, &logits));
         break;
       case PlanKind::kCopyDeviceToDevice:
-        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kDeviceToDevice, plan.copies));
-        break;
       case PlanKind::kCopyDeviceToSwap:
-        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kDeviceToSwap, plan.copies));
-        break;
       case PlanKind::kCopySwapToDevice:
-        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(BlockCopyKind::kSwapToDevice, plan.copies));
+        KVGRID_RETURN_IF_ERROR(executor.CopyBlocks(ToBlockCopyKind(plan.kind), plan.copies));
         break;
     }
   }

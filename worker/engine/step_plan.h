@@ -38,6 +38,10 @@ struct StepPlan {
   ForwardBatch batch = {};             // kForward
 };
 
+// The executor's copy for a plan of kind kCopyDeviceToDevice, kCopyDeviceToSwap or
+// kCopySwapToDevice (`kind` must be one of those).
+BlockCopyKind ToBlockCopyKind(PlanKind kind);
+
 std::string EncodePlan(const StepPlan& plan);
 // Errors: INVALID_ARGUMENT for a truncated or malformed message.
 absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes);

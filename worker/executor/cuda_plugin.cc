@@ -1,5 +1,6 @@
 // libkvgrid_cuda_plugin.so: the CUDA executor behind the entry point cuda_plugin.h declares.
 #include <memory>
+#include <type_traits>
 #include <utility>
 
 #include "absl/status/statusor.h"
@@ -38,12 +39,8 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   return std::unique_ptr<Executor>(std::move(executor));
 }
 
-// Checks the entry point's type against the declaration the loader casts to.
-[[maybe_unused]] constexpr CreateCudaExecutorFn kTypeCheck = &CreateCudaExecutor;
-
 }  // namespace
 }  // namespace kvgrid::worker
-
 
 // The loader reads this symbol as a CreateCudaExecutorFn.
 extern "C" __attribute__((visibility("default")))
@@ -52,3 +49,7 @@ kvgrid_create_cuda_executor(std::unique_ptr<kvgrid::worker::LlamaModel> model,
                             const kvgrid::worker::CudaExecutorOptions& options) {
   return kvgrid::worker::CreateCudaExecutor(std::move(model), options);
 }
+
+static_assert(std::is_same_v<decltype(&kvgrid_create_cuda_executor),
+                             kvgrid::worker::CreateCudaExecutorFn>,
+              "the entry point must have the type the loader casts it to");

@@ -187,10 +187,8 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
 
 int64_t StepWorkspaceBytes(const model::ModelConfig& config, int64_t max_tokens,
                            int64_t max_logit_rows) {
-  const int64_t head_dim = config.head_dim > 0 ? config.head_dim
-                                               : config.hidden_size / config.num_attention_heads;
-  const int64_t q = config.num_attention_heads * head_dim;
-  const int64_t kv = config.num_key_value_heads * head_dim;
+  const int64_t q = config.num_attention_heads * config.head_dim;
+  const int64_t kv = config.num_key_value_heads * config.head_dim;
   // Floats per token: x, h, fused qkv, q/k/v, attention output, gate_up, act, a 16-bit cast
   // copy of the widest input (counted as fp32).
   const int64_t per_token = 2 * config.hidden_size + 2 * (q + 2 * kv) + q +
