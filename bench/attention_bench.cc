@@ -12,7 +12,7 @@
 //                             [--min-seconds 0.3] [--repeats 3] [--dtypes fp16,int8,int8/int4]
 //                             [--huge-pages]
 // (--huge-pages: madvise the arena planes MADV_HUGEPAGE, which KvPool does not do)
-// (--dtypes: K dtype, or K/V; default fp32, fp16, bf16, int8, int4 and int8/int4)
+// (--dtypes: K dtype, or K/V; default fp32, fp16, bf16, int8, int4, int8/int4 and fp8_e4m3)
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -226,7 +226,8 @@ int main(int argc, char** argv) {
   std::vector<std::pair<KvDType, KvDType>> combos = {
       {KvDType::kF32, KvDType::kF32},   {KvDType::kF16, KvDType::kF16},
       {KvDType::kBF16, KvDType::kBF16}, {KvDType::kInt8, KvDType::kInt8},
-      {KvDType::kInt4, KvDType::kInt4}, {KvDType::kInt8, KvDType::kInt4}};
+      {KvDType::kInt4, KvDType::kInt4}, {KvDType::kInt8, KvDType::kInt4},
+      {KvDType::kFp8E4m3, KvDType::kFp8E4m3}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {

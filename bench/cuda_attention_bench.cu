@@ -17,7 +17,7 @@
 // than from the 50 MB L2 of the previous call.
 //
 //   build/bin/cuda_attention_bench [--json] [--peak-gbs 4800] [--contexts 1024,8192,32768]
-//                                  [--batches 1,4,16,64] [--dtypes fp16,int8,int4]
+//                                  [--batches 1,4,16,64] [--dtypes fp16,int8,int4,fp8_e4m3]
 //                                  [--min-ms 20]
 // Exits 0 with a message when no GPU is visible.
 #include <cuda_fp16.h>
@@ -145,7 +145,8 @@ int main(int argc, char** argv) {
   double min_ms = 20;
   std::vector<int64_t> contexts = {1024, 8192, 32768};
   std::vector<int64_t> batches = {1, 4, 16, 64};
-  std::vector<KvDType> dtypes = {KvDType::kF16, KvDType::kInt8, KvDType::kInt4};
+  std::vector<KvDType> dtypes = {KvDType::kF16, KvDType::kInt8, KvDType::kInt4,
+                                 KvDType::kFp8E4m3};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: cuda_attention_bench [--json] [--peak-gbs GB/s] "
                    "[--contexts 1024,8192,32768] [--batches 1,4,16,64] "
-                   "[--dtypes fp16,int8,int4] [--min-ms 20]\n");
+                   "[--dtypes fp16,int8,int4,fp8_e4m3] [--min-ms 20]\n");
       return 2;
     }
   }
@@ -232,8 +233,8 @@ int main(int argc, char** argv) {
     if (l.meta_bytes > 0) {
       BENCH_CUDA(cudaMalloc(&k_meta, rows * l.meta_bytes));
       BENCH_CUDA(cudaMalloc(&v_meta, rows * l.meta_bytes));
-      // int8: scale 2^-7; int4: scale 2^-4 (low mantissa bits clear) with zero point 8.
-      const uint16_t word = dtype == KvDType::kInt8 ? 0x2000 : (0x2c00 | 8);
+      // int8, fp8: scale 2^-7; int4: scale 2^-4 (low mantissa bits clear) with zero point 8.
+      const uint16_t word = dtype == KvDType::kInt4 ? (0x2c00 | 8) : 0x2000;
       FillMeta<<<4096, 256>>>(static_cast<uint16_t*>(k_meta), rows * l.meta_bytes / 2, word);
       FillMeta<<<4096, 256>>>(static_cast<uint16_t*>(v_meta), rows * l.meta_bytes / 2, word);
       BENCH_CUDA(cudaGetLastError());

@@ -77,7 +77,8 @@ int main(int argc, char** argv) {
   for (int64_t batch : batches) {
     double fp16_rate = 0;
     for (auto [name, kv] : {std::pair{"fp16", KvDType::kF16}, std::pair{"int8", KvDType::kInt8},
-                            std::pair{"int4", KvDType::kInt4}}) {
+                            std::pair{"int4", KvDType::kInt4},
+                            std::pair{"fp8_e4m3", KvDType::kFp8E4m3}}) {
       const kvgrid::worker::KvGeometry g = (*model)->KvGeometryFor(16, kv, kv);
       const int64_t tokens = context + warmup + steps;
       const int64_t blocks_needed = batch * ((tokens + 15) / 16);

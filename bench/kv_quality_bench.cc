@@ -75,7 +75,8 @@ int main(int argc, char** argv) {
                               {"int8 (exact kernels)", KvDType::kInt8, KvDType::kInt8,
                                KvKernelPrecision::kExact},
                               {"int4", KvDType::kInt4, KvDType::kInt4},
-                              {"int8k-int4v", KvDType::kInt8, KvDType::kInt4}};
+                              {"int8k-int4v", KvDType::kInt8, KvDType::kInt4},
+                              {"fp8_e4m3", KvDType::kFp8E4m3, KvDType::kFp8E4m3}};
   nlohmann::json rows = nlohmann::json::array();
   kvgrid::worker::EvaluationResult reference;
   for (const Variant& var : variants) {

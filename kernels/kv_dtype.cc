@@ -14,6 +14,7 @@ KvRowLayout KvRowLayoutFor(KvDType dtype, int64_t head_dim) {
     case KvDType::kBF16:
       return {2 * head_dim, 0};
     case KvDType::kInt8:
+    case KvDType::kFp8E4m3:
       return {head_dim, 2};
     case KvDType::kInt4:
       return {(head_dim + 1) / 2, 2 * ((head_dim + kInt4GroupSize - 1) / kInt4GroupSize)};
@@ -33,6 +34,8 @@ std::string_view KvDTypeName(KvDType dtype) {
       return "int8";
     case KvDType::kInt4:
       return "int4";
+    case KvDType::kFp8E4m3:
+      return "fp8_e4m3";
   }
   return "?";
 }
@@ -43,8 +46,10 @@ absl::StatusOr<KvDType> ParseKvDType(std::string_view name) {
   if (name == "bf16" || name == "bfloat16") return KvDType::kBF16;
   if (name == "int8") return KvDType::kInt8;
   if (name == "int4") return KvDType::kInt4;
-  return absl::InvalidArgumentError(absl::StrCat("unknown KV cache dtype '", std::string(name),
-                                                 "' (accepted: fp32, fp16, bf16, int8, int4)"));
+  if (name == "fp8_e4m3" || name == "fp8") return KvDType::kFp8E4m3;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown KV cache dtype '", std::string(name),
+                   "' (accepted: fp32, fp16, bf16, int8, int4, fp8_e4m3)"));
 }
 
 }  // namespace kvgrid::kernels

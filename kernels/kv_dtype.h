@@ -11,6 +11,12 @@
 //         the tokens of fp16 at head_dim 64. An integer z in [0, 15] means 0 is always
 //         representable, so a group's range is stretched to include 0 (a group of values
 //         far from 0 gets a coarser step than its own spread would need).
+//   fp8_e4m3: one fp16 scale s per row, as int8, with s = max|x| / 448; each value is
+//         x / s rounded to the nearest fp8 E4M3 number (4 exponent bits, bias 7, 3 mantissa
+//         bits, subnormals; round half to even, saturating at +-448). Relative precision is
+//         2^-4 whatever the magnitude, where int8's step is a fixed fraction of the row's
+//         largest value. The per-row scale means no model needs calibrated scales. The codes
+//         0x7f and 0xff (NaN in OCP E4M3FN) are never written; decoders read them as +-480.
 // The encoders (kernels/cpu/kv_quant.h) round half to even and keep |x - x̂| <= s / 2.
 // Arenas keep values and metadata in separate planes with the same block/head/slot order:
 //   values [num_blocks][num_kv_heads][block_size][value_bytes]
@@ -32,6 +38,7 @@ enum class KvDType : uint8_t {
   kBF16,  // bfloat16
   kInt8,  // see the file comment
   kInt4,  // see the file comment
+  kFp8E4m3,  // see the file comment
 };
 
 inline constexpr int64_t kInt4GroupSize = 32;
@@ -46,7 +53,8 @@ struct KvRowLayout {
 KvRowLayout KvRowLayoutFor(KvDType dtype, int64_t head_dim);
 
 std::string_view KvDTypeName(KvDType dtype);
-// Parses fp32/float32/f32, fp16/float16/f16/half, bf16/bfloat16, int8, int4. Errors:
+// Parses fp32/float32/f32, fp16/float16/f16/half, bf16/bfloat16, int8, int4, fp8_e4m3/fp8
+// (vLLM's spelling). Errors:
 // INVALID_ARGUMENT listing the accepted names. ("auto" is resolved by the caller, which knows
 // the model's dtype.)
 absl::StatusOr<KvDType> ParseKvDType(std::string_view name);

@@ -45,20 +45,41 @@ uint16_t Int4ScaleRoundedUp(float s) {
   return static_cast<uint16_t>(std::min<uint32_t>(h, kInt4MaxScale));
 }
 
-void QuantizeInt8(const float* x, int64_t n, int8_t* q, uint8_t* meta) {
+// The fp16 scale of a row whose largest |x| is `amax` (NaNs skipped) for codes up to `qmax`:
+// amax / qmax rounded to nearest, at least the smallest subnormal when amax > 0, at most the
+// largest finite fp16. A subnormal scale has few bits, so it steps up where nearest rounding
+// would clip amax, that is where amax / s > `limit` (qmax plus the rounding margin above it);
+// normal scales are within 2^-11, below any limit.
+uint16_t RowScaleF16(float amax, float qmax, float limit) {
+  uint16_t s16 = model::F32ToF16(amax / qmax);
+  if (s16 == 0 && amax > 0.f) s16 = kF16MinSubnormal;
+  if (s16 < kF16MaxFinite && amax / model::F16ToF32(s16) > limit) ++s16;
+  if (s16 > kF16MaxFinite) s16 = kF16MaxFinite;  // amax overflowed fp16 (or is infinite)
+  return s16;
+}
+
+float RowAbsMax(const float* x, int64_t n) {
   float amax = 0.f;
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));  // NaNs are skipped
-  uint16_t s16 = model::F32ToF16(amax / 127.f);
-  if (s16 == 0 && amax > 0.f) s16 = kF16MinSubnormal;
-  // A subnormal scale has few bits: step up where nearest rounding would clip the largest
-  // value (normal scales are within 2^-11, so amax / s <= 127.07 there).
-  if (s16 < kF16MaxFinite && amax / model::F16ToF32(s16) > 127.5f) ++s16;
-  if (s16 > kF16MaxFinite) s16 = kF16MaxFinite;  // amax overflowed fp16 (or is infinite)
+  return amax;
+}
+
+void QuantizeInt8(const float* x, int64_t n, int8_t* q, uint8_t* meta) {
+  const uint16_t s16 = RowScaleF16(RowAbsMax(x, n), 127.f, 127.5f);
   Store16(meta, s16);
   const float s = model::F16ToF32(s16);
   for (int64_t i = 0; i < n; ++i) {
     q[i] = static_cast<int8_t>(s > 0.f ? RoundClamp(x[i] / s, -127, 127) : 0);
   }
+}
+
+void QuantizeFp8(const float* x, int64_t n, uint8_t* q, uint8_t* meta) {
+  // 464 is halfway between 448 and the next E4M3 step (480, the unused NaN code): values up to
+  // it round to 448 anyway.
+  const uint16_t s16 = RowScaleF16(RowAbsMax(x, n), kFp8E4m3Max, 464.f);
+  Store16(meta, s16);
+  const float s = model::F16ToF32(s16);
+  for (int64_t i = 0; i < n; ++i) q[i] = s > 0.f ? F32ToFp8E4m3(x[i] / s) : 0;
 }
 
 void QuantizeInt4(const float* x, int64_t n, uint8_t* packed, uint8_t* meta) {
@@ -95,6 +116,9 @@ void DecodeRange(const uint8_t* v, const uint8_t* m, int64_t begin, int64_t coun
     const float s = model::F16ToF32(Load16(m));
     const int8_t* q = reinterpret_cast<const int8_t*>(v);
     for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(q[begin + i]) * s;
+  } else if constexpr (D == KvDType::kFp8E4m3) {
+    const float s = model::F16ToF32(Load16(m));
+    for (int64_t i = 0; i < count; ++i) out[i] = Fp8E4m3ToF32(v[begin + i]) * s;
   } else {
     for (int64_t i = 0; i < count; ++i) {
       const int64_t c = begin + i;
@@ -206,6 +230,13 @@ KVGRID_AVX2 inline __m256 Load8(const uint8_t* v, const uint8_t* m, int64_t i) {
   } else if constexpr (D == KvDType::kInt8) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + i));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  } else if constexpr (D == KvDType::kFp8E4m3) {
+    // The fp16 with the code's bits in place (sign; exponent and mantissa one bit lower),
+    // which is the value / 256; RowScale folds the 256 in.
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + i)));
+    const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(-0x8000)),
+                                   _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3f80)));
+    return _mm256_cvtph_ps(h);
   } else {
     __m256 scale, zero;
     Int4Group(m, i, &scale, &zero);
@@ -213,11 +244,14 @@ KVGRID_AVX2 inline __m256 Load8(const uint8_t* v, const uint8_t* m, int64_t i) {
   }
 }
 
-// The factor Load8 leaves out of row `m`'s values (int8's scale), else 1.
+// The factor Load8 leaves out of row `m`'s values (int8's scale; fp8's scale times 256, which
+// is exact, so the product is DecodeRange's), else 1.
 template <KvDType D>
 KVGRID_AVX2 inline float RowScale(const uint8_t* m) {
   if constexpr (D == KvDType::kInt8) {
     return F16ToF32Avx2(Load16(m));
+  } else if constexpr (D == KvDType::kFp8E4m3) {
+    return F16ToF32Avx2(Load16(m)) * 256.f;
   } else {
     return 1.f;
   }
@@ -504,7 +538,9 @@ KVGRID_AVX2 void DequantizeAvx2(const void* values, const void* meta, int64_t n,
     float* o = out + r * n;
     for (int64_t i = 0; i < n8; i += 8) {
       __m256 x = Load8<D>(v, m, i);
-      if constexpr (D == KvDType::kInt8) x = _mm256_mul_ps(x, s);  // same product as DecodeRange
+      if constexpr (D == KvDType::kInt8 || D == KvDType::kFp8E4m3) {
+        x = _mm256_mul_ps(x, s);  // the same product as DecodeRange
+      }
       _mm256_storeu_ps(o + i, x);
     }
     if (n8 < n) DecodeRange<D>(v, m, n8, n - n8, o + n8);
@@ -588,7 +624,30 @@ void QuantizeRow(KvDType dtype, const float* x, int64_t n, void* values, void* m
     case KvDType::kInt4:
       QuantizeInt4(x, n, v, static_cast<uint8_t*>(meta));
       return;
+    case KvDType::kFp8E4m3:
+      QuantizeFp8(x, n, v, static_cast<uint8_t*>(meta));
+      return;
   }
+}
+
+uint8_t F32ToFp8E4m3(float x) {
+  x = std::fmin(std::fmax(x, -kFp8E4m3Max), kFp8E4m3Max);  // fmax sends NaN to -448
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs < 0x3c800000u) {  // below 2^-6: a subnormal step of 2^-9 (the code 8 is 2^-6 itself)
+    return static_cast<uint8_t>(sign | std::lrint(std::fabs(x) * 512.f));
+  }
+  // Round the mantissa to 3 bits, half to even (a carry moves into the exponent), then rebias
+  // the exponent 127 -> 7.
+  const uint32_t r = (abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;
+  return static_cast<uint8_t>(sign | (r - (120u << 3)));
+}
+
+float Fp8E4m3ToF32(uint8_t code) {
+  const uint16_t h = static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
+  return model::F16ToF32(h) * 256.f;
 }
 
 void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out) {
@@ -602,6 +661,7 @@ KvRowKernels PortableKvRowKernelsFor(KvDType dtype) {
     case KvDType::kBF16: return kPortableKernels<KvDType::kBF16>;
     case KvDType::kInt8: return kPortableKernels<KvDType::kInt8>;
     case KvDType::kInt4: return kPortableKernels<KvDType::kInt4>;
+    case KvDType::kFp8E4m3: return kPortableKernels<KvDType::kFp8E4m3>;
   }
   return kPortableKernels<KvDType::kF32>;
 }
@@ -613,6 +673,7 @@ KvRowKernels KvRowKernelsFor(KvDType dtype, KvKernelPrecision precision) {
     case KvDType::kBF16: return Best<KvDType::kBF16>(precision);
     case KvDType::kInt8: return Best<KvDType::kInt8>(precision);
     case KvDType::kInt4: return Best<KvDType::kInt4>(precision);
+    case KvDType::kFp8E4m3: return Best<KvDType::kFp8E4m3>(precision);
   }
   return Best<KvDType::kF32>(precision);
 }

@@ -30,10 +30,15 @@ namespace kvgrid::kernels::cpu {
 //         4 low mantissa bits clear; z = clamp(round(-min / s), 0, 15);
 //         q = clamp(round(x / s) + z, 0, 15), so |x - s (q - z)| <= s / 2. An all-zero group
 //         stores s = 0 and decodes exactly.
+//   fp8_e4m3: s as for int8 with 448 in place of 127 (stepped up only where amax / s would
+//         pass 464, the rounding limit above 448); q = F32ToFp8E4m3(x / s), so
+//         |x - s e(q)| <= max(|x| 2^-4, s 2^-10) (half a step of E4M3 in x's binade, or in
+//         the subnormal range) unless max|x| overflows the fp16 scale.
 // round() is round-half-to-even. Non-finite inputs give unspecified (but valid) codes.
 void QuantizeRow(KvDType dtype, const float* x, int64_t n, void* values, void* meta);
 
-// Decodes one row written by QuantizeRow: out[i] = x̂[i] (int8: s * q; int4: s * (q - z)).
+// Decodes one row written by QuantizeRow: out[i] = x̂[i] (int8: s * q; int4: s * (q - z);
+// fp8_e4m3: Fp8E4m3ToF32(q) * s).
 void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out);
 
 // Kernels over `rows` consecutive rows of one arena plane (row r's values at
@@ -75,6 +80,14 @@ KvRowKernels KvRowKernelsFor(KvDType dtype,
                              KvKernelPrecision precision = KvKernelPrecision::kFast);
 // The portable kernels (for tests comparing the two).
 KvRowKernels PortableKvRowKernelsFor(KvDType dtype);
+
+inline constexpr float kFp8E4m3Max = 448.f;
+
+// x rounded to the nearest fp8 E4M3 value, half to even, saturating at +-448 (a NaN gives
+// -448's code, as int8's encoder gives -127); never returns 0x7f or 0xff.
+uint8_t F32ToFp8E4m3(float x);
+// The value of an E4M3 code, exactly (0x7f and 0xff, which no encoder writes, read as +-480).
+float Fp8E4m3ToF32(uint8_t code);
 
 // The int4 group metadata word: fp16 scale with the zero point in its 4 low mantissa bits.
 inline uint16_t Int4MetaWord(uint16_t scale_f16, int zero) {

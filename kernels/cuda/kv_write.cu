@@ -59,15 +59,17 @@ __device__ void EncodeRow(KvDType dtype, const float* __restrict__ x, int64_t n,
       for (int64_t c = lane; c < n; c += 32) out[c] = F32ToBF16Bits(x[c]);
       return;
     }
-    case KvDType::kInt8: {
+    case KvDType::kInt8:
+    case KvDType::kFp8E4m3: {
       float amax = 0.f;  // fmaxf skips NaNs, as the CPU encoder's std::max does
       for (int64_t c = lane; c < n; c += 32) amax = fmaxf(amax, fabsf(x[c]));
       amax = WarpMax(amax);
-      const uint16_t s16 = KvInt8ScaleBits(amax);
+      const bool fp8 = dtype == KvDType::kFp8E4m3;
+      const uint16_t s16 = fp8 ? KvFp8ScaleBits(amax) : KvInt8ScaleBits(amax);
       const float s = F16BitsToF32(s16);
       if (lane == 0) *reinterpret_cast<uint16_t*>(meta) = s16;
       for (int64_t c = lane; c < n; c += 32) {
-        values[c] = static_cast<uint8_t>(KvInt8Code(x[c], s));
+        values[c] = fp8 ? KvFp8Code(x[c], s) : static_cast<uint8_t>(KvInt8Code(x[c], s));
       }
       return;
     }

@@ -129,20 +129,66 @@ KVGRID_HOST_DEVICE int RoundHalfEvenClamped(float v, int lo, int hi) {
 
 // --- int8 KV rows: symmetric, one fp16 scale per row ---
 
-// The scale of a row whose largest |x| is `amax` (NaNs skipped), as fp16 bits: amax / 127
-// rounded to nearest, stepped up where a subnormal scale would clip amax, at least the smallest
-// subnormal when amax > 0 and at most the largest finite fp16.
-KVGRID_HOST_DEVICE uint16_t KvInt8ScaleBits(float amax) {
-  uint16_t s16 = F32ToF16Bits(amax / 127.f);
+// The fp16 scale bits of a row whose largest |x| is `amax` (NaNs skipped), for codes up to
+// `qmax`, as kv_quant.cc's RowScaleF16: amax / qmax rounded to nearest, stepped up where a
+// subnormal scale would put amax / s past `limit`, at least the smallest subnormal when
+// amax > 0 and at most the largest finite fp16.
+KVGRID_HOST_DEVICE uint16_t KvRowScaleBits(float amax, float qmax, float limit) {
+  uint16_t s16 = F32ToF16Bits(amax / qmax);
   if (s16 == 0 && amax > 0.f) s16 = kF16MinSubnormalBits;
-  if (s16 < kF16MaxFiniteBits && amax / F16BitsToF32(s16) > 127.5f) ++s16;
+  if (s16 < kF16MaxFiniteBits && amax / F16BitsToF32(s16) > limit) ++s16;
   if (s16 > kF16MaxFiniteBits) s16 = kF16MaxFiniteBits;
   return s16;
+}
+
+// The int8 row scale: amax / 127, stepped up past 127.5.
+KVGRID_HOST_DEVICE uint16_t KvInt8ScaleBits(float amax) {
+  return KvRowScaleBits(amax, 127.f, 127.5f);
 }
 
 // The code of x under the row's scale s (the fp16 scale as a float).
 KVGRID_HOST_DEVICE int8_t KvInt8Code(float x, float s) {
   return static_cast<int8_t>(s > 0.f ? RoundHalfEvenClamped(x / s, -127, 127) : 0);
+}
+
+// --- fp8_e4m3 KV rows: one fp16 scale per row, E4M3 codes ---
+
+inline constexpr float kFp8E4m3Max = 448.f;
+
+// The fp8 row scale: amax / 448, stepped up past 464 (the rounding limit above 448).
+KVGRID_HOST_DEVICE uint16_t KvFp8ScaleBits(float amax) {
+  return KvRowScaleBits(amax, kFp8E4m3Max, 464.f);
+}
+
+// kv_quant.h's F32ToFp8E4m3: nearest E4M3 value, half to even, saturating at +-448, a NaN
+// giving -448's code. (Not cuda_fp8.h's conversion: that one writes NaN codes, and has no host
+// twin to test against.)
+KVGRID_HOST_DEVICE uint8_t F32ToFp8E4m3Bits(float x) {
+  x = fminf(fmaxf(x, -kFp8E4m3Max), kFp8E4m3Max);
+  const uint32_t bits = FloatToBits(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs = bits & 0x7fffffffu;
+  if (abs < 0x3c800000u) {  // below 2^-6: subnormal steps of 2^-9 (exact scaling by 512)
+    return static_cast<uint8_t>(sign | static_cast<uint32_t>(
+                                           RoundHalfEvenClamped(BitsToFloat(abs) * 512.f, 0, 8)));
+  }
+  const uint32_t r = (abs + 0x7ffffu + ((abs >> 20) & 1u)) >> 20;  // 3 mantissa bits, to even
+  return static_cast<uint8_t>(sign | (r - (120u << 3)));            // rebias 127 -> 7
+}
+
+// The code of x under the row's scale s (the fp16 scale as a float).
+KVGRID_HOST_DEVICE uint8_t KvFp8Code(float x, float s) {
+  return s > 0.f ? F32ToFp8E4m3Bits(x / s) : 0;
+}
+
+// The fp16 bits of an E4M3 code's value / 256: the code's sign in place, its exponent and
+// mantissa one bit lower (an E4M3 subnormal lands on an fp16 subnormal). Exact.
+KVGRID_HOST_DEVICE uint16_t Fp8E4m3ToF16BitsOver256(uint8_t code) {
+  return static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
+}
+
+KVGRID_HOST_DEVICE float Fp8E4m3BitsToF32(uint8_t code) {
+  return F16BitsToF32(Fp8E4m3ToF16BitsOver256(code)) * 256.f;
 }
 
 // --- int4 KV rows: asymmetric, groups of 32 channels, one 16-bit metadata word per group ---

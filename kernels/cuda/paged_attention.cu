@@ -50,28 +50,28 @@ __host__ __device__ constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a 
 
 // ---------------------------------------------------------------------------------------------
 // KV row slices. Every kernel moves rows in slices of 8 consecutive channels,
-// [8 sub, 8 sub + 8): 32 bytes of fp32, 16 of fp16/bf16, 8 of int8, 4 of int4 (which never
+// [8 sub, 8 sub + 8): 32 bytes of fp32, 16 of fp16/bf16, 8 of int8/fp8, 4 of int4 (which never
 // straddle an int4 group of 32 channels). head_dim is a multiple of 64, so every slice offset
 // is a multiple of its size and the loads are naturally aligned vector loads.
 
 template <KvDType D>
 constexpr int kSliceWords = D == KvDType::kF32                            ? 8
                             : (D == KvDType::kF16 || D == KvDType::kBF16) ? 4
-                            : D == KvDType::kInt8                         ? 2
+                            : (D == KvDType::kInt8 || D == KvDType::kFp8E4m3) ? 2
                                                                           : 1;
 
 template <KvDType D, int kHeadDim>
 constexpr int64_t kRowBytes = int64_t{4} * kSliceWords<D> * (kHeadDim / 8);
 
 template <KvDType D, int kHeadDim>
-constexpr int64_t kMetaBytes = D == KvDType::kInt8   ? 2
-                               : D == KvDType::kInt4 ? 2 * (kHeadDim / 32)
+constexpr int64_t kMetaBytes = (D == KvDType::kInt8 || D == KvDType::kFp8E4m3) ? 2
+                               : D == KvDType::kInt4                           ? 2 * (kHeadDim / 32)
                                                      : 0;
 
 template <KvDType D>
 struct Slice {
   uint32_t w[kSliceWords<D>];  // the slice's bytes as stored
-  uint32_t meta;               // int8: the row's fp16 scale; int4: the group's word; else 0
+  uint32_t meta;  // int8, fp8: the row's fp16 scale; int4: the group's word; else 0
 };
 
 template <KvDType D>
@@ -106,7 +106,7 @@ __device__ __forceinline__ Slice<D> LoadSlice(const uint8_t* __restrict__ values
   } else {
     s.w[0] = __ldg(reinterpret_cast<const unsigned int*>(p));
   }
-  if constexpr (D == KvDType::kInt8) {
+  if constexpr (D == KvDType::kInt8 || D == KvDType::kFp8E4m3) {
     s.meta = __ldg(reinterpret_cast<const unsigned short*>(meta + row * 2));
   } else if constexpr (D == KvDType::kInt4) {
     // Channels 8 sub.. lie in group 8 sub / 32.
@@ -124,7 +124,8 @@ __device__ __forceinline__ float HalfBitsToFloat(uint32_t bits) {
 
 // Decodes a slice: channel 8 sub + e is x[e] * (the returned factor), and that product is
 // exactly the float kernels/cpu/kv_quant.h's DequantizeRow gives (float types: factor 1;
-// int8: float(q) * s; int4: s * float(q - z)). Returning the factor separately lets the decode
+// int8: float(q) * s; int4: s * float(q - z); fp8: the code's value / 256 times 256 s, the
+// same product as (value) * s since the factor 256 is exact). Returning the factor separately lets the decode
 // kernel apply a row's or group's scale once per slice instead of once per channel.
 //
 // Integer codes become floats with the 2^23 trick (0x4B000000 | b is the float 2^23 + b for
@@ -162,6 +163,22 @@ __device__ __forceinline__ float DecodeSlice(const Slice<D>& s, float (&x)[8]) {
       }
     }
     return HalfBitsToFloat(s.meta);
+  } else if constexpr (D == KvDType::kFp8E4m3) {
+    // Two codes at a time: bytes b0, b1 become the high bytes of two 16-bit lanes, then the
+    // sign stays and the exponent and mantissa move down a bit, giving the fp16 pair of
+    // (values / 256) (numeric.cuh's Fp8E4m3ToF16BitsOver256).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t t = __byte_perm(s.w[i], 0u, half == 0 ? 0x1404u : 0x3424u);
+        const uint32_t h2 = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+        x[4 * i + 2 * half] = f.x;
+        x[4 * i + 2 * half + 1] = f.y;
+      }
+    }
+    return HalfBitsToFloat(s.meta) * 256.f;
   } else {
     static_assert(D == KvDType::kInt4);
     const float bias = 8388608.f + static_cast<float>(s.meta & 0xfu);  // 2^23 + zero point
@@ -908,6 +925,8 @@ absl::Status DispatchV(const PagedAttentionParams& p, const Plan& plan, const Ke
     case KvDType::kBF16: return LaunchTyped<KD, KvDType::kBF16, kHeadDim>(p, plan, args, stream);
     case KvDType::kInt8: return LaunchTyped<KD, KvDType::kInt8, kHeadDim>(p, plan, args, stream);
     case KvDType::kInt4: return LaunchTyped<KD, KvDType::kInt4, kHeadDim>(p, plan, args, stream);
+    case KvDType::kFp8E4m3:
+      return LaunchTyped<KD, KvDType::kFp8E4m3, kHeadDim>(p, plan, args, stream);
   }
   return absl::InvalidArgumentError("PagedAttentionParams.v_dtype is not a KvDType");
 }
@@ -921,6 +940,7 @@ absl::Status DispatchK(const PagedAttentionParams& p, const Plan& plan, const Ke
     case KvDType::kBF16: return DispatchV<KvDType::kBF16, kHeadDim>(p, plan, args, stream);
     case KvDType::kInt8: return DispatchV<KvDType::kInt8, kHeadDim>(p, plan, args, stream);
     case KvDType::kInt4: return DispatchV<KvDType::kInt4, kHeadDim>(p, plan, args, stream);
+    case KvDType::kFp8E4m3: return DispatchV<KvDType::kFp8E4m3, kHeadDim>(p, plan, args, stream);
   }
   return absl::InvalidArgumentError("PagedAttentionParams.k_dtype is not a KvDType");
 }
@@ -931,7 +951,8 @@ bool KnownDType(KvDType d) {
     case KvDType::kF16:
     case KvDType::kBF16:
     case KvDType::kInt8:
-    case KvDType::kInt4: return true;
+    case KvDType::kInt4:
+    case KvDType::kFp8E4m3: return true;
   }
   return false;
 }

@@ -101,7 +101,9 @@ INSTANTIATE_TEST_SUITE_P(KvDTypes, CudaExecutorSwapTest,
                          ::testing::Values(std::pair{kernels::KvDType::kF16,
                                                      kernels::KvDType::kF16},
                                            std::pair{kernels::KvDType::kInt8,
-                                                     kernels::KvDType::kInt4}),
+                                                     kernels::KvDType::kInt4},
+                                           std::pair{kernels::KvDType::kFp8E4m3,
+                                                     kernels::KvDType::kFp8E4m3}),
                          [](const auto& info) {
                            const std::string k(kernels::KvDTypeName(info.param.first));
                            const std::string v(kernels::KvDTypeName(info.param.second));

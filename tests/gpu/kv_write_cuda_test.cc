@@ -28,8 +28,8 @@ namespace {
 using ::kvgrid::testing::DeviceBuffer;
 using ::kvgrid::testing::HaveGpu;
 
-constexpr KvDType kAllDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
-                                  KvDType::kInt4};
+constexpr KvDType kAllDTypes[] = {KvDType::kF32,  KvDType::kF16,  KvDType::kBF16,
+                                  KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3};
 
 void Store16(uint8_t* p, uint16_t w) { std::memcpy(p, &w, sizeof(w)); }
 
@@ -53,6 +53,15 @@ void HostEncodeRow(KvDType dtype, const float* x, int64_t n, uint8_t* values, ui
       Store16(meta, s16);
       const float s = cuda::F16BitsToF32(s16);
       for (int64_t i = 0; i < n; ++i) values[i] = static_cast<uint8_t>(cuda::KvInt8Code(x[i], s));
+      return;
+    }
+    case KvDType::kFp8E4m3: {
+      float amax = 0.f;
+      for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+      const uint16_t s16 = cuda::KvFp8ScaleBits(amax);
+      Store16(meta, s16);
+      const float s = cuda::F16BitsToF32(s16);
+      for (int64_t i = 0; i < n; ++i) values[i] = cuda::KvFp8Code(x[i], s);
       return;
     }
     case KvDType::kInt4:
@@ -119,7 +128,7 @@ TEST(KvWriteCudaTest, HostEncodersMatchCpuQuantizeRow) {
       const KvRowLayout l = KvRowLayoutFor(dtype, n);
       for (int r = 0; r < 240; ++r) {
         std::vector<float> x = TestRow(r, n, rng);
-        if (r == 239 && (dtype == KvDType::kInt8 || dtype == KvDType::kInt4)) {
+        if (r == 239 && KvRowLayoutFor(dtype, n).meta_bytes > 0) {
           // Non-finite inputs: "unspecified (but valid) codes" on the CPU; the port gives the
           // same ones.
           x[0] = std::numeric_limits<float>::quiet_NaN();
@@ -133,6 +142,24 @@ TEST(KvWriteCudaTest, HostEncodersMatchCpuQuantizeRow) {
         ASSERT_EQ(got_m, want_m) << KvDTypeName(dtype) << " n=" << n << " row " << r;
       }
     }
+  }
+}
+
+TEST(KvWriteCudaTest, HostFp8ConversionsMatchCpu) {
+  for (int code = 0; code < 256; ++code) {
+    const float want = cpu::Fp8E4m3ToF32(static_cast<uint8_t>(code));
+    const float got = cuda::Fp8E4m3BitsToF32(static_cast<uint8_t>(code));
+    ASSERT_EQ(std::memcmp(&got, &want, sizeof(float)), 0) << code;
+  }
+  std::mt19937 rng(12);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 200000; ++i) {
+    // Every float bit pattern is fair game, with most draws in E4M3's range.
+    uint32_t b = bits(rng);
+    if (i % 4 != 0) b = (b & 0x807fffffu) | ((112u + b % 26u) << 23);
+    float x;
+    std::memcpy(&x, &b, sizeof(x));
+    ASSERT_EQ(cuda::F32ToFp8E4m3Bits(x), cpu::F32ToFp8E4m3(x)) << x;
   }
 }
 
@@ -162,6 +189,7 @@ TEST(KvWriteCudaTest, ArenaBytesMatchCpuForEveryDtype) {
   pairs.push_back({KvDType::kInt8, KvDType::kInt4});
   pairs.push_back({KvDType::kBF16, KvDType::kInt8});
   pairs.push_back({KvDType::kInt4, KvDType::kF16});
+  pairs.push_back({KvDType::kFp8E4m3, KvDType::kInt4});
   for (int64_t head_dim : {64, 128, 80}) {
     std::mt19937 rng(static_cast<uint32_t>(head_dim));
     // Rows of every kind, token-major as [n, kv_heads, head_dim].

@@ -46,8 +46,8 @@ using ::kvgrid::testing::HaveGpu;
 
 constexpr double kAbsTol = 1e-4;
 constexpr double kRelTol = 1e-4;
-constexpr KvDType kAllDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
-                                  KvDType::kInt4};
+constexpr KvDType kAllDTypes[] = {KvDType::kF32,  KvDType::kF16,  KvDType::kBF16,
+                                  KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3};
 
 struct Geometry {
   KvDType k_dtype = KvDType::kF32;

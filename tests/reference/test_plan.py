@@ -43,7 +43,8 @@ def llama_dir(tmp_path):
 
 def test_json_lines_one_object_per_dtype(llama_dir):
     by_dtype, rows = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
-    assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v"]
+    assert [r["dtype"] for r in rows] == ["fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v",
+                                          "fp8_e4m3"]
     for row in rows:
         for key in ("dtype", "bytes_per_token", "max_tokens", "max_sequences", "weight_bytes",
                     "kv_budget_bytes", "blocks", "context"):
@@ -59,6 +60,7 @@ def test_json_lines_one_object_per_dtype(llama_dir):
     assert by_dtype["int8"]["bytes_per_token"] == 32 * 8 * 2 * (128 + 2)
     assert by_dtype["int4"]["bytes_per_token"] == 32 * 8 * 2 * (64 + 8)
     assert by_dtype["int8k-int4v"]["bytes_per_token"] == 32 * 8 * (130 + 72)
+    assert by_dtype["fp8_e4m3"]["bytes_per_token"] == 32 * 8 * 2 * (128 + 2)
 
 
 def test_bare_config_file_and_defaults(llama_dir):
@@ -75,7 +77,7 @@ def test_bare_config_file_and_defaults(llama_dir):
 def test_text_output_names_every_dtype(llama_dir):
     r = run("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
     assert r.returncode == 0, r.stderr
-    for dtype in ("fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v"):
+    for dtype in ("fp32", "fp16", "bf16", "int8", "int4", "int8k-int4v", "fp8_e4m3"):
         assert dtype in r.stdout
     assert "131072" in r.stdout
 

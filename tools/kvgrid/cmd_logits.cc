@@ -19,7 +19,8 @@ namespace {
 
 constexpr char kHelp[] =
     "usage: kvgrid logits [--model DIR] --prompt-ids 1,2,3 [--decode-ids 4,5]\n"
-    "                     [--kv-cache-dtype fp32|fp16|bf16|int8|int4|auto] [--block-size 16]\n"
+    "                     [--kv-cache-dtype fp32|fp16|bf16|int8|int4|fp8_e4m3|auto]\n"
+    "                     [--block-size 16]\n"
     "                     (--k-cache-dtype / --v-cache-dtype choose separately)\n"
     "prints {\"logits\": [...], \"num_tokens\": N} for the last position\n";
 

@@ -30,8 +30,8 @@ constexpr char kHelp[] =
     "  --chunk N       tokens per forward pass inside a window (default 128)\n"
     "  --max-tokens N  evaluate only the first N tokens of the file\n"
     "  --weight-dtype W    fp32 (default), q8_0 or q4_0 (layers quantized at load)\n"
-    "  --kv-cache-dtype D  fp32 (default), fp16, bf16, int8, int4, or auto (the model's dtype);\n"
-    "                  --k-cache-dtype / --v-cache-dtype choose separately\n";
+    "  --kv-cache-dtype D  fp32 (default), fp16, bf16, int8, int4, fp8_e4m3, or auto (the\n"
+    "                  model's dtype); --k-cache-dtype / --v-cache-dtype choose separately\n";
 
 absl::Status Perplexity(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);

@@ -59,7 +59,8 @@ struct KvDTypeFlags {
 };
 
 // Reads --kv-cache-dtype (K and V), then --k-cache-dtype / --v-cache-dtype overrides; each
-// takes fp32, fp16, bf16, int8, int4 (or an alias ParseKvDType accepts) or auto. Default fp32.
+// takes fp32, fp16, bf16, int8, int4, fp8_e4m3 (or an alias ParseKvDType accepts) or auto.
+// Default fp32.
 // Errors: INVALID_ARGUMENT naming the flag.
 absl::StatusOr<KvDTypeFlags> KvDTypesFromArgs(Args& args);
 

@@ -25,6 +25,7 @@ const std::vector<KvDTypePair>& PlannedKvDTypes() {
       {"fp32", KvDType::kF32, KvDType::kF32},   {"fp16", KvDType::kF16, KvDType::kF16},
       {"bf16", KvDType::kBF16, KvDType::kBF16}, {"int8", KvDType::kInt8, KvDType::kInt8},
       {"int4", KvDType::kInt4, KvDType::kInt4}, {"int8k-int4v", KvDType::kInt8, KvDType::kInt4},
+      {"fp8_e4m3", KvDType::kFp8E4m3, KvDType::kFp8E4m3},
   };
   return kPairs;
 }

@@ -39,8 +39,8 @@ struct KvPlanRow {
   int64_t max_sequences = 0;        // floor(blocks / blocks_per_sequence), each at full context
 };
 
-// The (K, V) dtype pairs the planner reports, in output order: fp32, fp16, bf16, int8, int4
-// and int8 keys with int4 values (keys are the more sensitive to quantization).
+// The (K, V) dtype pairs the planner reports, in output order: fp32, fp16, bf16, int8, int4,
+// int8 keys with int4 values (keys are the more sensitive to quantization), and fp8_e4m3.
 struct KvDTypePair {
   std::string_view name;
   kernels::KvDType k;

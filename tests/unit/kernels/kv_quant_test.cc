@@ -16,8 +16,8 @@
 namespace kvgrid::kernels::cpu {
 namespace {
 
-constexpr KvDType kAllDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
-                                  KvDType::kInt4};
+constexpr KvDType kAllDTypes[] = {KvDType::kF32,  KvDType::kF16,  KvDType::kBF16,
+                                  KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3};
 constexpr int64_t kHeadDims[] = {2, 6, 16, 34, 48, 80, 128, 256};
 
 struct Encoded {
@@ -67,6 +67,10 @@ void ExpectWithinBound(KvDType dtype, const std::vector<float>& x, const char* w
         break;
       case KvDType::kInt4:
         bound = 0.5 * model::F16ToF32(MetaWord(e, i / kInt4GroupSize) & 0xfff0);
+        break;
+      case KvDType::kFp8E4m3:  // half a step of E4M3 in x / s's binade, or a subnormal one
+        bound = std::max(std::abs(x[i]) * std::ldexp(1.0, -4),
+                         model::F16ToF32(MetaWord(e, 0)) * std::ldexp(1.0, -10));
         break;
     }
     ASSERT_LE(std::abs(static_cast<double>(x[i]) - y[i]), bound * (1 + 1e-6))
@@ -168,10 +172,93 @@ TEST(KvQuantTest, Int4Format) {
   }
 }
 
+// The value of an E4M3 code from the format's definition: 4 exponent bits with bias 7,
+// 3 mantissa bits, subnormals at exponent 0.
+double E4m3Value(int code) {
+  const int e = (code >> 3) & 0xf, m = code & 7;
+  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1 + m / 8.0, e - 7);
+  return (code & 0x80) ? -mag : mag;
+}
+
+// The encoder by brute force: the nearest finite code, ties to the even mantissa, saturating.
+uint8_t NearestE4m3(double x) {
+  int best = 0;
+  double best_err = INFINITY;
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;  // NaN codes
+    if ((code & 0x80) != (std::signbit(x) ? 0x80 : 0)) continue;
+    const double err = std::abs(E4m3Value(code) - x);
+    if (err < best_err || (err == best_err && (code & 1) == 0)) best = code, best_err = err;
+  }
+  return static_cast<uint8_t>(best);
+}
+
+TEST(KvQuantTest, Fp8E4m3Codes) {
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) {
+      EXPECT_EQ(Fp8E4m3ToF32(static_cast<uint8_t>(code)), code & 0x80 ? -480.f : 480.f);
+      continue;
+    }
+    const double v = E4m3Value(code);
+    ASSERT_EQ(Fp8E4m3ToF32(static_cast<uint8_t>(code)), v) << code;
+    // Every value encodes to itself (-0 keeps its sign).
+    EXPECT_EQ(F32ToFp8E4m3(static_cast<float>(v)), code) << code;
+  }
+  EXPECT_EQ(E4m3Value(0x7e), 448.0);
+  // Halfway points (ties to even), one float ulp either side of them, and random values over
+  // the whole range, subnormals and saturation included.
+  std::vector<float> xs = {464.f, 465.f, 1e6f, 3.4e38f, std::ldexp(1.f, -10), std::ldexp(3.f, -11),
+                           std::ldexp(1.f, -6), std::ldexp(15.f, -10)};
+  for (int code = 0; code < 0x7e; ++code) {
+    const float mid = static_cast<float>((E4m3Value(code) + E4m3Value(code + 1)) / 2);
+    xs.push_back(mid);
+    xs.push_back(std::nextafter(mid, 0.f));
+    xs.push_back(std::nextafter(mid, 1e9f));
+  }
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> exponent(-14.f, 10.f);
+  for (int i = 0; i < 20000; ++i) xs.push_back(std::exp2(exponent(rng)));
+  for (float x : xs) {
+    for (float v : {x, -x}) {
+      ASSERT_EQ(F32ToFp8E4m3(v), NearestE4m3(v)) << v;
+    }
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(F32ToFp8E4m3(inf), 0x7e);
+  EXPECT_EQ(F32ToFp8E4m3(-inf), 0xfe);
+  EXPECT_EQ(F32ToFp8E4m3(std::numeric_limits<float>::quiet_NaN()), 0xfe);
+}
+
+TEST(KvQuantTest, Fp8Format) {
+  std::vector<float> x(16, 0.f);
+  x[0] = 448.f;
+  x[1] = -3.3f;     // between 3.25 and 3.5: nearer 3.25
+  x[2] = 0.0029f;   // subnormal: 1.48 steps of 2^-9 -> 1 step
+  x[3] = 300.f;     // between 288 and 320: nearer 288
+  const Encoded e = Encode(KvDType::kFp8E4m3, x);
+  EXPECT_EQ(MetaWord(e, 0), model::F32ToF16(1.f));  // s = 448 / 448
+  EXPECT_EQ(e.values[0], 0x7e);
+  EXPECT_EQ(Fp8E4m3ToF32(e.values[1]), -3.25f);
+  EXPECT_EQ(e.values[2], 0x01);
+  EXPECT_EQ(Fp8E4m3ToF32(e.values[3]), 288.f);
+  EXPECT_EQ(e.values[4], 0);
+  // The scale saturates at the largest finite fp16, and the values at 448 under it.
+  x[0] = 1e30f;
+  const Encoded big = Encode(KvDType::kFp8E4m3, x);
+  EXPECT_EQ(MetaWord(big, 0), 0x7bff);
+  EXPECT_EQ(big.values[0], 0x7e);
+  // A subnormal scale steps up rather than clip the largest value.
+  std::vector<float> tiny(16, 0.f);
+  tiny[0] = 1e-5f;  // / 448 is a subnormal fp16 of ~0.37 steps
+  const Encoded t = Encode(KvDType::kFp8E4m3, tiny);
+  ASSERT_GT(MetaWord(t, 0), 0);
+  EXPECT_LE(1e-5f / model::F16ToF32(MetaWord(t, 0)), 464.f);
+}
+
 TEST(KvQuantTest, NonFiniteInputsStayInRange) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (KvDType dtype : {KvDType::kInt8, KvDType::kInt4}) {
+  for (KvDType dtype : {KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3}) {
     std::vector<float> x(32, 1.f);
     x[3] = inf;
     x[7] = nan;

@@ -87,15 +87,18 @@ TEST(KvPlannerTest, BytesPerTokenOfLlama3_8B) {
   // int4: 64 bytes of nibbles + 4 groups x 2 bytes of scale/zero per row.
   EXPECT_EQ(KvBytesPerToken(c, KvDType::kInt4, KvDType::kInt4), 32 * 8 * 2 * 72);
   EXPECT_EQ(KvBytesPerToken(c, KvDType::kInt8, KvDType::kInt4), 32 * 8 * (130 + 72));
+  // fp8_e4m3: one byte per channel + one fp16 scale per row, as int8.
+  EXPECT_EQ(KvBytesPerToken(c, KvDType::kFp8E4m3, KvDType::kFp8E4m3), 32 * 8 * 2 * 130);
 }
 
 TEST(KvPlannerTest, Llama3_8BOn24GiBAt8192) {
   const model::ModelConfig c = Parse(kLlama3_8B);
   absl::StatusOr<std::vector<KvPlanRow>> rows = PlanKvCapacity(c, 24 * kGiB, 8192, 16, Bf16(c));
   ASSERT_TRUE(rows.ok()) << rows.status();
-  ASSERT_EQ(rows->size(), 6u);
+  ASSERT_EQ(rows->size(), 7u);
   EXPECT_EQ((*rows)[0].dtype, "fp32");
-  EXPECT_EQ(rows->back().dtype, "int8k-int4v");
+  EXPECT_EQ((*rows)[5].dtype, "int8k-int4v");
+  EXPECT_EQ(rows->back().dtype, "fp8_e4m3");
 
   const KvPlanRow& fp16 = Row(*rows, "fp16");
   EXPECT_EQ(fp16.weight_bytes, 2 * 8'030'261'248);
