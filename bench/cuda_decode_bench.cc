@@ -1,13 +1,15 @@
 // cuda_decode_bench: decode tokens/s of a Llama-3-8B-shaped model with random bf16 weights on
-// one GPU (worker/executor/cuda_llama_model.h), at batch 1 and 32, with fp16, int8 and int4 KV,
-// every sequence at --context tokens. The cache is not prefilled: decode reads every cached row
+// one GPU (worker/executor/cuda_llama_model.h), at batch 1 and 32, with fp16, int8, int4 and
+// fp8_e4m3 KV, every sequence at --context tokens, each step run kernel by kernel (eager) and
+// from a CUDA graph (--graphs both, the default; vs_eager is the graph's speedup, vs_fp16
+// compares graph rows). The cache is not prefilled: decode reads every cached row
 // whatever its value, so the zero-filled pool times the same. Each (batch, dtype) runs --warmup
 // steps, then --steps timed with CUDA events (logits stay on the device, as a sampler on the
 // device would leave them); output tokens/s = batch x steps / time. Prints JSON with --json and
 // exits 0 with a message where no GPU is visible.
 //
 //   build/bin/cuda_decode_bench [--json] [--context 8192] [--steps 20] [--warmup 3]
-//                               [--batches 1,32]
+//                               [--batches 1,32] [--graphs on|off|both]
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -37,6 +39,7 @@ int main(int argc, char** argv) {
   bool json = false;
   int64_t context = 8192, steps = 20, warmup = 3;
   std::vector<int64_t> batches = {1, 32};
+  std::vector<bool> modes = {false, true};  // eager, then CUDA graphs
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -44,13 +47,22 @@ int main(int argc, char** argv) {
     } else if ((a == "--context" || a == "--steps" || a == "--warmup") && i + 1 < argc) {
       const int64_t v = std::atoll(argv[++i]);
       (a == "--context" ? context : a == "--steps" ? steps : warmup) = v;
+    } else if (a == "--graphs" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "on" && v != "off" && v != "both") {
+        std::fprintf(stderr, "cuda_decode_bench: --graphs on|off|both, got '%s'\n", v.c_str());
+        return 2;
+      }
+      modes = v == "on" ? std::vector<bool>{true}
+              : v == "off" ? std::vector<bool>{false}
+                           : std::vector<bool>{false, true};
     } else if (a == "--batches" && i + 1 < argc) {
       batches.clear();
       std::stringstream ss(argv[++i]);
       for (std::string part; std::getline(ss, part, ',');) batches.push_back(std::atoll(part.c_str()));
     } else {
       std::fprintf(stderr, "usage: cuda_decode_bench [--json] [--context N] [--steps N] "
-                           "[--warmup N] [--batches 1,32]\n");
+                           "[--warmup N] [--batches 1,32] [--graphs on|off|both]\n");
       return 2;
     }
   }
@@ -80,7 +92,8 @@ int main(int argc, char** argv) {
                             std::pair{"int4", KvDType::kInt4},
                             std::pair{"fp8_e4m3", KvDType::kFp8E4m3}}) {
       const kvgrid::worker::KvGeometry g = (*model)->KvGeometryFor(16, kv, kv);
-      const int64_t tokens = context + warmup + steps;
+      // Both modes run on one pool, the second continuing where the first stopped.
+      const int64_t tokens = context + static_cast<int64_t>(modes.size()) * (warmup + steps);
       const int64_t blocks_needed = batch * ((tokens + 15) / 16);
       auto pool = kvgrid::worker::CudaKvPool::Create(g, blocks_needed * g.BytesPerBlock());
       if (!pool.ok()) return Fail("KV pool", pool.status());
@@ -97,29 +110,44 @@ int main(int argc, char** argv) {
                                  nullptr);
       };
       int64_t pos = context;
-      for (int64_t i = 0; i < warmup; ++i) {
-        if (absl::Status s = step(pos++); !s.ok()) return Fail("warmup", s);
+      double eager_rate = 0;
+      for (bool graphs : modes) {
+        (*model)->SetDecodeGraphs(graphs);
+        // The warmup captures the graph (the context bound stays one power of two throughout).
+        for (int64_t i = 0; i < warmup; ++i) {
+          if (absl::Status s = step(pos++); !s.ok()) return Fail("warmup", s);
+        }
+        cudaStreamSynchronize(stream);
+        const int64_t replays_before = (*model)->decode_graph_stats().replays;
+        cudaEventRecord(start, stream);
+        for (int64_t i = 0; i < steps; ++i) {
+          if (absl::Status s = step(pos++); !s.ok()) return Fail("step", s);
+        }
+        cudaEventRecord(stop, stream);
+        if (cudaEventSynchronize(stop) != cudaSuccess) {
+          return Fail("timing", absl::InternalError(cudaGetErrorString(cudaGetLastError())));
+        }
+        const auto& stats = (*model)->decode_graph_stats();
+        if (graphs && stats.replays - replays_before != steps) {
+          return Fail("graphs", absl::InternalError("timed steps did not all replay a graph: " +
+                                                    stats.disabled_by));
+        }
+        float ms = 0;
+        cudaEventElapsedTime(&ms, start, stop);
+        const double rate = static_cast<double>(batch * steps) / (ms / 1e3);
+        if (kv == KvDType::kF16 && (graphs || modes.size() == 1)) fp16_rate = rate;
+        if (!graphs) eager_rate = rate;
+        nlohmann::json row = {{"batch", batch},
+                              {"kv_dtype", name},
+                              {"cuda_graphs", graphs},
+                              {"context", context},
+                              {"step_ms", ms / static_cast<double>(steps)},
+                              {"output_tokens_per_s", rate},
+                              {"kv_bytes", (*pool)->bytes()}};
+        if (graphs && eager_rate > 0) row["vs_eager"] = rate / eager_rate;
+        if (graphs || modes.size() == 1) row["vs_fp16"] = rate / fp16_rate;
+        rows.push_back(row);
       }
-      cudaStreamSynchronize(stream);
-      cudaEventRecord(start, stream);
-      for (int64_t i = 0; i < steps; ++i) {
-        if (absl::Status s = step(pos++); !s.ok()) return Fail("step", s);
-      }
-      cudaEventRecord(stop, stream);
-      if (cudaEventSynchronize(stop) != cudaSuccess) {
-        return Fail("timing", absl::InternalError(cudaGetErrorString(cudaGetLastError())));
-      }
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      const double rate = static_cast<double>(batch * steps) / (ms / 1e3);
-      if (kv == KvDType::kF16) fp16_rate = rate;
-      rows.push_back({{"batch", batch},
-                      {"kv_dtype", name},
-                      {"context", context},
-                      {"step_ms", ms / static_cast<double>(steps)},
-                      {"output_tokens_per_s", rate},
-                      {"vs_fp16", rate / fp16_rate},
-                      {"kv_bytes", (*pool)->bytes()}});
     }
   }
   nlohmann::json j = {{"model", "llama-3-8b-shape (random bf16 weights)"},

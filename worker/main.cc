@@ -74,10 +74,13 @@ constexpr char kHelp[] =
     "                              (default 0.9; --kv-cache-memory sets the pool instead)\n"
     "  --dtype auto|fp16|bf16|fp32 cuda: the dense weights' type (auto: the checkpoint's\n"
     "                              torch_dtype, fp16 when it is not bf16)\n"
+    "  --cuda-graphs BOOL          cuda: replay decode steps of up to 256 sequences from CUDA\n"
+    "                              graphs (default true; false runs every step kernel by\n"
+    "                              kernel, as vLLM's --enforce-eager)\n"
     "  --kv-cache-memory BYTES     KV pool (e.g. 256MiB; default 256MiB on cpu)\n"
     "  --weight-dtype DT           fp32 (default), q8_0 or q4_0: quantize the layers'\n"
     "                              weights at load\n"
-    "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|auto (--k-cache-dtype,\n"
+    "  --kv-cache-dtype DT         fp32|fp16|bf16|int8|int4|fp8_e4m3|auto (--k-cache-dtype,\n"
     "                              --v-cache-dtype override one; default fp32 on cpu, auto on\n"
     "                              cuda)\n"
     "  --block-size N --max-num-seqs N --max-num-batched-tokens N --max-model-len N\n"
@@ -89,7 +92,7 @@ constexpr char kHelp[] =
 absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
     kvgrid::worker::CreateCudaExecutorFn create, std::unique_ptr<kvgrid::worker::LlamaModel> model,
     const kvgrid::worker::EngineOptions& options, const std::string& dense_dtype,
-    double gpu_memory_utilization, bool kv_memory_given) {
+    double gpu_memory_utilization, bool kv_memory_given, bool cuda_graphs) {
   KVGRID_RETURN_IF_ERROR(kvgrid::worker::Engine::ValidateOptions(options, model->config()));
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<kvgrid::worker::Executor> executor,
@@ -101,10 +104,12 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
                                 .gpu_memory_utilization = gpu_memory_utilization,
                                 .max_num_batched_tokens = options.max_num_batched_tokens,
                                 .max_num_seqs = options.max_num_seqs,
-                                .swap_space = options.swap_space}));
-  std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens\n",
+                                .swap_space = options.swap_space,
+                                .cuda_graphs = cuda_graphs}));
+  std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens, %s\n",
                static_cast<long long>(executor->num_blocks()),
-               static_cast<long long>(options.block_size));
+               static_cast<long long>(options.block_size),
+               cuda_graphs ? "decode steps from CUDA graphs" : "no CUDA graphs");
   return kvgrid::worker::Engine::Create(std::move(executor), options);
 }
 
@@ -173,6 +178,7 @@ absl::Status Serve(Args& args) {
   const std::string device = args.GetString("device").value_or("cpu");
   KVGRID_ASSIGN_OR_RETURN(auto gpu_memory_utilization, args.GetDouble("gpu-memory-utilization"));
   const std::string dense_dtype = args.GetString("dtype").value_or("auto");
+  KVGRID_ASSIGN_OR_RETURN(const bool cuda_graphs, args.GetBool("cuda-graphs", true));
   const bool kv_memory_given = args.Has("kv-cache-memory");
   const bool kv_dtype_given =
       args.Has("kv-cache-dtype") || args.Has("k-cache-dtype") || args.Has("v-cache-dtype");
@@ -263,7 +269,8 @@ absl::Status Serve(Args& args) {
   if (device == "cuda") {
     KVGRID_ASSIGN_OR_RETURN(
         engine, CudaEngine(create_cuda, std::move(loaded.model), options, dense_dtype,
-                           gpu_memory_utilization.value_or(0.9), kv_memory_given));
+                           gpu_memory_utilization.value_or(0.9), kv_memory_given,
+                           cuda_graphs));
   } else {
     KVGRID_ASSIGN_OR_RETURN(engine,
                             kvgrid::worker::Engine::Create(std::move(loaded.model), options));

@@ -12,7 +12,10 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <cuda_runtime_api.h>
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/quant_linear.h"
@@ -136,7 +139,7 @@ TEST(CudaLlamaModelTest, Fp32WeightsMatchTheCpuModelForEveryKvDType) {
   // logit leaves a wide margin over the ~1e-6 seen in the op tests); the KV bytes are
   // identical for every dtype, since the device encoders reproduce the CPU's exactly.
   for (KvDType kv : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
-                     KvDType::kInt4}) {
+                     KvDType::kInt4, KvDType::kFp8E4m3}) {
     Compare(config, **cpu_model, model::DType::kF32, kv, 1e-4, true,
             std::string("random qwen2, KV ") + std::string(kernels::KvDTypeName(kv)));
   }
@@ -207,6 +210,139 @@ TEST(CudaLlamaModelTest, BadTokenIdIsAnErrorAfterTheStep) {
   const std::vector<int32_t> good = {1, 2, 3};
   EXPECT_TRUE((*gpu_model)->Forward(SingleSequenceBatch(blocks, 1, 0, good), **pool, &logits).ok());
   EXPECT_EQ(logits.size(), static_cast<size_t>(config.vocab_size));
+}
+
+
+// One decode step for sequences at different positions (DecodeBatch puts all at one).
+ForwardBatch MixedDecodeBatch(const BlockManager& blocks, const std::vector<SequenceId>& seqs,
+                              const std::vector<int64_t>& positions,
+                              const std::vector<int32_t>& tokens) {
+  ForwardBatch b;
+  b.query_start.push_back(0);
+  for (SequenceId seq : seqs) {
+    b.max_blocks_per_seq =
+        std::max(b.max_blocks_per_seq, static_cast<int64_t>(blocks.BlockTable(seq).size()));
+  }
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    b.token_ids.push_back(tokens[i]);
+    b.positions.push_back(static_cast<int32_t>(positions[i]));
+    b.slots.push_back(blocks.Slot(seqs[i], positions[i]));
+    b.query_start.push_back(static_cast<int32_t>(i + 1));
+    b.seq_lens.push_back(static_cast<int32_t>(positions[i] + 1));
+    b.logit_rows.push_back(static_cast<int32_t>(i));
+    std::vector<int32_t> table = blocks.BlockTable(seqs[i]);
+    table.resize(static_cast<size_t>(b.max_blocks_per_seq), 0);
+    b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
+  }
+  return b;
+}
+
+// The same calls on two models, one eager and one with decode graphs: prefills of different
+// lengths, decode steps of 5 sequences (bucket 8) whose contexts cross power-of-two block
+// bounds (new graphs), then a long prefill that grows the step buffers (stale graphs dropped
+// and captured again) and decodes of 6 sequences. Graph steps repeat the eager padded step's
+// kernels, which differ from the unpadded eager step's only in GEMM row counts and attention
+// chunking, so logits agree to fp32 noise and the greedy tokens are the same; padding rows write
+// no KV, so blocks no sequence holds stay zero.
+TEST(CudaLlamaModelTest, DecodeGraphsMatchEagerSteps) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const model::ModelConfig config = TinyQwen();
+  auto cpu_model = LlamaModel::FromWeights(config, LlamaModel::RandomWeights(config, 9));
+  ASSERT_TRUE(cpu_model.ok());
+  for (KvDType kv : {KvDType::kF16, KvDType::kFp8E4m3}) {
+    SCOPED_TRACE(std::string(kernels::KvDTypeName(kv)));
+    const KvGeometry g = (*cpu_model)->KvGeometryFor(16, kv, kv);
+    struct Side {
+      std::unique_ptr<CudaLlamaModel> model;
+      std::unique_ptr<CudaKvPool> pool;
+      std::unique_ptr<BlockManager> blocks;
+    };
+    Side sides[2];
+    for (Side& side : sides) {
+      auto m = CudaLlamaModel::FromWeights(config, (*cpu_model)->weights(), model::DType::kF32);
+      ASSERT_TRUE(m.ok()) << m.status();
+      auto pool = CudaKvPool::Create(g, 128 * g.BytesPerBlock());
+      ASSERT_TRUE(pool.ok()) << pool.status();
+      side.model = *std::move(m);
+      side.pool = *std::move(pool);
+      side.blocks = std::make_unique<BlockManager>(side.pool->num_blocks(), 16);
+    }
+    sides[1].model->SetDecodeGraphs(true);
+
+    std::vector<SequenceId> seqs;
+    std::vector<int64_t> positions;
+    std::vector<int32_t> next;
+    std::vector<std::vector<float>> last(2);
+    // Prefills `len` tokens of a new sequence on both sides.
+    auto prefill = [&](SequenceId seq, int64_t len) {
+      std::vector<int32_t> prompt(len);
+      for (int64_t i = 0; i < len; ++i) prompt[i] = static_cast<int32_t>((i * 31 + seq) % 512);
+      for (int side = 0; side < 2; ++side) {
+        ASSERT_TRUE(sides[side].blocks->Reserve(seq, len + 40).ok());
+        ASSERT_TRUE(sides[side]
+                        .model->Forward(SingleSequenceBatch(*sides[side].blocks, seq, 0, prompt),
+                                        *sides[side].pool, &last[side])
+                        .ok());
+      }
+      seqs.push_back(seq);
+      positions.push_back(len);
+      next.push_back(ArgMax(last[0]));
+    };
+    auto decode = [&](int steps) {
+      for (int step = 0; step < steps; ++step) {
+        for (int side = 0; side < 2; ++side) {
+          const ForwardBatch b = MixedDecodeBatch(*sides[side].blocks, seqs, positions, next);
+          ASSERT_TRUE(sides[side].model->Forward(b, *sides[side].pool, &last[side]).ok());
+        }
+        ASSERT_EQ(last[0].size(), last[1].size());
+        double worst = 0, magnitude = 0;
+        for (size_t i = 0; i < last[0].size(); ++i) {
+          worst = std::max(worst, std::fabs(double{last[0][i]} - last[1][i]));
+          magnitude = std::max(magnitude, std::fabs(double{last[0][i]}));
+        }
+        ASSERT_LE(worst, 1e-5 * std::max(1.0, magnitude)) << "step " << step;
+        for (size_t s = 0; s < seqs.size(); ++s) {
+          const auto row = [&](int side) {
+            return std::vector<float>(last[side].begin() + s * config.vocab_size,
+                                      last[side].begin() + (s + 1) * config.vocab_size);
+          };
+          ASSERT_EQ(ArgMax(row(1)), ArgMax(row(0))) << "sequence " << s << " step " << step;
+          next[s] = ArgMax(row(0));
+          ++positions[s];
+        }
+      }
+    };
+    for (auto [seq, len] : {std::pair{1, 3}, std::pair{2, 17}, std::pair{3, 30}, std::pair{4, 9},
+                            std::pair{5, 62}}) {
+      prefill(seq, len);
+    }
+    decode(24);  // the longest context goes from 63 to 86 tokens: 4, then 8 blocks
+    prefill(6, 300);  // grows the step buffers: the graphs are captured again
+    decode(8);
+
+    const CudaLlamaModel::DecodeGraphStats& stats = sides[1].model->decode_graph_stats();
+    EXPECT_EQ(stats.disabled_by, "");
+    EXPECT_GE(stats.captures, 3);
+    EXPECT_EQ(stats.captures + stats.replays, 32);  // every decode step took the graph path
+    EXPECT_EQ(sides[0].model->decode_graph_stats().replays, 0);
+
+    // Blocks no sequence holds were never written by the graph side (pools start zeroed).
+    std::vector<bool> held(sides[1].pool->num_blocks(), false);
+    for (SequenceId seq : seqs) {
+      for (int32_t block : sides[1].blocks->BlockTable(seq)) held[block] = true;
+    }
+    const int64_t block_bytes = g.num_kv_heads * g.block_size *
+                                kernels::KvRowLayoutFor(kv, g.head_dim).value_bytes;
+    std::vector<uint8_t> plane(sides[1].pool->num_blocks() * block_bytes);
+    ASSERT_EQ(cudaMemcpy(plane.data(), sides[1].pool->k(0), plane.size(), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int32_t block = 0; block < sides[1].pool->num_blocks(); ++block) {
+      if (held[block]) continue;
+      const auto begin = plane.begin() + block * block_bytes;
+      EXPECT_TRUE(std::all_of(begin, begin + block_bytes, [](uint8_t v) { return v == 0; }))
+          << "block " << block << " written by a padding row";
+    }
+  }
 }
 
 }  // namespace

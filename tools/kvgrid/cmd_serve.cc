@@ -47,7 +47,7 @@ constexpr char kHelp[] =
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
-    "  --device --dtype --gpu-memory-utilization\n"
+    "  --device --dtype --gpu-memory-utilization --cuda-graphs\n"
     "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
     "  the machine)\n";
 
@@ -56,7 +56,7 @@ constexpr const char* kWorkerFlags[] = {
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
     "weight-dtype",           "preemption-mode", "watermark",
-    "device",                 "dtype",          "gpu-memory-utilization"};
+    "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs"};
 
 // Workers in state SERVING, or -1 while the coordinator does not answer.
 int ServingWorkers(v1::Generation::Stub& stub) {

@@ -66,6 +66,7 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
                         absl::StrCat("KV cache: ", pool.status().message()));
   }
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
+  executor->model_->SetDecodeGraphs(options.cuda_graphs);
   if (options.swap_space > 0) {
     const int64_t blocks = options.swap_space / geometry.BytesPerBlock();
     if (blocks < 1 || blocks > INT32_MAX) {

@@ -51,6 +51,7 @@ class CudaExecutor final : public Executor {
     int64_t max_num_batched_tokens = 8192;  // sizes the step workspace kept free
     int64_t max_num_seqs = 64;
     int64_t swap_space = 0;               // pinned host bytes; 0: none
+    bool cuda_graphs = true;              // decode steps replayed from CUDA graphs
   };
 
   // Allocates the pool and the swap space for `model` (already on the device). Errors:

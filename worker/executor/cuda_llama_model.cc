@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -173,6 +174,12 @@ DeviceBuffer::~DeviceBuffer() {
 }
 
 // --- CudaKvPool ---------------------------------------------------------------------------
+
+CudaKvPool::CudaKvPool(const KvGeometry& geometry, int32_t num_blocks)
+    : geometry_(geometry), num_blocks_(num_blocks) {
+  static std::atomic<uint64_t> next_id{1};
+  id_ = next_id.fetch_add(1);
+}
 
 absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
                                                                int64_t budget_bytes) {
@@ -446,37 +453,39 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
   const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
   if (tokens > cap_tokens_) {
     const int64_t t = std::max<int64_t>(tokens, 2 * cap_tokens_);
-    KVGRID_RETURN_IF_ERROR(Grow(ids_, t * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(positions_, t * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(slots_, t * 8));
-    KVGRID_RETURN_IF_ERROR(Grow(x_, t * hidden * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(h_, t * hidden * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(qkv_, t * (q_dim + 2 * kv_dim) * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(q_, t * q_dim * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(k_, t * kv_dim * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(v_, t * kv_dim * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(attn_, t * q_dim * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(gate_up_, t * 2 * inter * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(act_, t * inter * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(cast_, t * std::max({hidden, q_dim, inter}) * 2));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(ids_, t * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(positions_, t * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(slots_, t * 8));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(x_, t * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(h_, t * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(qkv_, t * (q_dim + 2 * kv_dim) * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(q_, t * q_dim * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(k_, t * kv_dim * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(v_, t * kv_dim * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(attn_, t * q_dim * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(gate_up_, t * 2 * inter * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(act_, t * inter * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cast_, t * std::max({hidden, q_dim, inter}) * 2));
     if (ones_.bytes() < t * 4) {
       KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(t, 1.f)));
+      ++buffers_generation_;
     }
     cap_tokens_ = t;
   }
   if (seqs > cap_seqs_) {
-    KVGRID_RETURN_IF_ERROR(Grow(query_start_, (seqs + 1) * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(seq_lens_, seqs * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(query_start_, (seqs + 1) * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(seq_lens_, seqs * 4));
     cap_seqs_ = seqs;
   }
-  KVGRID_RETURN_IF_ERROR(Grow(block_tables_, std::max<int64_t>(1, seqs * max_blocks) * 4));
+  KVGRID_RETURN_IF_ERROR(GrowStepBuffer(block_tables_, std::max<int64_t>(1, seqs * max_blocks) * 4));
   if (logit_rows > cap_rows_) {
-    KVGRID_RETURN_IF_ERROR(Grow(rows_, logit_rows * hidden * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(logits_, logit_rows * c.vocab_size * 4));
-    KVGRID_RETURN_IF_ERROR(Grow(cast_, std::max(cap_tokens_, logit_rows) *
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(rows_, logit_rows * hidden * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(logits_, logit_rows * c.vocab_size * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cast_, std::max(cap_tokens_, logit_rows) *
                                            std::max({hidden, q_dim, inter}) * 2));
     if (ones_.bytes() < logit_rows * 4) {
       KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(logit_rows, 1.f)));
+      ++buffers_generation_;
     }
     cap_rows_ = logit_rows;
   }
@@ -485,28 +494,42 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
 
 absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
                                      std::vector<float>* logits) {
-  const model::ModelConfig& c = config_;
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
   const KvGeometry& g = pool.geometry();
-  if (g.num_layers != c.num_hidden_layers || g.num_kv_heads != c.num_key_value_heads ||
-      g.head_dim != c.head_dim) {
+  if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != config_.num_key_value_heads ||
+      g.head_dim != config_.head_dim) {
     return absl::InvalidArgumentError("KV pool geometry does not match the model");
   }
   if (logits != nullptr) logits->clear();
   if (n == 0) return absl::OkStatus();
   KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks()));
-  // Flags a step's kernels raise are this step's alone, whether or not the last one read them.
-  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags_.get(), 0, 2 * sizeof(int32_t), stream_));
   int32_t max_seq_len = 0, max_query_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     max_seq_len = std::max(max_seq_len, b.seq_lens[s]);
     max_query_len = std::max(max_query_len, b.query_start[s + 1] - b.query_start[s]);
   }
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
-  KVGRID_RETURN_IF_ERROR(Reserve(n, num_seqs, b.max_blocks_per_seq, m));
+  // A plain decode step: one query token per sequence, logits for each, in order.
+  bool plain_decode = graphs_enabled_ && max_query_len == 1 && n == num_seqs &&
+                      n <= kMaxGraphBatch && m == n;
+  for (int64_t i = 0; plain_decode && i < m; ++i) plain_decode = b.logit_rows[i] == i;
+  if (plain_decode) return ForwardDecodeGraph(b, max_seq_len, pool, logits);
 
+  const StepShape shape{.tokens = n,
+                        .seqs = num_seqs,
+                        .max_blocks = b.max_blocks_per_seq,
+                        .max_seq_len = max_seq_len,
+                        .max_query_len = max_query_len};
+  KVGRID_RETURN_IF_ERROR(PrepareStep(shape, pool, m));
+  KVGRID_RETURN_IF_ERROR(UploadInputs(b));
+  KVGRID_RETURN_IF_ERROR(EnqueueStep(shape, pool, b.logit_rows));
+  ++graph_stats_.eager_steps;
+  return FinishStep(m, logits);
+}
+
+absl::Status CudaLlamaModel::UploadInputs(const ForwardBatch& b) {
   const auto upload = [&](DeviceBuffer& dst, const auto& v) -> absl::Status {
     if (v.empty()) return absl::OkStatus();
     KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst.get(), v.data(), v.size() * sizeof(v[0]),
@@ -519,13 +542,63 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   KVGRID_RETURN_IF_ERROR(upload(query_start_, b.query_start));
   KVGRID_RETURN_IF_ERROR(upload(seq_lens_, b.seq_lens));
   KVGRID_RETURN_IF_ERROR(upload(block_tables_, b.block_tables));
+  return absl::OkStatus();
+}
 
+cuda::PagedAttentionParams CudaLlamaModel::AttentionParams(const StepShape& shape,
+                                                           const CudaKvPool& pool) const {
+  const KvGeometry& g = pool.geometry();
+  const int64_t hd = config_.head_dim;
+  return {.query = q_.as<float>(),
+          .output = attn_.as<float>(),
+          .k_dtype = g.k_dtype,
+          .v_dtype = g.v_dtype,
+          .block_tables = block_tables_.as<int32_t>(),
+          .seq_lens = seq_lens_.as<int32_t>(),
+          .query_start = query_start_.as<int32_t>(),
+          .num_seqs = shape.seqs,
+          .num_tokens = shape.tokens,
+          .max_blocks_per_seq = shape.max_blocks,
+          .num_blocks = pool.num_blocks(),
+          .num_heads = config_.num_attention_heads,
+          .num_kv_heads = config_.num_key_value_heads,
+          .block_size = g.block_size,
+          .head_dim = hd,
+          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
+          .max_seq_len = shape.max_seq_len,
+          .max_query_len = shape.max_query_len,
+          .workspace = attn_workspace_.get(),
+          .workspace_bytes = attn_workspace_.bytes()};
+}
+
+absl::Status CudaLlamaModel::PrepareStep(const StepShape& shape, const CudaKvPool& pool,
+                                         int64_t logit_rows) {
+  KVGRID_RETURN_IF_ERROR(Reserve(shape.tokens, shape.seqs, shape.max_blocks, logit_rows));
+  return GrowStepBuffer(attn_workspace_,
+                        cuda::PagedAttentionWorkspaceBytes(AttentionParams(shape, pool)));
+}
+
+absl::Status CudaLlamaModel::GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes) {
+  if (buffer.bytes() >= bytes) return absl::OkStatus();
+  KVGRID_RETURN_IF_ERROR(Grow(buffer, bytes));
+  ++buffers_generation_;
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& pool,
+                                         const std::vector<int32_t>& logit_rows) {
+  const model::ModelConfig& c = config_;
+  const KvGeometry& g = pool.geometry();
+  const int64_t n = shape.tokens;
+  const int64_t m = static_cast<int64_t>(logit_rows.size());
   const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
   const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
   const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim;
   const float eps = static_cast<float>(c.rms_norm_eps);
   int32_t* flags = flags_.as<int32_t>();
 
+  // Flags a step's kernels raise are this step's alone, whether or not the last one read them.
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, 2 * sizeof(int32_t), stream_));
   KVGRID_RETURN_IF_ERROR(cuda::LaunchEmbedding({.table = embed_.get(),
                                                 .ids = ids_.as<int32_t>(),
                                                 .output = x_.as<float>(),
@@ -535,28 +608,7 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
                                                 .hidden = hidden,
                                                 .num_tokens = n},
                                                stream_));
-  cuda::PagedAttentionParams attention{
-      .query = q_.as<float>(),
-      .output = attn_.as<float>(),
-      .k_dtype = g.k_dtype,
-      .v_dtype = g.v_dtype,
-      .block_tables = block_tables_.as<int32_t>(),
-      .seq_lens = seq_lens_.as<int32_t>(),
-      .query_start = query_start_.as<int32_t>(),
-      .num_seqs = num_seqs,
-      .num_tokens = n,
-      .max_blocks_per_seq = b.max_blocks_per_seq,
-      .num_blocks = pool.num_blocks(),
-      .num_heads = heads,
-      .num_kv_heads = kv_heads,
-      .block_size = g.block_size,
-      .head_dim = hd,
-      .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
-      .max_seq_len = max_seq_len,
-      .max_query_len = max_query_len};
-  KVGRID_RETURN_IF_ERROR(Grow(attn_workspace_, cuda::PagedAttentionWorkspaceBytes(attention)));
-  attention.workspace = attn_workspace_.get();
-  attention.workspace_bytes = attn_workspace_.bytes();
+  cuda::PagedAttentionParams attention = AttentionParams(shape, pool);
 
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const Layer& l = layers_[layer];
@@ -630,11 +682,15 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   }
 
   if (m > 0) {
-    // Only the requested rows go through the final norm and the vocabulary projection.
-    for (int64_t i = 0; i < m; ++i) {
+    // Only the requested rows go through the final norm and the vocabulary projection; runs of
+    // consecutive rows (a decode step's are all one run) are one copy.
+    for (int64_t i = 0; i < m;) {
+      int64_t run = 1;
+      while (i + run < m && logit_rows[i + run] == logit_rows[i] + run) ++run;
       KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-          rows_.as<float>() + i * hidden, x_.as<float>() + b.logit_rows[i] * hidden,
-          hidden * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+          rows_.as<float>() + i * hidden, x_.as<float>() + int64_t{logit_rows[i]} * hidden,
+          run * hidden * sizeof(float), cudaMemcpyDeviceToDevice, stream_));
+      i += run;
     }
     KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = rows_.as<float>(),
                                                 .weight = final_norm_.as<float>(),
@@ -646,15 +702,19 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
     KVGRID_RETURN_IF_ERROR(RunLinear(head_, rows_.as<float>(), nullptr, logits_.as<float>(), m,
                                      false));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaLlamaModel::FinishStep(int64_t rows, std::vector<float>* logits) {
   if (logits == nullptr) return absl::OkStatus();
-  logits->resize(static_cast<size_t>(m * c.vocab_size));
+  logits->resize(static_cast<size_t>(rows * config_.vocab_size));
   int32_t host_flags[2] = {0, 0};
-  if (m > 0) {
+  if (rows > 0) {
     KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits->data(), logits_.get(),
                                                 logits->size() * sizeof(float),
                                                 cudaMemcpyDeviceToHost, stream_));
   }
-  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags, flags, sizeof(host_flags),
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags, flags_.get(), sizeof(host_flags),
                                               cudaMemcpyDeviceToHost, stream_));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   if (host_flags[0] != 0 || host_flags[1] != 0) {
@@ -666,6 +726,111 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
                                           : "ForwardBatch: a KV slot is outside the pool");
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The batch buckets of decode graphs: 1, 2, 4, 8, then multiples of 8.
+int64_t GraphBatchBucket(int64_t n) {
+  if (n <= 2) return n;
+  if (n <= 4) return 4;
+  return (n + 7) / 8 * 8;
+}
+
+int64_t NextPowerOfTwo(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+}  // namespace
+
+void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
+  (void)cudaGraphExecDestroy(exec);  // a failure leaves nothing to recover
+}
+
+void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
+  graphs_enabled_ = enabled;
+  if (!enabled) graphs_.clear();
+}
+
+absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len,
+                                                CudaKvPool& pool, std::vector<float>* logits) {
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t batch = GraphBatchBucket(n);
+  const int64_t block_size = pool.geometry().block_size;
+  const int64_t max_blocks =
+      NextPowerOfTwo(std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size));
+
+  // The padded inputs: padding rows decode token 0 at position 0 into no slot (-1, which the KV
+  // write skips) with no context (their attention output is zeros).
+  ForwardBatch& p = padded_;
+  p.token_ids.assign(b.token_ids.begin(), b.token_ids.end());
+  p.token_ids.resize(batch, 0);
+  p.positions.assign(b.positions.begin(), b.positions.end());
+  p.positions.resize(batch, 0);
+  p.slots.assign(b.slots.begin(), b.slots.end());
+  p.slots.resize(batch, -1);
+  p.query_start.resize(batch + 1);
+  for (int64_t i = 0; i <= batch; ++i) p.query_start[i] = static_cast<int32_t>(i);
+  p.seq_lens.assign(b.seq_lens.begin(), b.seq_lens.end());
+  p.seq_lens.resize(batch, 0);
+  p.max_blocks_per_seq = max_blocks;
+  p.block_tables.assign(batch * max_blocks, 0);
+  const int64_t copy = std::min(max_blocks, b.max_blocks_per_seq);
+  for (int64_t s = 0; s < n; ++s) {
+    std::copy_n(b.block_tables.begin() + s * b.max_blocks_per_seq, copy,
+                p.block_tables.begin() + s * max_blocks);
+  }
+  p.logit_rows.resize(batch);
+  for (int64_t i = 0; i < batch; ++i) p.logit_rows[i] = static_cast<int32_t>(i);
+
+  const StepShape shape{.tokens = batch,
+                        .seqs = batch,
+                        .max_blocks = max_blocks,
+                        .max_seq_len = static_cast<int32_t>(max_blocks * block_size),
+                        .max_query_len = 1};
+  KVGRID_RETURN_IF_ERROR(PrepareStep(shape, pool, batch));
+  KVGRID_RETURN_IF_ERROR(UploadInputs(p));
+  if (graphs_generation_ != buffers_generation_) {  // a buffer moved: the graphs are stale
+    graphs_.clear();
+    graphs_generation_ = buffers_generation_;
+  }
+  const GraphKey key{batch, max_blocks, pool.id()};
+  if (auto it = graphs_.find(key); it != graphs_.end()) {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.get(), stream_));
+    ++graph_stats_.replays;
+    return FinishStep(n, logits);
+  }
+
+  // First step of this shape: run it eagerly (this step's results), then capture it.
+  KVGRID_RETURN_IF_ERROR(EnqueueStep(shape, pool, p.logit_rows));
+  ++graph_stats_.eager_steps;
+  // ThreadLocal: CUDA calls other threads make meanwhile are neither captured nor refused.
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const absl::Status enqueued = EnqueueStep(shape, pool, p.logit_rows);
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
+  cudaGraphExec_t exec = nullptr;
+  cudaError_t instantiated = cudaErrorUnknown;
+  if (enqueued.ok() && ended == cudaSuccess && graph != nullptr) {
+    instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  }
+  if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  if (!enqueued.ok() || ended != cudaSuccess || instantiated != cudaSuccess) {
+    // The eager step stands; later steps stay eager.
+    graph_stats_.disabled_by =
+        !enqueued.ok()         ? std::string(enqueued.message())
+        : ended != cudaSuccess ? absl::StrCat("cudaStreamEndCapture: ", cudaGetErrorString(ended))
+                               : absl::StrCat("cudaGraphInstantiate: ",
+                                              cudaGetErrorString(instantiated));
+    SetDecodeGraphs(false);
+    (void)cudaGetLastError();  // the failed capture's error is reported above, not to the next call
+    return FinishStep(n, logits);
+  }
+  graphs_.emplace(key, GraphExec(exec));
+  ++graph_stats_.captures;
+  return FinishStep(n, logits);
 }
 
 }  // namespace kvgrid::worker

@@ -9,6 +9,15 @@
 // dequantized inside kernels/cuda/quant_linear). Activations stay fp32 between ops.
 // Tensor parallelism is not supported yet (size 1).
 //
+// Decode steps can be replayed from CUDA graphs (SetDecodeGraphs): a step whose every sequence
+// has one query token is padded to a batch bucket (1, 2, 4, 8, then multiples of 8 up to
+// kMaxGraphBatch) and a power-of-two bound on the blocks per sequence; padding rows write no KV
+// (slot -1) and see no context. The first step of each (bucket, bound, pool) runs eagerly on the
+// padded inputs, which warms every kernel and cuBLAS call, and is then captured; later steps of
+// that shape launch the graph, the same kernels with the same arguments, so a replay gives the
+// eager padded step's results bit for bit. A capture that fails turns graphs off for the model
+// and is reported in decode_graph_stats(); the step still completes eagerly.
+//
 // Not thread-safe: one engine thread drives a model and its pool; every call enqueues on the
 // model's stream and Forward synchronizes once, when the logits come back.
 #ifndef KVGRID_WORKER_EXECUTOR_CUDA_LLAMA_MODEL_H_
@@ -17,12 +26,17 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cuda/cublas_handle.h"
+#include "kernels/cuda/paged_attention.cuh"
 #include "model/dtype.h"
 #include "model/model_config.h"
 #include "worker/executor/llama_model.h"
@@ -64,6 +78,8 @@ class CudaKvPool {
 
   [[nodiscard]] const KvGeometry& geometry() const { return geometry_; }
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
+  // Unique among the pools of this process (graphs captured on one pool name it).
+  [[nodiscard]] uint64_t id() const { return id_; }
   [[nodiscard]] int64_t bytes() const { return num_blocks_ * geometry_.BytesPerBlock(); }
   // Device pointers of `layer`'s planes; the meta planes are null for float dtypes.
   [[nodiscard]] void* k(int64_t layer) const { return k_[layer].get(); }
@@ -72,11 +88,11 @@ class CudaKvPool {
   [[nodiscard]] void* v_meta(int64_t layer) const { return v_meta_[layer].get(); }
 
  private:
-  CudaKvPool(const KvGeometry& geometry, int32_t num_blocks)
-      : geometry_(geometry), num_blocks_(num_blocks) {}
+  CudaKvPool(const KvGeometry& geometry, int32_t num_blocks);
 
   KvGeometry geometry_;
   int32_t num_blocks_;
+  uint64_t id_;
   std::vector<DeviceBuffer> k_, v_, k_meta_, v_meta_;  // one per layer
 };
 
@@ -119,6 +135,18 @@ class CudaLlamaModel {
   // INTERNAL naming a failed CUDA/cuBLAS call.
   absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
 
+  // Decode steps of at most this many sequences can run from graphs.
+  static constexpr int64_t kMaxGraphBatch = 256;
+  // Turns decode graphs on or off (off at construction). Turning them off frees the graphs.
+  void SetDecodeGraphs(bool enabled);
+  struct DecodeGraphStats {
+    int64_t captures = 0;      // graphs captured (each after one eager padded step)
+    int64_t replays = 0;       // decode steps launched from a graph
+    int64_t eager_steps = 0;   // steps run kernel by kernel (prefill, large or first decodes)
+    std::string disabled_by;   // why a capture failed and graphs were turned off, else empty
+  };
+  [[nodiscard]] const DecodeGraphStats& decode_graph_stats() const { return graph_stats_; }
+
   // A linear layer on the device: dense [out, in] in `dtype`, or quantized blocks.
   struct Linear {
     DeviceBuffer storage;     // the weights, unless they are another buffer's (a tied head)
@@ -147,6 +175,32 @@ class CudaLlamaModel {
   // Workspaces sized for `tokens` tokens, `seqs` sequences and `logit_rows` rows (grown,
   // never shrunk).
   absl::Status Reserve(int64_t tokens, int64_t seqs, int64_t max_blocks, int64_t logit_rows);
+  // Grows a step buffer; a new allocation invalidates the captured graphs (they hold the old
+  // addresses), so it bumps buffers_generation_.
+  absl::Status GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes);
+
+  // A step's sizes, as the kernels are launched with them.
+  struct StepShape {
+    int64_t tokens = 0, seqs = 0, max_blocks = 0;
+    int32_t max_seq_len = 0, max_query_len = 0;
+  };
+  // The attention launch of a step (the layer's arenas left for the caller to set).
+  kernels::cuda::PagedAttentionParams AttentionParams(const StepShape& shape,
+                                                      const CudaKvPool& pool) const;
+  // Sizes every step buffer and the attention workspace for `shape`.
+  absl::Status PrepareStep(const StepShape& shape, const CudaKvPool& pool, int64_t logit_rows);
+  // Uploads the step inputs (host arrays laid out as ForwardBatch's).
+  absl::Status UploadInputs(const ForwardBatch& b);
+  // Enqueues a whole step on stream_ over the uploaded inputs: flags reset, layers, and the
+  // final norm and head for `logit_rows` (rows of the step's tokens). Capturable: no host
+  // synchronization and no allocation once Reserve and the attention workspace are sized.
+  absl::Status EnqueueStep(const StepShape& shape, CudaKvPool& pool,
+                           const std::vector<int32_t>& logit_rows);
+  // Copies the first `rows` rows of logits back (when `logits` is not null), checks the flags.
+  absl::Status FinishStep(int64_t rows, std::vector<float>* logits);
+  // The decode-graph path of Forward (see the class comment).
+  absl::Status ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len, CudaKvPool& pool,
+                                  std::vector<float>* logits);
 
   model::ModelConfig config_;
   model::DType dense_dtype_;
@@ -163,6 +217,25 @@ class CudaLlamaModel {
   DeviceBuffer x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, logits_, cast_, ones_;
   DeviceBuffer attn_workspace_;
   int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_blocks_ = 0, cap_rows_ = 0, cap_cast_ = 0;
+
+  // Decode graphs by (batch bucket, blocks bound, pool id); valid while buffers_generation_
+  // matches the one they were captured at.
+  struct GraphKey {
+    int64_t batch = 0, max_blocks = 0;
+    uint64_t pool = 0;
+    bool operator<(const GraphKey& o) const {
+      return std::tie(batch, max_blocks, pool) < std::tie(o.batch, o.max_blocks, o.pool);
+    }
+  };
+  struct GraphExecDeleter {
+    void operator()(cudaGraphExec_t exec) const;
+  };
+  using GraphExec = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>;
+  bool graphs_enabled_ = false;
+  uint64_t buffers_generation_ = 0, graphs_generation_ = 0;
+  std::map<GraphKey, GraphExec> graphs_;
+  DecodeGraphStats graph_stats_;
+  ForwardBatch padded_;  // the padded decode batch, reused
 };
 
 }  // namespace kvgrid::worker

@@ -35,7 +35,8 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
                             .gpu_memory_utilization = options.gpu_memory_utilization,
                             .max_num_batched_tokens = options.max_num_batched_tokens,
                             .max_num_seqs = options.max_num_seqs,
-                            .swap_space = options.swap_space}));
+                            .swap_space = options.swap_space,
+                            .cuda_graphs = options.cuda_graphs}));
   return std::unique_ptr<Executor>(std::move(executor));
 }
 

@@ -30,6 +30,7 @@ struct CudaExecutorOptions {
   int64_t max_num_batched_tokens = 8192;
   int64_t max_num_seqs = 64;
   int64_t swap_space = 0;
+  bool cuda_graphs = true;  // decode steps from CUDA graphs (CudaLlamaModel::SetDecodeGraphs)
 };
 
 // The plugin's entry point: uploads `model`'s weights (dense matrices in
