@@ -237,6 +237,51 @@ ForwardBatch MixedDecodeBatch(const BlockManager& blocks, const std::vector<Sequ
   return b;
 }
 
+// Host logic of the decode graphs; runs without a device.
+TEST(CudaLlamaModelTest, DecodeGraphPaddingRunsEverywhere) {
+  std::vector<int64_t> buckets;
+  for (int64_t n : {1, 2, 3, 4, 5, 8, 9, 16, 17, 255, 256}) {
+    buckets.push_back(CudaLlamaModel::DecodeGraphBatch(n));
+  }
+  EXPECT_EQ(buckets, (std::vector<int64_t>{1, 2, 4, 4, 8, 8, 16, 16, 24, 256, 256}));
+
+  // Three sequences at 5, 40 and 17 tokens with blocks of 16; the host table holds 4 columns.
+  BlockManager blocks(64, 16);
+  const std::vector<SequenceId> seqs = {1, 2, 3};
+  const std::vector<int64_t> lens = {5, 40, 17};
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    ASSERT_TRUE(blocks.Reserve(seqs[i], lens[i] + 20).ok());  // 2, 4 and 3 blocks
+  }
+  ForwardBatch b = MixedDecodeBatch(blocks, seqs, {4, 39, 16}, {7, 8, 9});
+  ASSERT_EQ(b.max_blocks_per_seq, 4);
+  ForwardBatch p;
+  CudaLlamaModel::PadDecodeBatch(b, 40, 16, &p);
+  EXPECT_TRUE(p.ValidateSizes().ok());
+  EXPECT_EQ(p.token_ids, (std::vector<int32_t>{7, 8, 9, 0}));
+  EXPECT_EQ(p.positions, (std::vector<int32_t>{4, 39, 16, 0}));
+  EXPECT_EQ(p.slots, (std::vector<int64_t>{b.slots[0], b.slots[1], b.slots[2], -1}));
+  EXPECT_EQ(p.query_start, (std::vector<int32_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(p.seq_lens, (std::vector<int32_t>{5, 40, 17, 0}));
+  EXPECT_EQ(p.logit_rows, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(p.max_blocks_per_seq, 4);  // 40 tokens need 3 blocks: bound 4
+  for (int64_t s = 0; s < 3; ++s) {
+    const std::vector<int32_t>& table = blocks.BlockTable(seqs[s]);
+    for (int64_t i = 0; i < 4; ++i) {
+      const int32_t want = i < static_cast<int64_t>(table.size()) ? table[i] : 0;
+      EXPECT_EQ(p.block_tables[s * 4 + i], want) << s << " " << i;
+    }
+  }
+  // A longer context widens the table past the host's; a shorter one narrows it.
+  CudaLlamaModel::PadDecodeBatch(b, 65, 16, &p);
+  EXPECT_EQ(p.max_blocks_per_seq, 8);
+  EXPECT_EQ(p.block_tables.size(), 4u * 8);
+  EXPECT_EQ(p.block_tables[8 + 3], blocks.BlockTable(2)[3]);
+  EXPECT_EQ(p.block_tables[8 + 4], 0);
+  CudaLlamaModel::PadDecodeBatch(b, 16, 16, &p);
+  EXPECT_EQ(p.max_blocks_per_seq, 1);
+  EXPECT_EQ(p.block_tables[1], blocks.BlockTable(2)[0]);
+}
+
 // The same calls on two models, one eager and one with decode graphs: prefills of different
 // lengths, decode steps of 5 sequences (bucket 8) whose contexts cross power-of-two block
 // bounds (new graphs), then a long prefill that grows the step buffers (stale graphs dropped

@@ -728,43 +728,20 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, std::vector<float>* logits
   return absl::OkStatus();
 }
 
-namespace {
-
-// The batch buckets of decode graphs: 1, 2, 4, 8, then multiples of 8.
-int64_t GraphBatchBucket(int64_t n) {
+int64_t CudaLlamaModel::DecodeGraphBatch(int64_t n) {
   if (n <= 2) return n;
   if (n <= 4) return 4;
   return (n + 7) / 8 * 8;
 }
 
-int64_t NextPowerOfTwo(int64_t n) {
-  int64_t p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
-
-}  // namespace
-
-void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
-  (void)cudaGraphExecDestroy(exec);  // a failure leaves nothing to recover
-}
-
-void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
-  graphs_enabled_ = enabled;
-  if (!enabled) graphs_.clear();
-}
-
-absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len,
-                                                CudaKvPool& pool, std::vector<float>* logits) {
+void CudaLlamaModel::PadDecodeBatch(const ForwardBatch& b, int32_t max_seq_len,
+                                    int64_t block_size, ForwardBatch* padded) {
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
-  const int64_t batch = GraphBatchBucket(n);
-  const int64_t block_size = pool.geometry().block_size;
-  const int64_t max_blocks =
-      NextPowerOfTwo(std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size));
-
-  // The padded inputs: padding rows decode token 0 at position 0 into no slot (-1, which the KV
-  // write skips) with no context (their attention output is zeros).
-  ForwardBatch& p = padded_;
+  const int64_t batch = DecodeGraphBatch(n);
+  const int64_t needed = std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size);
+  int64_t max_blocks = 1;
+  while (max_blocks < needed) max_blocks *= 2;
+  ForwardBatch& p = *padded;
   p.token_ids.assign(b.token_ids.begin(), b.token_ids.end());
   p.token_ids.resize(batch, 0);
   p.positions.assign(b.positions.begin(), b.positions.end());
@@ -784,6 +761,25 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   }
   p.logit_rows.resize(batch);
   for (int64_t i = 0; i < batch; ++i) p.logit_rows[i] = static_cast<int32_t>(i);
+}
+
+void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
+  (void)cudaGraphExecDestroy(exec);  // a failure leaves nothing to recover
+}
+
+void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
+  graphs_enabled_ = enabled;
+  if (!enabled) graphs_.clear();
+}
+
+absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len,
+                                                CudaKvPool& pool, std::vector<float>* logits) {
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t block_size = pool.geometry().block_size;
+  ForwardBatch& p = padded_;
+  PadDecodeBatch(b, max_seq_len, block_size, &p);
+  const int64_t batch = static_cast<int64_t>(p.token_ids.size());
+  const int64_t max_blocks = p.max_blocks_per_seq;
 
   const StepShape shape{.tokens = batch,
                         .seqs = batch,

@@ -137,6 +137,14 @@ class CudaLlamaModel {
 
   // Decode steps of at most this many sequences can run from graphs.
   static constexpr int64_t kMaxGraphBatch = 256;
+  // The batch bucket of a decode step of n sequences: 1, 2, 4, 8, then multiples of 8.
+  static int64_t DecodeGraphBatch(int64_t n);
+  // `b` (a plain decode step whose longest context is max_seq_len) padded as a graph runs it:
+  // DecodeGraphBatch(n) rows, the padding rows decoding token 0 at position 0 into no slot (-1,
+  // which the KV write skips) with no context (their attention output is zeros); block tables
+  // max_blocks_per_seq = the power of two >= the blocks max_seq_len needs; logits for every row.
+  static void PadDecodeBatch(const ForwardBatch& b, int32_t max_seq_len, int64_t block_size,
+                             ForwardBatch* padded);
   // Turns decode graphs on or off (off at construction). Turning them off frees the graphs.
   void SetDecodeGraphs(bool enabled);
   struct DecodeGraphStats {
