@@ -71,8 +71,9 @@ int main(int argc, char** argv) {
     std::printf("cuda_decode_bench: no CUDA device visible; nothing measured\n");
     return 0;
   }
-  if (context < 1 || steps < 1 || warmup < 0 || batches.empty()) {
-    std::fprintf(stderr, "cuda_decode_bench: --context, --steps >= 1, --warmup >= 0\n");
+  if (context < 1 || steps < 1 || warmup < 1 || batches.empty()) {
+    // At least one warmup step: with graphs it is the one that captures.
+    std::fprintf(stderr, "cuda_decode_bench: --context, --steps, --warmup >= 1\n");
     return 2;
   }
   cudaDeviceProp prop{};

@@ -17,7 +17,8 @@
 //         2^-4 whatever the magnitude, where int8's step is a fixed fraction of the row's
 //         largest value. The per-row scale means no model needs calibrated scales. The codes
 //         0x7f and 0xff (NaN in OCP E4M3FN) are never written; decoders read them as +-480.
-// The encoders (kernels/cpu/kv_quant.h) round half to even and keep |x - x̂| <= s / 2.
+// The encoders (kernels/cpu/kv_quant.h) round half to even; int8 and int4 keep
+// |x - x̂| <= s / 2, fp8_e4m3 half an E4M3 step (the bounds are in kv_quant.h).
 // Arenas keep values and metadata in separate planes with the same block/head/slot order:
 //   values [num_blocks][num_kv_heads][block_size][value_bytes]
 //   meta   [num_blocks][num_kv_heads][block_size][meta_bytes]

@@ -173,9 +173,8 @@ __device__ __forceinline__ float DecodeSlice(const Slice<D>& s, float (&x)[8]) {
       for (int half = 0; half < 2; ++half) {
         const uint32_t t = __byte_perm(s.w[i], 0u, half == 0 ? 0x1404u : 0x3424u);
         const uint32_t h2 = (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-        x[4 * i + 2 * half] = f.x;
-        x[4 * i + 2 * half + 1] = f.y;
+        x[4 * i + 2 * half] = HalfBitsToFloat(h2 & 0xffffu);
+        x[4 * i + 2 * half + 1] = HalfBitsToFloat(h2 >> 16);
       }
     }
     return HalfBitsToFloat(s.meta) * 256.f;

@@ -769,6 +769,7 @@ void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
 
 void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
   graphs_enabled_ = enabled;
+  if (enabled) graph_stats_.disabled_by.clear();
   if (!enabled) graphs_.clear();
 }
 
@@ -802,26 +803,32 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   // First step of this shape: run it eagerly (this step's results), then capture it.
   KVGRID_RETURN_IF_ERROR(EnqueueStep(shape, pool, p.logit_rows));
   ++graph_stats_.eager_steps;
-  // ThreadLocal: CUDA calls other threads make meanwhile are neither captured nor refused.
-  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  const absl::Status enqueued = EnqueueStep(shape, pool, p.logit_rows);
+  // ThreadLocal: this thread's unsafe calls during the capture are refused; the engine makes
+  // none, and no other thread uses the model's stream.
+  std::string failure;
   cudaGraph_t graph = nullptr;
-  const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);
   cudaGraphExec_t exec = nullptr;
-  cudaError_t instantiated = cudaErrorUnknown;
-  if (enqueued.ok() && ended == cudaSuccess && graph != nullptr) {
-    instantiated = cudaGraphInstantiate(&exec, graph, 0);
+  if (const cudaError_t begun = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
+      begun != cudaSuccess) {
+    failure = absl::StrCat("cudaStreamBeginCapture: ", cudaGetErrorString(begun));
+  } else {
+    const absl::Status enqueued = EnqueueStep(shape, pool, p.logit_rows);
+    const cudaError_t ended = cudaStreamEndCapture(stream_, &graph);  // always ends the capture
+    if (!enqueued.ok()) {
+      failure = std::string(enqueued.message());
+    } else if (ended != cudaSuccess || graph == nullptr) {
+      failure = absl::StrCat("cudaStreamEndCapture: ", cudaGetErrorString(ended));
+    } else if (const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+               made != cudaSuccess) {
+      failure = absl::StrCat("cudaGraphInstantiate: ", cudaGetErrorString(made));
+    }
   }
   if (graph != nullptr) (void)cudaGraphDestroy(graph);
-  if (!enqueued.ok() || ended != cudaSuccess || instantiated != cudaSuccess) {
+  if (!failure.empty()) {
     // The eager step stands; later steps stay eager.
-    graph_stats_.disabled_by =
-        !enqueued.ok()         ? std::string(enqueued.message())
-        : ended != cudaSuccess ? absl::StrCat("cudaStreamEndCapture: ", cudaGetErrorString(ended))
-                               : absl::StrCat("cudaGraphInstantiate: ",
-                                              cudaGetErrorString(instantiated));
+    graph_stats_.disabled_by = failure;
     SetDecodeGraphs(false);
-    (void)cudaGetLastError();  // the failed capture's error is reported above, not to the next call
+    (void)cudaGetLastError();  // the failure is reported above, not to the next call
     return FinishStep(n, logits);
   }
   graphs_.emplace(key, GraphExec(exec));

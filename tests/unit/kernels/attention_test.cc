@@ -188,7 +188,7 @@ TEST(PagedAttentionTest, Fp16ArenaMatchesReferenceOnRoundedValues) {
 }
 
 TEST(PagedAttentionTest, QuantizedArenasMatchReferenceOnDecodedValues) {
-  for (KvDType dtype : {KvDType::kBF16, KvDType::kInt8, KvDType::kInt4}) {
+  for (KvDType dtype : {KvDType::kBF16, KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3}) {
     // Llama-3-like GQA decode, a prefill with a chunk, and head dims off the SIMD width
     // (34: a 2-channel tail; 80: a short last int4 group).
     RunCase({8, 2, 128, 16, {5, 31, 70}, {5, 2, 1}, dtype}, 5);
@@ -201,13 +201,14 @@ TEST(PagedAttentionTest, MixedKAndVDTypes) {
   RunCase({8, 2, 64, 16, {33, 70, 3}, {1, 5, 3}, KvDType::kInt8, KvDType::kInt4}, 8);
   RunCase({8, 4, 48, 8, {19, 64}, {19, 1}, KvDType::kF16, KvDType::kInt8}, 9);
   RunCase({4, 2, 32, 16, {50}, {7}, KvDType::kInt4, KvDType::kBF16}, 10);
+  RunCase({8, 2, 64, 16, {33, 70, 3}, {1, 5, 3}, KvDType::kFp8E4m3, KvDType::kInt4}, 13);
 }
 
 // Decode queries over long contexts are cut into chunks whose partial softmax results are
 // merged; a prefill sequence in the same batch takes the per-head path.
 TEST(PagedAttentionTest, LongContextDecodeMatchesDenseReference) {
-  for (KvDType dtype :
-       {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8, KvDType::kInt4}) {
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
+                        KvDType::kInt4, KvDType::kFp8E4m3}) {
     RunCase({8, 2, 64, 16, {3000, 2501, 700, 40}, {1, 3, 1, 12}, dtype}, 11);
   }
   RunCase({8, 2, 64, 16, {3000, 1}, {2, 1}, KvDType::kInt8, KvDType::kInt4}, 12);
@@ -241,10 +242,10 @@ TEST(PagedAttentionTest, RandomShapes) {
       ctx.push_back(1 + rng() % 70);
       ql.push_back(1 + rng() % ctx.back());
     }
-    constexpr KvDType kDTypes[] = {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
-                                   KvDType::kInt4};
-    RunCase({heads, kv_heads, head_dim, block_size, ctx, ql, kDTypes[rng() % 5],
-             kDTypes[rng() % 5]},
+    constexpr KvDType kDTypes[] = {KvDType::kF32,  KvDType::kF16,  KvDType::kBF16,
+                                   KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3};
+    RunCase({heads, kv_heads, head_dim, block_size, ctx, ql, kDTypes[rng() % 6],
+             kDTypes[rng() % 6]},
             100 + trial);
   }
 }
