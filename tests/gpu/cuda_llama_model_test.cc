@@ -213,30 +213,6 @@ TEST(CudaLlamaModelTest, BadTokenIdIsAnErrorAfterTheStep) {
 }
 
 
-// One decode step for sequences at different positions (DecodeBatch puts all at one).
-ForwardBatch MixedDecodeBatch(const BlockManager& blocks, const std::vector<SequenceId>& seqs,
-                              const std::vector<int64_t>& positions,
-                              const std::vector<int32_t>& tokens) {
-  ForwardBatch b;
-  b.query_start.push_back(0);
-  for (SequenceId seq : seqs) {
-    b.max_blocks_per_seq =
-        std::max(b.max_blocks_per_seq, static_cast<int64_t>(blocks.BlockTable(seq).size()));
-  }
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    b.token_ids.push_back(tokens[i]);
-    b.positions.push_back(static_cast<int32_t>(positions[i]));
-    b.slots.push_back(blocks.Slot(seqs[i], positions[i]));
-    b.query_start.push_back(static_cast<int32_t>(i + 1));
-    b.seq_lens.push_back(static_cast<int32_t>(positions[i] + 1));
-    b.logit_rows.push_back(static_cast<int32_t>(i));
-    std::vector<int32_t> table = blocks.BlockTable(seqs[i]);
-    table.resize(static_cast<size_t>(b.max_blocks_per_seq), 0);
-    b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
-  }
-  return b;
-}
-
 // Host logic of the decode graphs; runs without a device.
 TEST(CudaLlamaModelTest, DecodeGraphPaddingRunsEverywhere) {
   std::vector<int64_t> buckets;
@@ -252,7 +228,8 @@ TEST(CudaLlamaModelTest, DecodeGraphPaddingRunsEverywhere) {
   for (size_t i = 0; i < seqs.size(); ++i) {
     ASSERT_TRUE(blocks.Reserve(seqs[i], lens[i] + 20).ok());  // 2, 4 and 3 blocks
   }
-  ForwardBatch b = MixedDecodeBatch(blocks, seqs, {4, 39, 16}, {7, 8, 9});
+  const ForwardBatch b = DecodeBatch(blocks, seqs, std::vector<int64_t>{4, 39, 16},
+                                     std::vector<int32_t>{7, 8, 9});
   ASSERT_EQ(b.max_blocks_per_seq, 4);
   ForwardBatch p;
   CudaLlamaModel::PadDecodeBatch(b, 40, 16, &p);
@@ -338,7 +315,7 @@ TEST(CudaLlamaModelTest, DecodeGraphsMatchEagerSteps) {
     auto decode = [&](int steps) {
       for (int step = 0; step < steps; ++step) {
         for (int side = 0; side < 2; ++side) {
-          const ForwardBatch b = MixedDecodeBatch(*sides[side].blocks, seqs, positions, next);
+          const ForwardBatch b = DecodeBatch(*sides[side].blocks, seqs, positions, next);
           ASSERT_TRUE(sides[side].model->Forward(b, *sides[side].pool, &last[side]).ok());
           if (side == 1) {
             std::vector<float> again;

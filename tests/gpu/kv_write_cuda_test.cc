@@ -46,22 +46,18 @@ void HostEncodeRow(KvDType dtype, const float* x, int64_t n, uint8_t* values, ui
     case KvDType::kBF16:
       for (int64_t i = 0; i < n; ++i) Store16(values + 2 * i, cuda::F32ToBF16Bits(x[i]));
       return;
-    case KvDType::kInt8: {
-      float amax = 0.f;
-      for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
-      const uint16_t s16 = cuda::KvInt8ScaleBits(amax);
-      Store16(meta, s16);
-      const float s = cuda::F16BitsToF32(s16);
-      for (int64_t i = 0; i < n; ++i) values[i] = static_cast<uint8_t>(cuda::KvInt8Code(x[i], s));
-      return;
-    }
+    case KvDType::kInt8:
     case KvDType::kFp8E4m3: {
       float amax = 0.f;
       for (int64_t i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
-      const uint16_t s16 = cuda::KvFp8ScaleBits(amax);
+      const bool fp8 = dtype == KvDType::kFp8E4m3;
+      const uint16_t s16 = fp8 ? cuda::KvFp8ScaleBits(amax) : cuda::KvInt8ScaleBits(amax);
       Store16(meta, s16);
       const float s = cuda::F16BitsToF32(s16);
-      for (int64_t i = 0; i < n; ++i) values[i] = cuda::KvFp8Code(x[i], s);
+      for (int64_t i = 0; i < n; ++i) {
+        values[i] =
+            fp8 ? cuda::KvFp8Code(x[i], s) : static_cast<uint8_t>(cuda::KvInt8Code(x[i], s));
+      }
       return;
     }
     case KvDType::kInt4:

@@ -222,6 +222,11 @@ absl::Status ReadPacked4Bit(const model::Checkpoint& c, const model::Quantizatio
 
 ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
                          int64_t position, std::span<const int32_t> tokens) {
+  return DecodeBatch(blocks, seqs, std::vector<int64_t>(seqs.size(), position), tokens);
+}
+
+ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
+                         std::span<const int64_t> positions, std::span<const int32_t> tokens) {
   ForwardBatch b;
   b.query_start.push_back(0);
   for (SequenceId seq : seqs) {
@@ -230,10 +235,10 @@ ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId>
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
     b.token_ids.push_back(tokens[i]);
-    b.positions.push_back(static_cast<int32_t>(position));
-    b.slots.push_back(blocks.Slot(seqs[i], position));
+    b.positions.push_back(static_cast<int32_t>(positions[i]));
+    b.slots.push_back(blocks.Slot(seqs[i], positions[i]));
     b.query_start.push_back(static_cast<int32_t>(i + 1));
-    b.seq_lens.push_back(static_cast<int32_t>(position + 1));
+    b.seq_lens.push_back(static_cast<int32_t>(positions[i] + 1));
     b.logit_rows.push_back(static_cast<int32_t>(i));
     std::vector<int32_t> table = blocks.BlockTable(seqs[i]);
     table.resize(static_cast<size_t>(b.max_blocks_per_seq), 0);

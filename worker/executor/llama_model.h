@@ -96,6 +96,9 @@ ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int
 // at `position`, with logits for each, in order.
 ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
                          int64_t position, std::span<const int32_t> tokens);
+// The same with sequence seqs[i] at positions[i].
+ForwardBatch DecodeBatch(const BlockManager& blocks, std::span<const SequenceId> seqs,
+                         std::span<const int64_t> positions, std::span<const int32_t> tokens);
 
 class LlamaModel {
  public:
