@@ -67,6 +67,12 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
   }
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
   executor->model_->SetDecodeGraphs(options.cuda_graphs);
+  // Taken now from the room GpuKvBudget left for it.
+  if (absl::Status s = executor->model_->ReserveSteps(options.max_num_batched_tokens,
+                                                      options.max_num_seqs);
+      !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("step workspace: ", s.message()));
+  }
   if (options.swap_space > 0) {
     const int64_t blocks = options.swap_space / geometry.BytesPerBlock();
     if (blocks < 1 || blocks > INT32_MAX) {

@@ -3,7 +3,8 @@
 // the model's stream, ordered with the forward passes around it).
 //
 // Pool size: --kv-cache-memory bytes when given, else --gpu-memory-utilization of the card
-// after the weights and a step workspace (GpuKvBudget). Tensor parallelism: size 1 only.
+// after the weights and a step workspace (GpuKvBudget); the step buffers are allocated at
+// creation (CudaLlamaModel::ReserveSteps). Tensor parallelism: size 1 only.
 // Not thread-safe (one engine thread), like the model.
 #ifndef KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
 #define KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
@@ -48,16 +49,16 @@ class CudaExecutor final : public Executor {
     kernels::KvDType v_dtype = kernels::KvDType::kF16;
     int64_t kv_cache_memory = 0;          // bytes; 0: size by gpu_memory_utilization
     double gpu_memory_utilization = 0.9;  // share of the card this process may fill
-    int64_t max_num_batched_tokens = 8192;  // sizes the step workspace kept free
+    int64_t max_num_batched_tokens = 8192;  // sizes the step buffers, allocated at creation
     int64_t max_num_seqs = 64;
     int64_t swap_space = 0;               // pinned host bytes; 0: none
     bool cuda_graphs = true;              // decode steps replayed from CUDA graphs
   };
 
-  // Allocates the pool and the swap space for `model` (already on the device). Errors:
-  // INVALID_ARGUMENT naming the option (a budget below one block, a utilization that leaves
-  // no room); RESOURCE_EXHAUSTED when the device or the host cannot hold them; INTERNAL naming
-  // a failed CUDA call.
+  // Allocates the pool, the swap space and the step buffers for `model` (already on the
+  // device). Errors: INVALID_ARGUMENT naming the option (a budget below one block, a
+  // utilization that leaves no room); RESOURCE_EXHAUSTED when the device or the host cannot
+  // hold them; INTERNAL naming a failed CUDA call.
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
       std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options);
 

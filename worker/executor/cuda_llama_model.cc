@@ -728,6 +728,11 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, std::vector<float>* logits
   return absl::OkStatus();
 }
 
+absl::Status CudaLlamaModel::ReserveSteps(int64_t max_tokens, int64_t max_seqs) {
+  const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
+  return Reserve(std::max(max_tokens, seqs), seqs, 1, seqs);
+}
+
 int64_t CudaLlamaModel::DecodeGraphBatch(int64_t n) {
   if (n <= 2) return n;
   if (n <= 4) return 4;

@@ -135,6 +135,11 @@ class CudaLlamaModel {
   // INTERNAL naming a failed CUDA/cuBLAS call.
   absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
 
+  // Allocates the step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences
+  // (decode graphs' padded batches included) now, so that serving neither fails for memory
+  // mid-request nor drops graphs as they grow. Errors: RESOURCE_EXHAUSTED naming cudaMalloc.
+  absl::Status ReserveSteps(int64_t max_tokens, int64_t max_seqs);
+
   // Decode steps of at most this many sequences can run from graphs.
   static constexpr int64_t kMaxGraphBatch = 256;
   // The batch bucket of a decode step of n sequences: 1, 2, 4, 8, then multiples of 8.
