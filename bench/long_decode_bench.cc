@@ -1,7 +1,7 @@
 // long_decode_bench: whole-model decode speed at long contexts for each KV dtype, on
 // a Qwen2-0.5B-shaped model with random weights (or a checkpoint given by --model), the cache
-// filled with random rows (bench/decode_rate.h). Each (context, dtype) decodes --steps tokens; dtypes alternate within
-// each repeat, best of --repeats.
+// filled with random rows (bench/decode_rate.h). Each (context, dtype) decodes --steps tokens;
+// dtypes alternate within each repeat, best of --repeats.
 //
 //   build/bin/long_decode_bench [--json] [--contexts 1024,4096,8192] [--steps 8] [--repeats 2]
 //                               [--batch 1] [--weight-dtype fp32|q8_0|q4_0] [--model DIR]

@@ -96,16 +96,17 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
   KVGRID_RETURN_IF_ERROR(kvgrid::worker::Engine::ValidateOptions(options, model->config()));
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<kvgrid::worker::Executor> executor,
-      create(std::move(model), {.dense_dtype = dense_dtype,
-                                .block_size = options.block_size,
-                                .k_dtype = options.k_dtype,
-                                .v_dtype = options.v_dtype,
-                                .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
-                                .gpu_memory_utilization = gpu_memory_utilization,
-                                .max_num_batched_tokens = options.max_num_batched_tokens,
-                                .max_num_seqs = options.max_num_seqs,
-                                .swap_space = options.swap_space,
-                                .cuda_graphs = cuda_graphs}));
+      create(std::move(model),
+             {.dense_dtype = dense_dtype,
+              .pool = {.block_size = options.block_size,
+                       .k_dtype = options.k_dtype,
+                       .v_dtype = options.v_dtype,
+                       .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
+                       .gpu_memory_utilization = gpu_memory_utilization,
+                       .max_num_batched_tokens = options.max_num_batched_tokens,
+                       .max_num_seqs = options.max_num_seqs,
+                       .swap_space = options.swap_space,
+                       .cuda_graphs = cuda_graphs}}));
   std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens, %s\n",
                static_cast<long long>(executor->num_blocks()),
                static_cast<long long>(options.block_size),

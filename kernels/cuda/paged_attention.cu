@@ -125,8 +125,9 @@ __device__ __forceinline__ float HalfBitsToFloat(uint32_t bits) {
 // Decodes a slice: channel 8 sub + e is x[e] * (the returned factor), and that product is
 // exactly the float kernels/cpu/kv_quant.h's DequantizeRow gives (float types: factor 1;
 // int8: float(q) * s; int4: s * float(q - z); fp8: the code's value / 256 times 256 s, the
-// same product as (value) * s since the factor 256 is exact). Returning the factor separately lets the decode
-// kernel apply a row's or group's scale once per slice instead of once per channel.
+// same product as value * s since the factor 256 is exact). Returning the factor separately
+// lets the decode kernel apply a row's or group's scale once per slice instead of once per
+// channel.
 //
 // Integer codes become floats with the 2^23 trick (0x4B000000 | b is the float 2^23 + b for
 // b < 2^23), a logic op and an add instead of the quarter-rate int-to-float conversion; the

@@ -142,14 +142,9 @@ absl::StatusOr<worker::EngineOptions> EngineOptionsFromArgs(Args& args) {
   if (auto m = args.GetString("preemption-mode")) {
     KVGRID_ASSIGN_OR_RETURN(o.preemption_mode, worker::ParsePreemptionMode(*m));
   }
-  if (auto w = args.GetString("watermark")) {
-    double watermark = 0;
-    if (!absl::SimpleAtod(*w, &watermark) || !(watermark >= 0.0 && watermark < 1.0)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--watermark: must be a number in [0, 1), got '", *w, "'"));
-    }
-    o.watermark = watermark;
-  }
+  // The range is the engine's to check (Engine::ValidateOptions).
+  KVGRID_ASSIGN_OR_RETURN(auto watermark, args.GetDouble("watermark"));
+  if (watermark) o.watermark = *watermark;
   KVGRID_ASSIGN_OR_RETURN(o.enable_prefix_caching, args.GetBool("enable-prefix-caching", true));
   KVGRID_ASSIGN_OR_RETURN(auto max_model_len, args.GetInt("max-model-len"));
   if (max_model_len) o.max_model_len = *max_model_len;

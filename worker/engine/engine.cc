@@ -64,7 +64,7 @@ absl::Status Engine::ValidateOptions(const EngineOptions& options,
   }
   if (!(options.watermark >= 0.0 && options.watermark < 1.0)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("watermark: must be in [0, 1), got ", options.watermark));
+        absl::StrCat("--watermark: must be in [0, 1), got ", options.watermark));
   }
   if (options.swap_space < 0) {
     return absl::InvalidArgumentError(

@@ -18,7 +18,6 @@
 #include "worker/executor/executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
-#include "worker/kv/kv_pool.h"
 
 namespace kvgrid::worker {
 

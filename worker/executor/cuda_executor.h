@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/kv_dtype.h"
 #include "worker/executor/cuda_llama_model.h"
+#include "worker/executor/cuda_plugin.h"
 #include "worker/executor/executor.h"
 
 namespace kvgrid::worker {
@@ -43,17 +44,7 @@ class PinnedBuffer {
 
 class CudaExecutor final : public Executor {
  public:
-  struct PoolOptions {
-    int64_t block_size = 16;
-    kernels::KvDType k_dtype = kernels::KvDType::kF16;
-    kernels::KvDType v_dtype = kernels::KvDType::kF16;
-    int64_t kv_cache_memory = 0;          // bytes; 0: size by gpu_memory_utilization
-    double gpu_memory_utilization = 0.9;  // share of the card this process may fill
-    int64_t max_num_batched_tokens = 8192;  // sizes the step buffers, allocated at creation
-    int64_t max_num_seqs = 64;
-    int64_t swap_space = 0;               // pinned host bytes; 0: none
-    bool cuda_graphs = true;              // decode steps replayed from CUDA graphs
-  };
+  using PoolOptions = CudaPoolOptions;
 
   // Allocates the pool, the swap space and the step buffers for `model` (already on the
   // device). Errors: INVALID_ARGUMENT naming the option (a budget below one block, a

@@ -55,15 +55,6 @@ absl::StatusOr<DeviceBuffer> UploadVector(const std::vector<T>& v) {
   return Upload(v.data(), static_cast<int64_t>(v.size() * sizeof(T)));
 }
 
-// Grows `buffer` to at least `bytes` (contents not kept). The new buffer is allocated before
-// the old one is freed, so a failure leaves `buffer` as it was (still valid at its old size).
-// cudaFree waits for the device, so a buffer an earlier step still reads is not pulled away.
-absl::Status Grow(DeviceBuffer& buffer, int64_t bytes) {
-  if (buffer.bytes() >= bytes) return absl::OkStatus();
-  KVGRID_ASSIGN_OR_RETURN(DeviceBuffer bigger, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
-  buffer = std::move(bigger);
-  return absl::OkStatus();
-}
 
 // The checks LlamaModel::Forward gets from cpu::PagedAttentionParams::Validate, done on the host
 // copies before anything is uploaded: the kernels trust query_start and the block tables.
@@ -465,11 +456,6 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(attn_, t * q_dim * 4));
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(gate_up_, t * 2 * inter * 4));
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(act_, t * inter * 4));
-    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cast_, t * std::max({hidden, q_dim, inter}) * 2));
-    if (ones_.bytes() < t * 4) {
-      KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(t, 1.f)));
-      ++buffers_generation_;
-    }
     cap_tokens_ = t;
   }
   if (seqs > cap_seqs_) {
@@ -481,13 +467,14 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
   if (logit_rows > cap_rows_) {
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(rows_, logit_rows * hidden * 4));
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(logits_, logit_rows * c.vocab_size * 4));
-    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cast_, std::max(cap_tokens_, logit_rows) *
-                                           std::max({hidden, q_dim, inter}) * 2));
-    if (ones_.bytes() < logit_rows * 4) {
-      KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(logit_rows, 1.f)));
-      ++buffers_generation_;
-    }
     cap_rows_ = logit_rows;
+  }
+  // A GEMM's 16-bit input copy and the bias GEMM's ones serve token rows and logit rows alike.
+  const int64_t rows = std::max(cap_tokens_, cap_rows_);
+  KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cast_, rows * std::max({hidden, q_dim, inter}) * 2));
+  if (ones_.bytes() < rows * 4) {
+    KVGRID_ASSIGN_OR_RETURN(ones_, UploadVector(std::vector<float>(rows, 1.f)));
+    ++buffers_generation_;
   }
   return absl::OkStatus();
 }
@@ -580,7 +567,11 @@ absl::Status CudaLlamaModel::PrepareStep(const StepShape& shape, const CudaKvPoo
 
 absl::Status CudaLlamaModel::GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes) {
   if (buffer.bytes() >= bytes) return absl::OkStatus();
-  KVGRID_RETURN_IF_ERROR(Grow(buffer, bytes));
+  // Contents are not kept. The new buffer is allocated before the old one is freed, so a
+  // failure leaves `buffer` as it was (still valid at its old size); cudaFree waits for the
+  // device, so a buffer an earlier step still reads is not pulled away.
+  KVGRID_ASSIGN_OR_RETURN(DeviceBuffer bigger, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
+  buffer = std::move(bigger);
   ++buffers_generation_;
   return absl::OkStatus();
 }

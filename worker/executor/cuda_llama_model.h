@@ -229,7 +229,7 @@ class CudaLlamaModel {
   DeviceBuffer ids_, positions_, slots_, query_start_, seq_lens_, block_tables_;
   DeviceBuffer x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, logits_, cast_, ones_;
   DeviceBuffer attn_workspace_;
-  int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_blocks_ = 0, cap_rows_ = 0, cap_cast_ = 0;
+  int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_rows_ = 0;
 
   // Decode graphs by (batch bucket, blocks bound, pool id); valid while buffers_generation_
   // matches the one they were captured at.

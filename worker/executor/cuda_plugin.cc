@@ -25,18 +25,8 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CudaLlamaModel> gpu_model,
                           CudaLlamaModel::FromWeights(model->config(), model->weights(), dense));
   model.reset();
-  KVGRID_ASSIGN_OR_RETURN(
-      std::unique_ptr<CudaExecutor> executor,
-      CudaExecutor::Create(std::move(gpu_model),
-                           {.block_size = options.block_size,
-                            .k_dtype = options.k_dtype,
-                            .v_dtype = options.v_dtype,
-                            .kv_cache_memory = options.kv_cache_memory,
-                            .gpu_memory_utilization = options.gpu_memory_utilization,
-                            .max_num_batched_tokens = options.max_num_batched_tokens,
-                            .max_num_seqs = options.max_num_seqs,
-                            .swap_space = options.swap_space,
-                            .cuda_graphs = options.cuda_graphs}));
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CudaExecutor> executor,
+                          CudaExecutor::Create(std::move(gpu_model), options.pool));
   return std::unique_ptr<Executor>(std::move(executor));
 }
 

@@ -20,17 +20,23 @@
 
 namespace kvgrid::worker {
 
-struct CudaExecutorOptions {
-  std::string dense_dtype = "auto";     // auto (the checkpoint's torch_dtype), fp16, bf16, fp32
+// The GPU executor's pool, swap space and steps (CudaExecutor::PoolOptions); declared here,
+// where no CUDA header is needed, so that the worker fills it in without one.
+struct CudaPoolOptions {
   int64_t block_size = 16;
   kernels::KvDType k_dtype = kernels::KvDType::kF16;
   kernels::KvDType v_dtype = kernels::KvDType::kF16;
-  int64_t kv_cache_memory = 0;          // bytes; 0: by gpu_memory_utilization
-  double gpu_memory_utilization = 0.9;
-  int64_t max_num_batched_tokens = 8192;
+  int64_t kv_cache_memory = 0;            // bytes; 0: size by gpu_memory_utilization
+  double gpu_memory_utilization = 0.9;    // share of the card this process may fill
+  int64_t max_num_batched_tokens = 8192;  // sizes the step buffers, allocated at creation
   int64_t max_num_seqs = 64;
-  int64_t swap_space = 0;
-  bool cuda_graphs = true;  // decode steps from CUDA graphs (CudaLlamaModel::SetDecodeGraphs)
+  int64_t swap_space = 0;                 // pinned host bytes; 0: none
+  bool cuda_graphs = true;                // decode steps replayed from CUDA graphs
+};
+
+struct CudaExecutorOptions {
+  std::string dense_dtype = "auto";  // auto (the checkpoint's torch_dtype), fp16, bf16, fp32
+  CudaPoolOptions pool;
 };
 
 // The plugin's entry point: uploads `model`'s weights (dense matrices in
