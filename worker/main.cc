@@ -61,14 +61,16 @@ constexpr char kHelp[] =
     "                              coordinator, and required of every caller of this worker\n"
     "  --tensor-parallel-size N --rank R\n"
     "                              one of N ranks sharing the model (Megatron sharding over\n"
-    "                              Gloo); rank 0 serves and registers the group, the others\n"
-    "                              follow it. Needs --coordinator and --group\n"
+    "                              Gloo on cpu, NCCL on cuda); rank 0 serves and registers the\n"
+    "                              group, the others follow it. Needs --coordinator and --group\n"
     "  --collective-timeout-s S    a group collective failing after S s breaks the group\n"
     "                              (default 30)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --device cpu|cuda           where the model runs (default cpu); cuda needs a build with\n"
-    "                              CUDA and serves tensor-parallel size 1\n"
+    "                              CUDA\n"
+    "  --cuda-device N             cuda: the device to use (default: the rank modulo the\n"
+    "                              visible devices)\n"
     "  --gpu-memory-utilization F  cuda: share of the card's memory this worker may fill; the\n"
     "                              KV pool gets what the weights and a step workspace leave\n"
     "                              (default 0.9; --kv-cache-memory sets the pool instead)\n"
@@ -87,31 +89,43 @@ constexpr char kHelp[] =
     "  --swap-space BYTES --preemption-mode auto|swap|recompute --watermark F\n"
     "  --enable-prefix-caching BOOL\n";
 
-// The engine on this machine's GPU, through the CUDA plugin (worker/executor/cuda_plugin.h):
-// the loaded weights go to the device and the host copy is dropped.
-absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
-    kvgrid::worker::CreateCudaExecutorFn create, std::unique_ptr<kvgrid::worker::LlamaModel> model,
-    const kvgrid::worker::EngineOptions& options, const std::string& dense_dtype,
-    double gpu_memory_utilization, bool kv_memory_given, bool cuda_graphs) {
+// What a worker on a GPU needs besides the engine's options.
+struct CudaFlags {
+  kvgrid::worker::CreateCudaExecutorFn create = nullptr;  // null: the CPU
+  std::string dense_dtype = "auto";
+  double gpu_memory_utilization = 0.9;
+  bool kv_memory_given = false;
+  bool graphs = true;
+  int device = -1;
+  double collective_timeout_s = 30.0;
+};
+
+// This rank's executor on its GPU, through the CUDA plugin (worker/executor/cuda_plugin.h):
+// the loaded weights (this rank's share) go to the device and the host copy is dropped.
+absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> CudaExecutorFor(
+    const CudaFlags& cuda, std::unique_ptr<kvgrid::worker::LlamaModel> model,
+    const kvgrid::worker::EngineOptions& options) {
   KVGRID_RETURN_IF_ERROR(kvgrid::worker::Engine::ValidateOptions(options, model->config()));
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<kvgrid::worker::Executor> executor,
-      create(std::move(model),
-             {.dense_dtype = dense_dtype,
-              .pool = {.block_size = options.block_size,
-                       .k_dtype = options.k_dtype,
-                       .v_dtype = options.v_dtype,
-                       .kv_cache_memory = kv_memory_given ? options.kv_cache_memory : 0,
-                       .gpu_memory_utilization = gpu_memory_utilization,
-                       .max_num_batched_tokens = options.max_num_batched_tokens,
-                       .max_num_seqs = options.max_num_seqs,
-                       .swap_space = options.swap_space,
-                       .cuda_graphs = cuda_graphs}}));
+      cuda.create(std::move(model),
+                  {.dense_dtype = cuda.dense_dtype,
+                   .pool = {.block_size = options.block_size,
+                            .k_dtype = options.k_dtype,
+                            .v_dtype = options.v_dtype,
+                            .kv_cache_memory = cuda.kv_memory_given ? options.kv_cache_memory : 0,
+                            .gpu_memory_utilization = cuda.gpu_memory_utilization,
+                            .max_num_batched_tokens = options.max_num_batched_tokens,
+                            .max_num_seqs = options.max_num_seqs,
+                            .swap_space = options.swap_space,
+                            .cuda_graphs = cuda.graphs},
+                   .device = cuda.device,
+                   .collective_timeout_s = cuda.collective_timeout_s}));
   std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens, %s\n",
                static_cast<long long>(executor->num_blocks()),
                static_cast<long long>(options.block_size),
-               cuda_graphs ? "decode steps from CUDA graphs" : "no CUDA graphs");
-  return kvgrid::worker::Engine::Create(std::move(executor), options);
+               cuda.graphs ? "decode steps from CUDA graphs" : "no CUDA graphs");
+  return executor;
 }
 
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
@@ -119,13 +133,17 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Engine>> CudaEngine(
 // waits up to the drain timeout for the leader to stop the group.
 absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
                     kvgrid::worker::EngineOptions options,
-                    const kvgrid::cli::KvDTypeFlags& kv_dtypes,
+                    const kvgrid::cli::KvDTypeFlags& kv_dtypes, const CudaFlags& cuda,
                     kvgrid::worker::Communicator& comm, const std::string& group,
                     double drain_timeout) {
   kv_dtypes.ApplyTo(model->config(), &options);
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::CpuExecutor> executor,
-                          kvgrid::worker::CpuExecutor::Create(
-                              std::move(model), kvgrid::worker::CpuPoolOptions(options)));
+  std::unique_ptr<kvgrid::worker::Executor> executor;
+  if (cuda.create != nullptr) {
+    KVGRID_ASSIGN_OR_RETURN(executor, CudaExecutorFor(cuda, std::move(model), options));
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(executor, kvgrid::worker::CpuExecutor::Create(
+                                          std::move(model), kvgrid::worker::CpuPoolOptions(options)));
+  }
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
                comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));
   std::atomic<bool> done{false};
@@ -180,6 +198,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto gpu_memory_utilization, args.GetDouble("gpu-memory-utilization"));
   const std::string dense_dtype = args.GetString("dtype").value_or("auto");
   KVGRID_ASSIGN_OR_RETURN(const bool cuda_graphs, args.GetBool("cuda-graphs", true));
+  KVGRID_ASSIGN_OR_RETURN(auto cuda_device, args.GetInt("cuda-device"));
   const bool kv_memory_given = args.Has("kv-cache-memory");
   const bool kv_dtype_given =
       args.Has("kv-cache-dtype") || args.Has("k-cache-dtype") || args.Has("v-cache-dtype");
@@ -205,17 +224,21 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--gpu-memory-utilization: must be in (0, 1], got ", *gpu_memory_utilization));
   }
+  if (cuda_device && (*cuda_device < 0 || *cuda_device > 1024)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda-device: must be in [0, 1024], got ", *cuda_device));
+  }
   if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
   const int tp = static_cast<int>(tp_size.value_or(1));
-  if (device == "cuda" && tp > 1) {
-    return absl::UnimplementedError(
-        "--device cuda: tensor parallelism over NCCL is not served yet (use "
-        "--tensor-parallel-size 1)");
-  }
+  CudaFlags cuda{.dense_dtype = dense_dtype,
+                 .gpu_memory_utilization = gpu_memory_utilization.value_or(0.9),
+                 .kv_memory_given = kv_memory_given,
+                 .graphs = cuda_graphs,
+                 .device = static_cast<int>(cuda_device.value_or(-1)),
+                 .collective_timeout_s = collective_timeout.value_or(30.0)};
   // Before the model is loaded: a missing plugin is reported at once.
-  kvgrid::worker::CreateCudaExecutorFn create_cuda = nullptr;
   if (device == "cuda") {
-    KVGRID_ASSIGN_OR_RETURN(create_cuda, kvgrid::worker::LoadCudaPlugin());
+    KVGRID_ASSIGN_OR_RETURN(cuda.create, kvgrid::worker::LoadCudaPlugin());
   }
   const int my_rank = static_cast<int>(rank.value_or(0));
   if (tp < 1 || tp > 64) {
@@ -257,7 +280,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
                           kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
   if (my_rank > 0) {
-    return Follow(std::move(loaded.model), options, kv_dtypes, *comm, group,
+    return Follow(std::move(loaded.model), options, kv_dtypes, cuda, *comm, group,
                   drain_timeout.value_or(30.0));
   }
   options.group = comm.get();
@@ -267,11 +290,11 @@ absl::Status Serve(Args& args) {
   options.tokenizer = loaded.tokenizer.get();
   const int32_t vocab = static_cast<int32_t>(loaded.model->config().vocab_size);
   std::unique_ptr<kvgrid::worker::Engine> engine;
-  if (device == "cuda") {
-    KVGRID_ASSIGN_OR_RETURN(
-        engine, CudaEngine(create_cuda, std::move(loaded.model), options, dense_dtype,
-                           gpu_memory_utilization.value_or(0.9), kv_memory_given,
-                           cuda_graphs));
+  if (cuda.create != nullptr) {
+    KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Executor> executor,
+                            CudaExecutorFor(cuda, std::move(loaded.model), options));
+    KVGRID_ASSIGN_OR_RETURN(engine,
+                            kvgrid::worker::Engine::Create(std::move(executor), options));
   } else {
     KVGRID_ASSIGN_OR_RETURN(engine,
                             kvgrid::worker::Engine::Create(std::move(loaded.model), options));

@@ -28,7 +28,8 @@ __device__ __forceinline__ float LoadAsFloat(const void* table, int64_t i) {
 template <model::DType D>
 __global__ void EmbeddingKernel(const void* __restrict__ table, const int32_t* __restrict__ ids,
                                 float* __restrict__ output, int32_t* invalid_id_flag,
-                                int64_t vocab, int64_t hidden, int64_t num_tokens) {
+                                int64_t vocab, int64_t vocab_begin, int64_t table_rows,
+                                int64_t hidden, int64_t num_tokens) {
   for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     const int32_t id = ids[t];
     float* y = output + t * hidden;
@@ -37,7 +38,12 @@ __global__ void EmbeddingKernel(const void* __restrict__ table, const int32_t* _
       if (threadIdx.x == 0 && invalid_id_flag != nullptr) atomicExch(invalid_id_flag, 1);
       continue;
     }
-    const int64_t row = static_cast<int64_t>(id) * hidden;
+    const int64_t local = static_cast<int64_t>(id) - vocab_begin;
+    if (local < 0 || local >= table_rows) {  // another rank's row
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) y[i] = 0.f;
+      continue;
+    }
+    const int64_t row = local * hidden;
     for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
       y[i] = LoadAsFloat<D>(table, row + i);
     }
@@ -67,6 +73,11 @@ absl::Status EmbeddingParams::Validate() const {
   if (vocab <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("EmbeddingParams.vocab must be > 0: ", vocab));
   }
+  if (vocab_begin < 0 || table_rows < 0 || vocab_begin + table_rows > vocab) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "EmbeddingParams.vocab_begin + table_rows (", vocab_begin, " + ", table_rows,
+        ") must lie within the vocabulary of ", vocab));
+  }
   if (hidden <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("EmbeddingParams.hidden must be > 0: ", hidden));
   }
@@ -81,18 +92,22 @@ absl::Status LaunchEmbedding(const EmbeddingParams& p, cudaStream_t stream) {
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   if (p.num_tokens == 0) return absl::OkStatus();
   const unsigned blocks = GridStrideBlocks(p.num_tokens, 1);
+  const int64_t rows = p.table_rows == 0 ? p.vocab : p.table_rows;
   switch (p.table_dtype) {
     case model::DType::kF16:
       EmbeddingKernel<model::DType::kF16><<<blocks, kThreads, 0, stream>>>(
-          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.hidden, p.num_tokens);
+          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.vocab_begin, rows, p.hidden,
+          p.num_tokens);
       break;
     case model::DType::kBF16:
       EmbeddingKernel<model::DType::kBF16><<<blocks, kThreads, 0, stream>>>(
-          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.hidden, p.num_tokens);
+          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.vocab_begin, rows, p.hidden,
+          p.num_tokens);
       break;
     default:
       EmbeddingKernel<model::DType::kF32><<<blocks, kThreads, 0, stream>>>(
-          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.hidden, p.num_tokens);
+          p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.vocab_begin, rows, p.hidden,
+          p.num_tokens);
       break;
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());

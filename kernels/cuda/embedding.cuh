@@ -6,6 +6,10 @@
 // synchronizing copy. So the kernel never reads outside the table: a token whose id is outside
 // [0, vocab) gets a row of zeros, and `invalid_id_flag` (when given) is set to 1 so the caller
 // can turn that into its INVALID_ARGUMENT once it reads the flag back.
+//
+// Vocabulary-parallel lookup (tensor parallelism): a rank's table holds rows
+// [vocab_begin, vocab_begin + table_rows) of the vocabulary; a valid id outside them gets a row
+// of zeros, so the sum of the ranks' outputs is the whole lookup.
 #ifndef KVGRID_KERNELS_CUDA_EMBEDDING_CUH_
 #define KVGRID_KERNELS_CUDA_EMBEDDING_CUH_
 
@@ -19,13 +23,15 @@
 namespace kvgrid::kernels::cuda {
 
 struct EmbeddingParams {
-  const void* table = nullptr;    // [vocab, hidden] of table_dtype, device, element-aligned
+  const void* table = nullptr;    // [table_rows, hidden] of table_dtype, device, element-aligned
   const int32_t* ids = nullptr;   // [num_tokens], device
   float* output = nullptr;        // [num_tokens, hidden], device
   int32_t* invalid_id_flag = nullptr;  // [1], device, or null: set to 1 (never cleared) when an
                                        // id was outside [0, vocab); the caller zeroes it
   model::DType table_dtype = model::DType::kF32;  // kF32, kF16 or kBF16
   int64_t vocab = 0;
+  int64_t vocab_begin = 0;  // the vocabulary row of the table's first row
+  int64_t table_rows = 0;   // rows in the table; 0: vocab (the whole vocabulary)
   int64_t hidden = 0;
   int64_t num_tokens = 0;  // 0 launches nothing
 

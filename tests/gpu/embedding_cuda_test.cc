@@ -135,6 +135,55 @@ TEST(EmbeddingCudaTest, ValidateNamesTheField) {
   EXPECT_NE(std::string(p.Validate().message()).find("table_dtype"), std::string::npos);
   p.table_dtype = model::DType::kF32;
   EXPECT_TRUE(p.Validate().ok());
+  p.table_rows = 2;  // past the vocabulary of 1
+  EXPECT_NE(std::string(p.Validate().message()).find("table_rows"), std::string::npos);
+  p.table_rows = 1;
+  p.vocab_begin = -1;
+  EXPECT_NE(std::string(p.Validate().message()).find("vocab_begin"), std::string::npos);
+}
+
+// Tensor parallelism's lookup: each rank's slice of the table gives its own rows and zeros for
+// the others' valid ids; the slices' outputs sum to the whole lookup, and only ids outside the
+// vocabulary raise the flag.
+TEST(EmbeddingCudaTest, VocabularySlicesSumToTheWholeLookup) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const int64_t vocab = 90, hidden = 130, ranks = 3, rows = vocab / ranks;
+  std::vector<float> table(vocab * hidden);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (float& v : table) v = normal(rng);
+  const std::vector<int32_t> ids = {0, 29, 30, 59, 60, 89, 45, 90, -3, 7};
+  const auto n = static_cast<int64_t>(ids.size());
+  std::vector<float> sum(n * hidden, 0.f);
+  DeviceBuffer<int32_t> dids(ids);
+  for (int64_t r = 0; r < ranks; ++r) {
+    const std::vector<float> slice(table.begin() + r * rows * hidden,
+                                   table.begin() + (r + 1) * rows * hidden);
+    DeviceBuffer<float> dtable(slice), dout(std::vector<float>(n * hidden, -7.f));
+    DeviceBuffer<int32_t> dflag(std::vector<int32_t>{0});
+    ASSERT_TRUE(cuda::LaunchEmbedding({.table = dtable.get(), .ids = dids.get(),
+                                       .output = dout.get(), .invalid_id_flag = dflag.get(),
+                                       .vocab = vocab, .vocab_begin = r * rows,
+                                       .table_rows = rows, .hidden = hidden, .num_tokens = n},
+                                      nullptr)
+                    .ok());
+    const std::vector<float> got = dout.Download();
+    for (int64_t t = 0; t < n; ++t) {
+      const bool mine = ids[t] >= r * rows && ids[t] < (r + 1) * rows;
+      for (int64_t i = 0; i < hidden; ++i) {
+        const float want = mine ? table[ids[t] * hidden + i] : 0.f;
+        ASSERT_EQ(got[t * hidden + i], want) << "rank " << r << " token " << t;
+        sum[t * hidden + i] += got[t * hidden + i];
+      }
+    }
+    EXPECT_EQ(dflag.Download()[0], 1) << "ids 90 and -3 are outside the vocabulary";
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const bool valid = ids[t] >= 0 && ids[t] < vocab;
+    for (int64_t i = 0; i < hidden; ++i) {
+      ASSERT_EQ(sum[t * hidden + i], valid ? table[ids[t] * hidden + i] : 0.f);
+    }
+  }
 }
 
 }  // namespace

@@ -13,8 +13,10 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace kvgrid::worker {
 
@@ -37,6 +39,13 @@ class Communicator {
 // Broadcasts a byte string of any length from `root`: its size first, then its bytes. On the
 // other ranks `*bytes` is replaced.
 absl::Status BroadcastBytes(Communicator& comm, std::string* bytes, int root);
+
+// Every rank's `mine`, in rank order, on every rank (each rank broadcasts its own in turn:
+// for small values exchanged once, such as a group's setup).
+absl::StatusOr<std::vector<std::string>> GatherBytes(Communicator& comm, const std::string& mine);
+
+// The smallest of the ranks' `value`s, on every rank.
+absl::StatusOr<int64_t> MinAcrossGroup(Communicator& comm, int64_t value);
 
 }  // namespace kvgrid::worker
 

@@ -5,6 +5,7 @@
 
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -60,6 +61,35 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Connect(
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("sharing the NCCL id: ", e.what()));
   }
+  return Join(&id, rank, size, device, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Connect(
+    Communicator& host, int device, std::chrono::milliseconds timeout) {
+  const int rank = host.rank(), size = host.size();
+  if (device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", device, " is not a device"));
+  }
+  ncclUniqueId id;
+  std::string bytes;
+  if (rank == 0) {
+    KVGRID_NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+    bytes.assign(id.internal, sizeof(id));
+  }
+  if (absl::Status s = BroadcastBytes(host, &bytes, /*root=*/0); !s.ok()) {
+    return absl::UnavailableError(absl::StrCat("sharing the NCCL id: ", s.message()));
+  }
+  if (bytes.size() != sizeof(id)) {
+    return absl::UnavailableError("the group's NCCL id has the wrong size");
+  }
+  std::memcpy(id.internal, bytes.data(), sizeof(id));
+  return Join(&id, rank, size, device, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Join(
+    const void* id_bytes, int rank, int size, int device, std::chrono::milliseconds timeout) {
+  ncclUniqueId id;
+  std::memcpy(&id, id_bytes, sizeof(id));
   auto state = std::make_unique<State>();
   state->device = device;
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
@@ -87,10 +117,11 @@ NcclCommunicator::~NcclCommunicator() {
   if (state_->stream != nullptr) (void)cudaStreamDestroy(state_->stream);
 }
 
-absl::Status NcclCommunicator::Wait(const char* what) {
+absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   for (;;) {
-    const cudaError_t done = cudaStreamQuery(state_->stream);
+    const cudaError_t done = cudaStreamQuery(stream);
     if (done == cudaSuccess) return absl::OkStatus();
     if (done != cudaErrorNotReady) {
       return kernels::cuda::CudaStatus(done, "cudaStreamQuery", __FILE__, __LINE__);
@@ -113,7 +144,7 @@ absl::Status NcclCommunicator::AllReduceSum(std::span<float> data) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   KVGRID_NCCL_RETURN_IF_ERROR(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32,
                                             ncclSum, state_->comm, state_->stream));
-  return Wait("allreduce");
+  return Wait(state_->stream, "allreduce");
 }
 
 absl::Status NcclCommunicator::AllGather(std::span<const float> in, std::span<float> out) {
@@ -123,18 +154,37 @@ absl::Status NcclCommunicator::AllGather(std::span<const float> in, std::span<fl
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   KVGRID_NCCL_RETURN_IF_ERROR(ncclAllGather(in.data(), out.data(), in.size(), ncclFloat32,
                                             state_->comm, state_->stream));
-  return Wait("allgather");
+  return Wait(state_->stream, "allgather");
 }
 
 absl::Status NcclCommunicator::Broadcast(std::span<char> data, int root) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   KVGRID_NCCL_RETURN_IF_ERROR(ncclBroadcast(data.data(), data.data(), data.size(), ncclInt8,
                                             root, state_->comm, state_->stream));
-  return Wait("broadcast");
+  return Wait(state_->stream, "broadcast");
 }
 
 absl::Status NcclCommunicator::Barrier() {
   return AllReduceSum(std::span<float>(state_->barrier_buffer, 1));
+}
+
+absl::Status NcclCommunicator::AllReduceSumOn(float* data, int64_t count, cudaStream_t stream) {
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllReduce(data, data, static_cast<size_t>(count), ncclFloat32,
+                                            ncclSum, state_->comm, stream));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::AllGatherOn(const float* in, float* out, int64_t count,
+                                           cudaStream_t stream) {
+  if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
+  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllGather(in, out, static_cast<size_t>(count), ncclFloat32,
+                                            state_->comm, stream));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Synchronize(cudaStream_t stream) {
+  return Wait(stream, "step");
 }
 
 }  // namespace kvgrid::worker

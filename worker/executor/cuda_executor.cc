@@ -43,7 +43,15 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
-    std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options) {
+    std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options, TensorParallel tp,
+    std::unique_ptr<DeviceCommunicator> device_comm) {
+  KVGRID_RETURN_IF_ERROR(tp.Validate(model->config()));
+  if ((tp.size > 1) != (device_comm != nullptr) ||
+      (device_comm != nullptr && (device_comm->rank() != tp.rank ||
+                                  device_comm->size() != tp.size))) {
+    return absl::InvalidArgumentError(
+        "CudaExecutor: a group's executor needs its device communicator, of the same rank");
+  }
   if (options.swap_space < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
@@ -60,12 +68,18 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
         budget, GpuKvBudget(static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
                             options.gpu_memory_utilization, workspace));
   }
+  if (tp.size > 1) {
+    // The leader's engine hands out blocks by its own count; every rank must hold them all.
+    KVGRID_ASSIGN_OR_RETURN(budget, MinAcrossGroup(*tp.comm, budget));
+  }
   absl::StatusOr<std::unique_ptr<CudaKvPool>> pool = CudaKvPool::Create(geometry, budget);
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("KV cache: ", pool.status().message()));
   }
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
+  executor->tp_ = tp;
+  executor->device_comm_ = std::move(device_comm);
   executor->model_->SetDecodeGraphs(options.cuda_graphs);
   // Taken now from the room GpuKvBudget left for it.
   if (absl::Status s = executor->model_->ReserveSteps(options.max_num_batched_tokens,
@@ -126,6 +140,7 @@ absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockC
                                                      num_swap_blocks_, ")"));
     }
   }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(model_->device()));
   const cudaMemcpyKind direction = kind == BlockCopyKind::kDeviceToDevice
                                        ? cudaMemcpyDeviceToDevice
                                        : kind == BlockCopyKind::kDeviceToSwap

@@ -4,7 +4,9 @@
 //
 // Pool size: --kv-cache-memory bytes when given, else --gpu-memory-utilization of the card
 // after the weights and a step workspace (GpuKvBudget); the step buffers are allocated at
-// creation (CudaLlamaModel::ReserveSteps). Tensor parallelism: size 1 only.
+// creation (CudaLlamaModel::ReserveSteps). In a tensor-parallel group every rank's executor
+// holds its shard and its heads' pool; the group agrees on the smallest pool, so that every
+// rank holds every block the leader's engine hands out.
 // Not thread-safe (one engine thread), like the model.
 #ifndef KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
 #define KVGRID_WORKER_EXECUTOR_CUDA_EXECUTOR_H_
@@ -47,11 +49,15 @@ class CudaExecutor final : public Executor {
   using PoolOptions = CudaPoolOptions;
 
   // Allocates the pool, the swap space and the step buffers for `model` (already on the
-  // device). Errors: INVALID_ARGUMENT naming the option (a budget below one block, a
-  // utilization that leaves no room); RESOURCE_EXHAUSTED when the device or the host cannot
-  // hold them; INTERNAL naming a failed CUDA call.
+  // device). In a group (tp.size > 1) `device_comm` is the one `model` was built with, owned
+  // from here on, and tp.comm (not owned) agrees the pool's size with the other ranks, which
+  // call Create at the same time. Errors: INVALID_ARGUMENT naming the option (a budget below
+  // one block, a utilization that leaves no room); RESOURCE_EXHAUSTED when the device or the
+  // host cannot hold them; INTERNAL naming a failed CUDA call; UNAVAILABLE when the group's
+  // collective fails.
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
-      std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options);
+      std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options,
+      TensorParallel tp = {}, std::unique_ptr<DeviceCommunicator> device_comm = nullptr);
 
   ~CudaExecutor() override;
   CudaExecutor(const CudaExecutor&) = delete;
@@ -76,6 +82,7 @@ class CudaExecutor final : public Executor {
   [[nodiscard]] int64_t PlaneBlockBytes(int plane) const;
   [[nodiscard]] void* DevicePlane(int64_t layer, int plane) const;
 
+  std::unique_ptr<DeviceCommunicator> device_comm_;  // outlives model_, which uses it
   std::unique_ptr<CudaLlamaModel> model_;
   std::unique_ptr<CudaKvPool> pool_;
   TensorParallel tp_;

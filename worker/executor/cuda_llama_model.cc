@@ -223,6 +223,7 @@ absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     return absl::FailedPreconditionError("CudaLlamaModel: no CUDA device is visible");
   }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device_));
   // A blocking stream: it waits for the uploads and memsets issued on the default stream
   // (weights, the ones vector), so none of them needs its own synchronization.
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream_));
@@ -234,15 +235,20 @@ absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
 }
 
 absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
-    const model::ModelConfig& c, const LlamaWeights& w, model::DType dense_dtype) {
+    const model::ModelConfig& c, const LlamaWeights& w, model::DType dense_dtype,
+    DeviceCommunicator* comm) {
   KVGRID_RETURN_IF_ERROR(CheckDenseDType(dense_dtype));
   KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
-  KVGRID_RETURN_IF_ERROR(LlamaModel::CheckWeights(c, w));
+  const TensorParallel tp{.rank = comm == nullptr ? 0 : comm->rank(),
+                          .size = comm == nullptr ? 1 : comm->size()};
+  KVGRID_RETURN_IF_ERROR(LlamaModel::CheckWeights(c, w, tp));
+  const ShardDims d = ShardDimsOf(c, tp);
   if (!w.lm_head_q.empty()) {
-    KVGRID_RETURN_IF_ERROR(CheckQuantized(w.lm_head_q, c.vocab_size, c.hidden_size, "lm_head"));
+    KVGRID_RETURN_IF_ERROR(CheckQuantized(w.lm_head_q, d.vocab_local, d.hidden, "lm_head"));
   }
   KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
-  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype, comm));
+  m->dims_ = d;
   KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
 
   const auto dense = [&](const std::vector<float>& v) -> absl::StatusOr<DeviceBuffer> {
@@ -269,12 +275,11 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     l.data = l.storage.get();
     return l;
   };
-  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
-  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  const int64_t hidden = d.hidden, inter = d.inter, q_dim = d.q_dim, kv_dim = d.kv_dim;
   KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
   KVGRID_ASSIGN_OR_RETURN(m->final_norm_, UploadVector(w.final_norm));
   if (!w.lm_head_q.empty() || !w.lm_head.empty()) {
-    KVGRID_ASSIGN_OR_RETURN(m->head_, linear(w.lm_head, w.lm_head_q, c.vocab_size, hidden));
+    KVGRID_ASSIGN_OR_RETURN(m->head_, linear(w.lm_head, w.lm_head_q, d.vocab_local, hidden));
   } else {
     m->TieHeadToEmbedding();
   }
@@ -298,7 +303,8 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
   KVGRID_RETURN_IF_ERROR(CheckDenseDType(dense_dtype));
   KVGRID_RETURN_IF_ERROR(CheckHeadDim(c));
   KVGRID_ASSIGN_OR_RETURN(std::vector<double> inv_freq, cpu::RopeInvFreq(c));
-  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype));
+  std::unique_ptr<CudaLlamaModel> m(new CudaLlamaModel(c, dense_dtype, nullptr));
+  m->dims_ = ShardDimsOf(c);
   KVGRID_RETURN_IF_ERROR(m->Init(inv_freq));
   const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
   const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
@@ -351,8 +357,8 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
 
 void CudaLlamaModel::TieHeadToEmbedding() {
   head_ = Linear();
-  head_.out = config_.vocab_size;
-  head_.in = config_.hidden_size;
+  head_.out = dims_.vocab_local;
+  head_.in = dims_.hidden;
   head_.dtype = dense_dtype_;
   head_.data = embed_.get();
 }
@@ -372,7 +378,7 @@ KvGeometry CudaLlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_
                                          kernels::KvDType v_dtype) const {
   KvGeometry g;
   g.num_layers = config_.num_hidden_layers;
-  g.num_kv_heads = config_.num_key_value_heads;
+  g.num_kv_heads = dims_.kv_heads;
   g.head_dim = config_.head_dim;
   g.block_size = block_size;
   g.k_dtype = k_dtype;
@@ -439,9 +445,8 @@ absl::Status CudaLlamaModel::RunLinear(const Linear& l, const float* input, cons
 
 absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_blocks,
                                      int64_t logit_rows) {
-  const model::ModelConfig& c = config_;
-  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
-  const int64_t q_dim = c.num_attention_heads * hd, kv_dim = c.num_key_value_heads * hd;
+  const ShardDims& d = dims_;
+  const int64_t hidden = d.hidden, inter = d.inter, q_dim = d.q_dim, kv_dim = d.kv_dim;
   if (tokens > cap_tokens_) {
     const int64_t t = std::max<int64_t>(tokens, 2 * cap_tokens_);
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(ids_, t * 4));
@@ -466,7 +471,11 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
   KVGRID_RETURN_IF_ERROR(GrowStepBuffer(block_tables_, std::max<int64_t>(1, seqs * max_blocks) * 4));
   if (logit_rows > cap_rows_) {
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(rows_, logit_rows * hidden * 4));
-    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(logits_, logit_rows * c.vocab_size * 4));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(logits_, logit_rows * d.vocab_local * 4));
+    if (vocab_parallel()) {
+      // [size, rows, vocab_local]: size * vocab_local = vocab.
+      KVGRID_RETURN_IF_ERROR(GrowStepBuffer(gathered_, logit_rows * d.vocab * 4));
+    }
     cap_rows_ = logit_rows;
   }
   // A GEMM's 16-bit input copy and the bias GEMM's ones serve token rows and logit rows alike.
@@ -485,10 +494,11 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
   const KvGeometry& g = pool.geometry();
-  if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != config_.num_key_value_heads ||
+  if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != dims_.kv_heads ||
       g.head_dim != config_.head_dim) {
     return absl::InvalidArgumentError("KV pool geometry does not match the model");
   }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));  // the engine's thread, not the loader's
   if (logits != nullptr) logits->clear();
   if (n == 0) return absl::OkStatus();
   KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks()));
@@ -513,7 +523,7 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   KVGRID_RETURN_IF_ERROR(UploadInputs(b));
   KVGRID_RETURN_IF_ERROR(EnqueueStep(shape, pool, b.logit_rows));
   ++graph_stats_.eager_steps;
-  return FinishStep(m, logits);
+  return FinishStep(m, m, logits);
 }
 
 absl::Status CudaLlamaModel::UploadInputs(const ForwardBatch& b) {
@@ -547,8 +557,8 @@ cuda::PagedAttentionParams CudaLlamaModel::AttentionParams(const StepShape& shap
           .num_tokens = shape.tokens,
           .max_blocks_per_seq = shape.max_blocks,
           .num_blocks = pool.num_blocks(),
-          .num_heads = config_.num_attention_heads,
-          .num_kv_heads = config_.num_key_value_heads,
+          .num_heads = dims_.heads,
+          .num_kv_heads = dims_.kv_heads,
           .block_size = g.block_size,
           .head_dim = hd,
           .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))),
@@ -579,12 +589,20 @@ absl::Status CudaLlamaModel::GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes)
 absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& pool,
                                          const std::vector<int32_t>& logit_rows) {
   const model::ModelConfig& c = config_;
+  const ShardDims& d = dims_;
   const KvGeometry& g = pool.geometry();
   const int64_t n = shape.tokens;
   const int64_t m = static_cast<int64_t>(logit_rows.size());
-  const int64_t hidden = c.hidden_size, hd = c.head_dim, inter = c.intermediate_size;
-  const int64_t heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
-  const int64_t q_dim = heads * hd, kv_dim = kv_heads * hd, qkv_dim = q_dim + 2 * kv_dim;
+  const int64_t hidden = d.hidden, hd = d.head_dim, inter = d.inter;
+  const int64_t heads = d.heads, kv_heads = d.kv_heads;
+  const int64_t q_dim = d.q_dim, kv_dim = d.kv_dim, qkv_dim = d.qkv_dim;
+  // A row-parallel layer's partial products: rank 0 adds them to the residual stream (and its
+  // bias), the others overwrite it with theirs, and the all-reduce sums the group's.
+  const bool accumulate = leader();
+  const auto all_reduce_x = [&]() -> absl::Status {
+    if (comm_ == nullptr) return absl::OkStatus();
+    return comm_->AllReduceSumOn(x_.as<float>(), n * hidden, stream_);
+  };
   const float eps = static_cast<float>(c.rms_norm_eps);
   int32_t* flags = flags_.as<int32_t>();
 
@@ -595,10 +613,13 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
                                                 .output = x_.as<float>(),
                                                 .invalid_id_flag = flags,
                                                 .table_dtype = dense_dtype_,
-                                                .vocab = c.vocab_size,
+                                                .vocab = d.vocab,
+                                                .vocab_begin = d.vocab_begin,
+                                                .table_rows = d.vocab_local,
                                                 .hidden = hidden,
                                                 .num_tokens = n},
                                                stream_));
+  if (vocab_parallel()) KVGRID_RETURN_IF_ERROR(all_reduce_x());
   cuda::PagedAttentionParams attention = AttentionParams(shape, pool);
 
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
@@ -654,7 +675,8 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     KVGRID_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, stream_));
     // The residual adds are the GEMMs' accumulate.
     KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(), l.o_bias.as<float>(), x_.as<float>(),
-                                     n, true));
+                                     n, accumulate));
+    KVGRID_RETURN_IF_ERROR(all_reduce_x());
     KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = x_.as<float>(),
                                                 .weight = l.post_norm.as<float>(),
                                                 .output = h_.as<float>(),
@@ -669,10 +691,13 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
                                                    .num_tokens = n,
                                                    .intermediate = inter},
                                                   stream_));
-    KVGRID_RETURN_IF_ERROR(RunLinear(l.down, act_.as<float>(), nullptr, x_.as<float>(), n, true));
+    KVGRID_RETURN_IF_ERROR(
+        RunLinear(l.down, act_.as<float>(), nullptr, x_.as<float>(), n, accumulate));
+    KVGRID_RETURN_IF_ERROR(all_reduce_x());
   }
 
-  if (m > 0) {
+  // A replicated head is rank 0's alone: the others' logits would be dropped.
+  if (m > 0 && (leader() || vocab_parallel())) {
     // Only the requested rows go through the final norm and the vocabulary projection; runs of
     // consecutive rows (a decode step's are all one run) are one copy.
     for (int64_t i = 0; i < m;) {
@@ -692,22 +717,45 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
                                                stream_));
     KVGRID_RETURN_IF_ERROR(RunLinear(head_, rows_.as<float>(), nullptr, logits_.as<float>(), m,
                                      false));
+    if (vocab_parallel()) {
+      KVGRID_RETURN_IF_ERROR(
+          comm_->AllGatherOn(logits_.as<float>(), gathered_.as<float>(), m * d.vocab_local,
+                             stream_));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status CudaLlamaModel::FinishStep(int64_t rows, std::vector<float>* logits) {
+absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
+                                        std::vector<float>* logits) {
   if (logits == nullptr) return absl::OkStatus();
-  logits->resize(static_cast<size_t>(rows * config_.vocab_size));
+  logits->clear();
+  const bool copy = leader() && rows > 0;
+  if (copy) logits->resize(static_cast<size_t>(rows * dims_.vocab));
   int32_t host_flags[2] = {0, 0};
-  if (rows > 0) {
+  if (copy && vocab_parallel()) {
+    // gathered_ is [size, step_rows, vocab_local]: rank r's slice is columns
+    // [r * vocab_local, (r + 1) * vocab_local) of every row.
+    const int64_t local = dims_.vocab_local;
+    for (int64_t r = 0; r < comm_->size(); ++r) {
+      KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+          logits->data() + r * local, dims_.vocab * sizeof(float),
+          gathered_.as<float>() + r * step_rows * local, local * sizeof(float),
+          local * sizeof(float), rows, cudaMemcpyDeviceToHost, stream_));
+    }
+  } else if (copy) {
     KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(logits->data(), logits_.get(),
                                                 logits->size() * sizeof(float),
                                                 cudaMemcpyDeviceToHost, stream_));
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags, flags_.get(), sizeof(host_flags),
                                               cudaMemcpyDeviceToHost, stream_));
-  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  if (comm_ != nullptr) {
+    // Waits with the group's timeout: a collective whose peer is gone fails, not hangs.
+    KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  } else {
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+  }
   if (host_flags[0] != 0 || host_flags[1] != 0) {
     // Unlike the CPU model, which refuses the batch before writing anything, the valid tokens'
     // K/V are already in the pool by now; the caller frees the sequence.
@@ -764,6 +812,10 @@ void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
 }
 
 void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
+  if (enabled && comm_ != nullptr && !comm_->capturable()) {
+    graph_stats_.disabled_by = "the group's collectives cannot be captured (staged through host)";
+    enabled = false;
+  }
   graphs_enabled_ = enabled;
   if (enabled) graph_stats_.disabled_by.clear();
   if (!enabled) graphs_.clear();
@@ -793,7 +845,7 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   if (auto it = graphs_.find(key); it != graphs_.end()) {
     KVGRID_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.get(), stream_));
     ++graph_stats_.replays;
-    return FinishStep(n, logits);
+    return FinishStep(n, batch, logits);
   }
 
   // First step of this shape: run it eagerly (this step's results), then capture it.
@@ -825,11 +877,11 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
     graph_stats_.disabled_by = failure;
     SetDecodeGraphs(false);
     (void)cudaGetLastError();  // the failure is reported above, not to the next call
-    return FinishStep(n, logits);
+    return FinishStep(n, batch, logits);
   }
   graphs_.emplace(key, GraphExec(exec));
   ++graph_stats_.captures;
-  return FinishStep(n, logits);
+  return FinishStep(n, batch, logits);
 }
 
 }  // namespace kvgrid::worker

@@ -7,7 +7,15 @@
 // for tests), fp16/bf16 (activations cast to the weights' type, fp32 accumulate; what a
 // deployment runs), or the CPU's quantized blocks (Q8_0/Q4_0/Q4_1/Q4_Z, uploaded as they are and
 // dequantized inside kernels/cuda/quant_linear). Activations stay fp32 between ops.
-// Tensor parallelism is not supported yet (size 1).
+//
+// Tensor parallelism: with a DeviceCommunicator of size T the model holds rank r's share of the
+// weights, sharded as LlamaModel shards them (ShardDimsOf): its q heads and KV heads, its
+// gate/up columns and o/down input slices, its rows of the embedding and the head when the
+// vocabulary divides evenly. o_proj and down_proj write partial sums that are all-reduced in
+// the residual stream (rank 0 adds the residual and the bias, the others only their partial
+// product), the vocabulary-parallel lookup is all-reduced and the head's logits gathered; the
+// collectives are enqueued on the model's stream. Every rank runs the same Forward; rank 0
+// gets the logits.
 //
 // Decode steps can be replayed from CUDA graphs (SetDecodeGraphs): a step whose every sequence
 // has one query token is padded to a batch bucket (1, 2, 4, 8, then multiples of 8 up to
@@ -39,6 +47,7 @@
 #include "kernels/cuda/paged_attention.cuh"
 #include "model/dtype.h"
 #include "model/model_config.h"
+#include "worker/comm/device_communicator.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/kv_pool.h"
 
@@ -98,16 +107,21 @@ class CudaKvPool {
 
 class CudaLlamaModel {
  public:
-  // Uploads `weights` (whole-model, fp32 on the host, or quantized where LlamaWeights holds
-  // QuantMatrix blocks), converting dense matrices to `dense_dtype` (kF32, kF16 or kBF16).
-  // Errors: INVALID_ARGUMENT for sizes that disagree with `config` or a bad dtype;
+  // Uploads `weights` (fp32 on the host, or quantized where LlamaWeights holds QuantMatrix
+  // blocks) to the current CUDA device, converting dense matrices to `dense_dtype` (kF32, kF16
+  // or kBF16). Without `comm` the weights are the whole model's; with it (not owned; it must
+  // outlive the model) they are rank comm->rank()'s share of comm->size() (LlamaModel::Load or
+  // ShardWeights with the same rank and size).
+  // Errors: INVALID_ARGUMENT for sizes that disagree with `config` or a bad dtype or split;
   // RESOURCE_EXHAUSTED when the device is full; INTERNAL naming a failed CUDA/cuBLAS call
   // (FAILED_PRECONDITION when no device is visible).
   static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> FromWeights(
-      const model::ModelConfig& config, const LlamaWeights& weights, model::DType dense_dtype);
+      const model::ModelConfig& config, const LlamaWeights& weights, model::DType dense_dtype,
+      DeviceCommunicator* comm = nullptr);
 
   // Deterministic random dense weights made on the device (std ~ 1/sqrt(fan_in), norms 1), for
-  // benchmarks of shapes too large to build on the host. Errors: as FromWeights.
+  // benchmarks of shapes too large to build on the host; the whole model (no tensor
+  // parallelism). Errors: as FromWeights.
   // (Both: UNIMPLEMENTED for a head_dim other than 64 or 128, the attention kernels' sizes.)
   static absl::StatusOr<std::unique_ptr<CudaLlamaModel>> Random(const model::ModelConfig& config,
                                                                 model::DType dense_dtype,
@@ -118,9 +132,14 @@ class CudaLlamaModel {
   CudaLlamaModel& operator=(const CudaLlamaModel&) = delete;
 
   [[nodiscard]] const model::ModelConfig& config() const { return config_; }
+  // This rank's dimensions (the whole model's without a communicator).
+  [[nodiscard]] const ShardDims& dims() const { return dims_; }
+  // The CUDA device the model lives on; every call makes it the calling thread's current one.
+  [[nodiscard]] int device() const { return device_; }
   [[nodiscard]] int64_t WeightBytes() const;
   [[nodiscard]] cudaStream_t stream() const { return stream_; }
-  // The KV geometry this model writes (dtypes and block size the caller's).
+  // The KV geometry this model writes: this rank's KV heads (dtypes and block size the
+  // caller's).
   [[nodiscard]] KvGeometry KvGeometryFor(int64_t block_size, kernels::KvDType k_dtype,
                                          kernels::KvDType v_dtype) const;
 
@@ -132,7 +151,8 @@ class CudaLlamaModel {
   // block tables are checked on the host first, as LlamaModel::Forward does; a token id outside
   // the vocabulary or a slot outside the pool is found by the kernels and reported once the
   // step is waited for (by then the batch's valid rows are written: free the sequences);
-  // INTERNAL naming a failed CUDA/cuBLAS call.
+  // INTERNAL naming a failed CUDA/cuBLAS call; UNAVAILABLE when a group collective fails (the
+  // group is then broken). Ranks other than 0 of a group get no logits (`logits` is cleared).
   absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
 
   // Allocates the step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences
@@ -151,6 +171,8 @@ class CudaLlamaModel {
   static void PadDecodeBatch(const ForwardBatch& b, int32_t max_seq_len, int64_t block_size,
                              ForwardBatch* padded);
   // Turns decode graphs on or off (off at construction). Turning them off frees the graphs.
+  // They stay off in a group whose collectives cannot be captured (decode_graph_stats() says
+  // why).
   void SetDecodeGraphs(bool enabled);
   struct DecodeGraphStats {
     int64_t captures = 0;      // graphs captured (each after one eager padded step)
@@ -176,9 +198,14 @@ class CudaLlamaModel {
   };
 
  private:
-  CudaLlamaModel(const model::ModelConfig& config, model::DType dense_dtype)
-      : config_(config), dense_dtype_(dense_dtype) {}
+  CudaLlamaModel(const model::ModelConfig& config, model::DType dense_dtype,
+                 DeviceCommunicator* comm)
+      : config_(config), dense_dtype_(dense_dtype), comm_(comm) {}
   absl::Status Init(const std::vector<double>& inv_freq);
+  // Rank 0 of the group, or the model alone: adds the residual and biases, returns logits.
+  [[nodiscard]] bool leader() const { return comm_ == nullptr || comm_->rank() == 0; }
+  // The head's logits are split by vocabulary over the group (gathered after the head).
+  [[nodiscard]] bool vocab_parallel() const { return dims_.vocab_local < dims_.vocab; }
   // The head reads the embedding table (tie_word_embeddings): no copy.
   void TieHeadToEmbedding();
   // output [n, l.out] (+)= input [n, l.in] x W^T (+ bias): fp32 SGEMM, cast + 16-bit GEMM, or
@@ -209,25 +236,30 @@ class CudaLlamaModel {
   // synchronization and no allocation once Reserve and the attention workspace are sized.
   absl::Status EnqueueStep(const StepShape& shape, CudaKvPool& pool,
                            const std::vector<int32_t>& logit_rows);
-  // Copies the first `rows` rows of logits back (when `logits` is not null), checks the flags.
-  absl::Status FinishStep(int64_t rows, std::vector<float>* logits);
+  // Copies the first `rows` of the step's `step_rows` rows of logits back (when `logits` is not
+  // null; rank 0 only), waits for the step and checks the flags.
+  absl::Status FinishStep(int64_t rows, int64_t step_rows, std::vector<float>* logits);
   // The decode-graph path of Forward (see the class comment).
   absl::Status ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len, CudaKvPool& pool,
                                   std::vector<float>* logits);
 
   model::ModelConfig config_;
   model::DType dense_dtype_;
+  DeviceCommunicator* comm_;  // not owned; null alone
+  ShardDims dims_;
+  int device_ = 0;
   cudaStream_t stream_ = nullptr;
   kernels::cuda::CublasHandle cublas_;
-  DeviceBuffer embed_;                 // [vocab, hidden] of dense_dtype_ (fp32 when fp32)
+  DeviceBuffer embed_;                 // [vocab_local, hidden] of dense_dtype_
   DeviceBuffer final_norm_;            // [hidden] fp32
-  Linear head_;                        // lm_head, or the tied embedding as a Linear
+  Linear head_;                        // lm_head [vocab_local, hidden], or the tied embedding
   std::vector<Layer> layers_;
   DeviceBuffer inv_freq_;              // [head_dim / 2] double
   DeviceBuffer flags_;                 // [2] int32: invalid token id, invalid slot
   // Per-step inputs and workspaces.
   DeviceBuffer ids_, positions_, slots_, query_start_, seq_lens_, block_tables_;
   DeviceBuffer x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, logits_, cast_, ones_;
+  DeviceBuffer gathered_;  // vocabulary-parallel logits: [size, rows, vocab_local]
   DeviceBuffer attn_workspace_;
   int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_rows_ = 0;
 

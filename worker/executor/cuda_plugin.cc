@@ -1,16 +1,79 @@
 // libkvgrid_cuda_plugin.so: the CUDA executor behind the entry point cuda_plugin.h declares.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
 #include "model/dtype.h"
 #include "model/status_macros.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/host_staged_communicator.h"
 #include "worker/executor/cuda_executor.h"
 #include "worker/executor/cuda_plugin.h"
+#if KVGRID_HAVE_NCCL
+#include "worker/comm/nccl_communicator.h"
+#endif
 
 namespace kvgrid::worker {
 namespace {
+
+// The device this rank runs on: the one asked for, else rank modulo the visible devices
+// (a machine's ranks over its cards; one card per process when each sees only its own).
+absl::StatusOr<int> ChooseDevice(int requested, int rank) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError("--device cuda: no CUDA device is visible");
+  }
+  if (requested >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("--cuda-device: ", requested, " but only ",
+                                                   count, " CUDA devices are visible"));
+  }
+  return requested >= 0 ? requested : rank % count;
+}
+
+// Whether two ranks of the group run on one card (same host, same PCI bus id).
+absl::StatusOr<bool> RanksShareACard(Communicator& host, int device) {
+  char bus[64] = {};
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
+  char name[256] = {};
+  (void)gethostname(name, sizeof(name) - 1);
+  KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                          GatherBytes(host, absl::StrCat(name, "/", bus)));
+  std::sort(all.begin(), all.end());
+  return std::adjacent_find(all.begin(), all.end()) != all.end();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceCommunicator>> DeviceCollectives(
+    const TensorParallel& tp, int device, double timeout_s) {
+  KVGRID_ASSIGN_OR_RETURN(const bool shared, RanksShareACard(*tp.comm, device));
+  if (shared) {
+    if (tp.rank == 0) {
+      std::fprintf(stderr, "kvgrid-worker: ranks of the group share a card; their collectives "
+                           "go through host memory (slow; no CUDA graphs)\n");
+    }
+    return std::unique_ptr<DeviceCommunicator>(new HostStagedCommunicator(*tp.comm));
+  }
+#if KVGRID_HAVE_NCCL
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<NcclCommunicator> nccl,
+      NcclCommunicator::Connect(*tp.comm, device,
+                                std::chrono::milliseconds(static_cast<int64_t>(1000 * timeout_s))));
+  return std::unique_ptr<DeviceCommunicator>(std::move(nccl));
+#else
+  (void)timeout_s;
+  return absl::UnimplementedError(
+      "--device cuda: this build has no NCCL, so a group needs its ranks on one card");
+#endif
+}
 
 absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
     std::unique_ptr<LlamaModel> model, const CudaExecutorOptions& options) {
@@ -22,11 +85,21 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   } else if (options.dense_dtype == "fp32") {
     dense = DType::kF32;
   }
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CudaLlamaModel> gpu_model,
-                          CudaLlamaModel::FromWeights(model->config(), model->weights(), dense));
+  const TensorParallel tp = model->tensor_parallel();
+  KVGRID_ASSIGN_OR_RETURN(const int device, ChooseDevice(options.device, tp.rank));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  std::unique_ptr<DeviceCommunicator> collectives;
+  if (tp.size > 1) {
+    KVGRID_ASSIGN_OR_RETURN(collectives,
+                            DeviceCollectives(tp, device, options.collective_timeout_s));
+  }
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaLlamaModel> gpu_model,
+      CudaLlamaModel::FromWeights(model->config(), model->weights(), dense, collectives.get()));
   model.reset();
-  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CudaExecutor> executor,
-                          CudaExecutor::Create(std::move(gpu_model), options.pool));
+  KVGRID_ASSIGN_OR_RETURN(
+      std::unique_ptr<CudaExecutor> executor,
+      CudaExecutor::Create(std::move(gpu_model), options.pool, tp, std::move(collectives)));
   return std::unique_ptr<Executor>(std::move(executor));
 }
 

@@ -37,10 +37,17 @@ struct CudaPoolOptions {
 struct CudaExecutorOptions {
   std::string dense_dtype = "auto";  // auto (the checkpoint's torch_dtype), fp16, bf16, fp32
   CudaPoolOptions pool;
+  int device = -1;  // the CUDA device; -1: the rank modulo the visible devices
+  // Seconds a step's collectives may take before the group counts as broken.
+  double collective_timeout_s = 30.0;
 };
 
 // The plugin's entry point: uploads `model`'s weights (dense matrices in
-// options.dense_dtype) and builds a CudaExecutor; the host model is dropped.
+// options.dense_dtype) and builds a CudaExecutor; the host model is dropped. A model sharded
+// over a group (model->tensor_parallel().size > 1, with the group's host communicator) gets
+// device collectives for its ranks: NCCL when each rank has its own card, else staged through
+// host memory over the host communicator (ranks that share a card; NCCL refuses them). Every
+// rank of the group calls it at the same time.
 using CreateCudaExecutorFn = absl::StatusOr<std::unique_ptr<Executor>> (*)(
     std::unique_ptr<LlamaModel> model, const CudaExecutorOptions& options);
 inline constexpr char kCreateCudaExecutorSymbol[] = "kvgrid_create_cuda_executor";

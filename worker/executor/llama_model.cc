@@ -28,38 +28,6 @@ namespace cpu = kernels::cpu;
 
 namespace {
 
-struct Dims {
-  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, q_dim, kv_dim, qkv_dim;
-  // Where this rank's shares start in the whole model: q head, KV head, intermediate column.
-  int64_t head_begin = 0, kv_head_begin = 0, inter_begin = 0;
-  // The rows of the embedding and the head this rank holds: a slice of the vocabulary when it
-  // divides evenly over the ranks, else all of it.
-  int64_t vocab_begin = 0, vocab_local = 0;
-};
-
-// The dimensions rank tp.rank computes (tp.Validate must have passed).
-Dims DimsOf(const model::ModelConfig& c, const TensorParallel& tp = {}) {
-  Dims d;
-  const int64_t t = tp.size, r = tp.rank;
-  d.hidden = c.hidden_size;
-  d.heads = c.num_attention_heads / t;
-  // KV heads split evenly, or (more ranks than KV heads) each rank holds the one its q heads
-  // read.
-  d.kv_heads = c.num_key_value_heads >= t ? c.num_key_value_heads / t : 1;
-  d.head_dim = c.head_dim;
-  d.inter = c.intermediate_size / t;
-  d.vocab = c.vocab_size;
-  d.q_dim = d.heads * d.head_dim;
-  d.kv_dim = d.kv_heads * d.head_dim;
-  d.qkv_dim = d.q_dim + 2 * d.kv_dim;
-  d.head_begin = r * d.heads;
-  d.kv_head_begin = c.num_key_value_heads >= t ? r * d.kv_heads : r * c.num_key_value_heads / t;
-  d.inter_begin = r * d.inter;
-  d.vocab_local = c.vocab_size % t == 0 ? c.vocab_size / t : c.vocab_size;
-  d.vocab_begin = c.vocab_size % t == 0 ? r * d.vocab_local : 0;
-  return d;
-}
-
 absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std::string& what) {
   if (static_cast<int64_t>(t.size()) != expected) {
     return absl::InvalidArgumentError(absl::StrCat("weight ", what, " has ", t.size(),
@@ -70,7 +38,7 @@ absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std:
 
 absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
                           const TensorParallel& tp) {
-  const Dims d = DimsOf(c, tp);
+  const ShardDims d = ShardDimsOf(c, tp);
   KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab_local * d.hidden, "embed_tokens"));
   KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
   if ((!c.tie_word_embeddings || !w.lm_head.empty()) && w.lm_head_q.empty()) {
@@ -264,7 +232,29 @@ absl::Status ForwardBatch::ValidateSizes() const {
   return absl::OkStatus();
 }
 
-absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
+ShardDims ShardDimsOf(const model::ModelConfig& c, const TensorParallel& tp) {
+  ShardDims d;
+  const int64_t t = tp.size, r = tp.rank;
+  d.hidden = c.hidden_size;
+  d.heads = c.num_attention_heads / t;
+  // KV heads split evenly, or (more ranks than KV heads) each rank holds the one its q heads
+  // read.
+  d.kv_heads = c.num_key_value_heads >= t ? c.num_key_value_heads / t : 1;
+  d.head_dim = c.head_dim;
+  d.inter = c.intermediate_size / t;
+  d.vocab = c.vocab_size;
+  d.q_dim = d.heads * d.head_dim;
+  d.kv_dim = d.kv_heads * d.head_dim;
+  d.qkv_dim = d.q_dim + 2 * d.kv_dim;
+  d.head_begin = r * d.heads;
+  d.kv_head_begin = c.num_key_value_heads >= t ? r * d.kv_heads : r * c.num_key_value_heads / t;
+  d.inter_begin = r * d.inter;
+  d.vocab_local = c.vocab_size % t == 0 ? c.vocab_size / t : c.vocab_size;
+  d.vocab_begin = c.vocab_size % t == 0 ? r * d.vocab_local : 0;
+  return d;
+}
+
+absl::Status TensorParallel::ValidateSplit(const model::ModelConfig& c) const {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("tensor parallel: rank ", rank, " is not a rank of a group of ", size));
@@ -280,6 +270,11 @@ absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
                                                    ": must divide num_key_value_heads (", kv,
                                                    ") or be a multiple of it"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
+  KVGRID_RETURN_IF_ERROR(ValidateSplit(c));
   if (size > 1 && comm == nullptr) {
     return absl::InvalidArgumentError("tensor parallel: a group needs a communicator");
   }
@@ -311,8 +306,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
   absl::StatusOr<std::unique_ptr<model::Checkpoint>> ckpt = model::Checkpoint::Open(dir);
   if (!ckpt.ok()) return ckpt.status();
   const model::Checkpoint& c = **ckpt;
-  const Dims full = DimsOf(*config);
-  const Dims d = DimsOf(*config, tp);
+  const ShardDims full = ShardDimsOf(*config);
+  const ShardDims d = ShardDimsOf(*config, tp);
   const int64_t hd = d.head_dim;
 
   LlamaWeights w;
@@ -466,7 +461,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
   const std::string& arch = c.model_type;
   KVGRID_RETURN_IF_ERROR(tp.Validate(c));
 
-  const Dims d = DimsOf(c);
+  const ShardDims d = ShardDimsOf(c);
   const int64_t hd = d.head_dim;
   // GGML permutes llama's q/k for its interleaved RoPE; Qwen2 uses the halves as HF does.
   const int64_t permute = arch == "llama" ? hd : 0;
@@ -517,8 +512,8 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
                                                       TensorParallel tp) {
   KVGRID_RETURN_IF_ERROR(tp.Validate(config));
   KVGRID_RETURN_IF_ERROR(CheckWeights(config, full_weights, {}));
-  const Dims full = DimsOf(config);
-  const Dims d = DimsOf(config, tp);
+  const ShardDims full = ShardDimsOf(config);
+  const ShardDims d = ShardDimsOf(config, tp);
   const int64_t hd = d.head_dim;
   const int64_t q0 = d.head_begin * hd, q1 = q0 + d.q_dim;
   const int64_t kv0 = full.q_dim + d.kv_head_begin * hd, kv1 = kv0 + d.kv_dim;
@@ -557,7 +552,7 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
 
 absl::Status LlamaModel::CheckWeights(const model::ModelConfig& config,
                                       const LlamaWeights& weights, TensorParallel tp) {
-  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  KVGRID_RETURN_IF_ERROR(tp.ValidateSplit(config));
   return kvgrid::worker::CheckWeights(config, weights, tp);
 }
 
@@ -576,7 +571,7 @@ LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
     : config_(config), tp_(tp), w_(std::move(weights)), inv_freq_(std::move(inv_freq)) {}
 
 LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t seed) {
-  const Dims d = DimsOf(c);
+  const ShardDims d = ShardDimsOf(c);
   std::mt19937_64 rng(seed);
   // Uniform in [-a, a] has std a/sqrt(3); cheap to draw for half a billion weights.
   auto fill = [&rng](int64_t n, float std_dev) {
@@ -623,7 +618,7 @@ int64_t LlamaModel::WeightBytes() const {
 
 absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
-  const Dims d = DimsOf(config_, tp_);
+  const ShardDims d = ShardDimsOf(config_, tp_);
   auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
                           cpu::QuantMatrix* out) -> absl::Status {
     if (w.empty() || cols % cpu::kQuantBlock != 0) return absl::OkStatus();  // stays fp32
@@ -650,7 +645,7 @@ KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtyp
                                      kernels::KvDType v_dtype) const {
   KvGeometry g;
   g.num_layers = config_.num_hidden_layers;
-  g.num_kv_heads = DimsOf(config_, tp_).kv_heads;
+  g.num_kv_heads = ShardDimsOf(config_, tp_).kv_heads;
   g.head_dim = config_.head_dim;
   g.block_size = block_size;
   g.k_dtype = k_dtype;
@@ -659,7 +654,7 @@ KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtyp
 }
 
 absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vector<float>* logits) {
-  const Dims d = DimsOf(config_, tp_);
+  const ShardDims d = ShardDimsOf(config_, tp_);
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   KVGRID_RETURN_IF_ERROR(b.ValidateSizes());

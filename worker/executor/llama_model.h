@@ -41,9 +41,26 @@ struct TensorParallel {
   Communicator* comm = nullptr;  // not owned; required when size > 1
 
   // INVALID_ARGUMENT unless the model's heads, KV heads and intermediate size split evenly
-  // over `size` ranks (KV heads may instead divide `size`: then they are replicated).
+  // over `size` ranks (KV heads may instead divide `size`: then they are replicated) and a
+  // group has a communicator.
   absl::Status Validate(const model::ModelConfig& config) const;
+  // Validate without the communicator: whether rank `rank` of `size` is a valid shard.
+  absl::Status ValidateSplit(const model::ModelConfig& config) const;
 };
+
+// The dimensions one rank computes: its shares of the heads, KV heads, intermediate columns
+// and vocabulary rows (the whole model at size 1). The CPU and CUDA models shard alike.
+struct ShardDims {
+  int64_t hidden, heads, kv_heads, head_dim, inter, vocab, q_dim, kv_dim, qkv_dim;
+  // Where this rank's shares start in the whole model: q head, KV head, intermediate column.
+  int64_t head_begin = 0, kv_head_begin = 0, inter_begin = 0;
+  // The rows of the embedding and the head this rank holds: a slice of the vocabulary when it
+  // divides evenly over the ranks, else all of it.
+  int64_t vocab_begin = 0, vocab_local = 0;
+};
+
+// Rank tp.rank's dimensions (tp.Validate(config) must have passed).
+ShardDims ShardDimsOf(const model::ModelConfig& config, const TensorParallel& tp = {});
 
 // Shapes below are a rank's: num_heads, num_kv_heads and intermediate are its shares.
 struct LayerWeights {
@@ -123,8 +140,9 @@ class LlamaModel {
                                                                  LlamaWeights weights,
                                                                  TensorParallel tp = {});
 
-  // Checks every weight's size against `config` (this rank's share under `tp`) without taking
-  // a copy. Errors: INVALID_ARGUMENT naming the weight and both sizes.
+  // Checks every weight's size against `config` (this rank's share under `tp`; tp.comm is not
+  // needed) without taking a copy. Errors: INVALID_ARGUMENT naming the weight and both sizes,
+  // or as TensorParallel::ValidateSplit.
   static absl::Status CheckWeights(const model::ModelConfig& config, const LlamaWeights& weights,
                                    TensorParallel tp = {});
 

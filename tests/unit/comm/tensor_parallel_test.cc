@@ -56,6 +56,20 @@ TEST(GlooCommunicatorTest, Collectives) {
   });
 }
 
+// Setup exchanges: each rank's bytes (of different lengths, one empty) everywhere, and the
+// group's smallest value (a GPU group's pool size).
+TEST(GlooCommunicatorTest, GatherBytesAndMinAcrossGroup) {
+  RunGroup(3, [](int rank, Communicator& comm) {
+    auto all = GatherBytes(comm, std::string(static_cast<size_t>(rank), 'a' + rank));
+    ASSERT_TRUE(all.ok()) << all.status();
+    EXPECT_EQ(*all, (std::vector<std::string>{"", "b", "cc"}));
+    const int64_t values[] = {int64_t{5} << 40, -3, 7};
+    auto min = MinAcrossGroup(comm, values[rank]);
+    ASSERT_TRUE(min.ok()) << min.status();
+    EXPECT_EQ(*min, -3);
+  });
+}
+
 // Logits of a 12-token prefill then one decode step.
 std::vector<float> Logits(const std::string& fixture, TensorParallel tp) {
   auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture, tp);
