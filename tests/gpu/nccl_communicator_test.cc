@@ -1,13 +1,18 @@
-// NCCL communicator: one rank per visible GPU (a single GPU makes a group of one), collectives
-// on device buffers against the values every rank contributed. Skipped where no GPU is
-// visible.
+// Device collectives: NCCL with one rank per visible GPU (a single GPU makes a group of one),
+// through its own stream and on the caller's (recorded in a CUDA graph too), and the host-staged
+// communicator with two ranks on one card; results against the values every rank contributed.
+// Skipped where no GPU is visible.
 #include <cuda_runtime_api.h>
 
+#include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/host_staged_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 
 namespace kvgrid::worker {
@@ -51,6 +56,101 @@ TEST(NcclCommunicatorTest, CollectivesAcrossTheVisibleGpus) {
     });
   }
   for (auto& t : ranks) t.join();
+}
+
+// Runs `body(rank, host)` on `size` threads joined over Gloo.
+void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", std::chrono::seconds(60));
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Rank r contributes {r, 2, -3r, 0.5} to an all-reduce and {10r, 10r + 1} to an all-gather, on
+// `stream`; `graph` records them once and replays the graph instead.
+void CheckStreamCollectives(DeviceCommunicator& comm, cudaStream_t stream, bool graph) {
+  const int r = comm.rank(), size = comm.size();
+  const std::vector<float> mine = {1.f * r, 2.f, -3.f * r, 0.5f};
+  const std::vector<float> pair = {10.f * r, 10.f * r + 1};
+  float *d = nullptr, *in = nullptr, *out = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d), 4 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&in), 2 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&out), 2 * sizeof(float) * size), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d, mine.data(), 4 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(in, pair.data(), 2 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  if (graph) {
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const absl::Status reduced = comm.AllReduceSumOn(d, 4, stream);
+    const absl::Status gathered = comm.AllGatherOn(in, out, 2, stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &g), cudaSuccess);
+    ASSERT_TRUE(reduced.ok()) << reduced;
+    ASSERT_TRUE(gathered.ok()) << gathered;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, g, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_TRUE(comm.Synchronize(stream).ok());
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+  } else {
+    ASSERT_TRUE(comm.AllReduceSumOn(d, 4, stream).ok());
+    ASSERT_TRUE(comm.AllGatherOn(in, out, 2, stream).ok());
+    ASSERT_TRUE(comm.Synchronize(stream).ok());
+  }
+  std::vector<float> sum(4), all(2 * size);
+  ASSERT_EQ(cudaMemcpy(sum.data(), d, 4 * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(all.data(), out, all.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  const float ranks_sum = size * (size - 1) / 2.f;
+  EXPECT_EQ(sum, (std::vector<float>{ranks_sum, 2.f * size, -3.f * ranks_sum, 0.5f * size}));
+  for (int i = 0; i < size; ++i) {
+    EXPECT_EQ(all[2 * i], 10.f * i);
+    EXPECT_EQ(all[2 * i + 1], 10.f * i + 1);
+  }
+  cudaFree(out);
+  cudaFree(in);
+  cudaFree(d);
+}
+
+TEST(NcclCommunicatorTest, StreamOrderedCollectivesAndGraphsOverAHostGroup) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  }
+  RunGroup(std::min(devices, 8), [](int r, Communicator& host) {
+    auto comm = NcclCommunicator::Connect(host, r, std::chrono::seconds(60));
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_TRUE((*comm)->capturable());
+    ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    CheckStreamCollectives(**comm, stream, /*graph=*/false);
+    CheckStreamCollectives(**comm, stream, /*graph=*/true);
+    cudaStreamDestroy(stream);
+  });
+}
+
+TEST(HostStagedCommunicatorTest, TwoRanksOnOneCard) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  }
+  RunGroup(2, [](int, Communicator& host) {
+    HostStagedCommunicator comm(host);
+    EXPECT_FALSE(comm.capturable());
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    CheckStreamCollectives(comm, stream, /*graph=*/false);
+    CheckStreamCollectives(comm, stream, /*graph=*/false);  // the staging area is reused
+    cudaStreamDestroy(stream);
+  });
 }
 
 }  // namespace

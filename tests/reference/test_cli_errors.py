@@ -174,6 +174,4 @@ def test_worker_device_flags(model_copy):
 
     assert_clean_failure(run_worker("--device", "tpu"), "--device", "tpu")
     assert_clean_failure(run_worker("--device", "cuda", "--dtype", "fp8"), "--dtype")
-    assert_clean_failure(run_worker("--device", "cuda", "--tensor-parallel-size", "2",
-                                    "--coordinator", "127.0.0.1:1", "--group", "g"),
-                         "--device cuda", "tensor parallelism")
+    assert_clean_failure(run_worker("--device", "cuda", "--cuda-device", "-1"), "--cuda-device")

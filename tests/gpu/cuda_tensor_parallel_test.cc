@@ -1,0 +1,295 @@
+// Tensor parallelism on the CUDA backend, on one card: the ranks of a group are threads of
+// this process, each with its own CudaLlamaModel on the same device, their collectives staged
+// through host memory over Gloo (HostStagedCommunicator; NCCL refuses two ranks on one card,
+// and its path is the same model code with other collectives). Checked:
+//   - a model sharded 2 and 4 ways (KV heads split, then replicated; the vocabulary split,
+//     and replicated when it does not divide) gives the whole model's logits, for fp32 and
+//     Q8_0 weights, and close ones for fp16 weights;
+//   - the engine over a two-rank CUDA group (the leader's engine, a follower in RunFollower)
+//     gives the tokens of the engine on one CUDA model, and the ranks agree on the pool size.
+// Skipped, with a message, where no GPU is visible.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gloo/rendezvous/hash_store.h"
+#include "gtest/gtest.h"
+#include "tests/gpu/device_buffer.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/host_staged_communicator.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/step_plan.h"
+#include "worker/executor/cuda_executor.h"
+#include "worker/executor/cuda_llama_model.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/block_manager.h"
+
+namespace kvgrid::worker {
+namespace {
+
+using kernels::KvDType;
+using ::kvgrid::testing::HaveGpu;
+
+constexpr auto kTimeout = std::chrono::seconds(60);
+
+model::ModelConfig TinyQwen(int64_t vocab) {
+  model::ModelConfig c;
+  c.model_type = "qwen2";
+  c.vocab_size = vocab;
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  c.max_position_embeddings = 4096;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000000.0;
+  c.tie_word_embeddings = true;
+  c.attention_bias = true;
+  return c;
+}
+
+std::filesystem::path KjvTiny() {
+  const char* env = std::getenv("KVGRID_SOURCE_DIR");
+  return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
+}
+
+// Runs `body(rank, host communicator)` on `size` threads joined through one in-process store.
+void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", kTimeout);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      body(r, **comm);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
+
+// Logits of a 37-token prefill and then 5 decode steps of fixed tokens (so that every rank
+// and every configuration computes the same batches), through `model` on a pool of its heads.
+std::vector<std::vector<float>> Steps(CudaLlamaModel& model, KvDType kv) {
+  std::vector<std::vector<float>> out;
+  const KvGeometry g = model.KvGeometryFor(16, kv, kv);
+  auto pool = CudaKvPool::Create(g, 16 * g.BytesPerBlock());
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return out;
+  BlockManager blocks((*pool)->num_blocks(), 16);
+  const int64_t vocab = model.config().vocab_size;
+  std::vector<int32_t> prompt(37);
+  for (int i = 0; i < 37; ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 11) % vocab);
+  EXPECT_TRUE(blocks.Reserve(1, 37 + 5).ok());
+  std::vector<float> logits;
+  absl::Status s = model.Forward(SingleSequenceBatch(blocks, 1, 0, prompt), **pool, &logits);
+  EXPECT_TRUE(s.ok()) << s;
+  out.push_back(logits);
+  for (int step = 0; step < 5; ++step) {
+    const std::vector<int32_t> one = {static_cast<int32_t>((step * 131 + 5) % vocab)};
+    s = model.Forward(SingleSequenceBatch(blocks, 1, 37 + step, one), **pool, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    out.push_back(logits);
+  }
+  return out;
+}
+
+void ExpectClose(const std::vector<std::vector<float>>& got,
+                 const std::vector<std::vector<float>>& want, double tolerance) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < want.size(); ++s) {
+    ASSERT_EQ(got[s].size(), want[s].size()) << "step " << s;
+    double worst = 0, magnitude = 0;
+    for (size_t i = 0; i < want[s].size(); ++i) {
+      worst = std::max(worst, std::fabs(double{got[s][i]} - want[s][i]));
+      magnitude = std::max(magnitude, std::fabs(double{want[s][i]}));
+    }
+    EXPECT_LE(worst, tolerance * std::max(1.0, magnitude)) << "step " << s;
+  }
+}
+
+// The whole model on the device, then the same weights sharded over `size` ranks; rank 0's
+// logits must match, and the other ranks get none.
+void CompareSharded(const model::ModelConfig& config, const LlamaWeights& full, int size,
+                    model::DType dense, kernels::cpu::WeightDType weights, KvDType kv,
+                    double tolerance, const std::string& what) {
+  SCOPED_TRACE(what);
+  auto whole_host = LlamaModel::FromWeights(config, full);
+  ASSERT_TRUE(whole_host.ok()) << whole_host.status();
+  ASSERT_TRUE((*whole_host)->QuantizeWeights(weights).ok());
+  auto whole = CudaLlamaModel::FromWeights(config, (*whole_host)->weights(), dense);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const auto want = Steps(**whole, kv);
+
+  std::vector<std::vector<float>> got;
+  RunGroup(size, [&](int rank, Communicator& host) {
+    auto shard = LlamaModel::ShardWeights(config, full, {.rank = rank, .size = size});
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    auto host_model =
+        LlamaModel::FromWeights(config, *std::move(shard),
+                                {.rank = rank, .size = size, .comm = &host});
+    ASSERT_TRUE(host_model.ok()) << host_model.status();
+    ASSERT_TRUE((*host_model)->QuantizeWeights(weights).ok());
+    HostStagedCommunicator device_comm(host);
+    auto model = CudaLlamaModel::FromWeights(config, (*host_model)->weights(), dense,
+                                             &device_comm);
+    ASSERT_TRUE(model.ok()) << model.status();
+    EXPECT_EQ((*model)->dims().heads, config.num_attention_heads / size);
+    auto logits = Steps(**model, kv);
+    if (rank == 0) {
+      got = std::move(logits);
+    } else {
+      for (const auto& step : logits) EXPECT_TRUE(step.empty()) << "rank " << rank;
+    }
+  });
+  ExpectClose(got, want, tolerance);
+}
+
+TEST(CudaTensorParallelTest, ShardedModelMatchesTheWholeModel) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  using kernels::cpu::WeightDType;
+  const model::ModelConfig config = TinyQwen(512);
+  const LlamaWeights full = LlamaModel::RandomWeights(config, 7);
+  // fp32 weights and KV: only the order of the sums differs.
+  CompareSharded(config, full, 2, model::DType::kF32, WeightDType::kF32, KvDType::kF32, 1e-4,
+                 "tp 2 (KV heads and vocabulary split)");
+  CompareSharded(config, full, 4, model::DType::kF32, WeightDType::kF32, KvDType::kF32, 1e-4,
+                 "tp 4 (KV heads replicated)");
+  CompareSharded(config, full, 2, model::DType::kF32, WeightDType::kQ8_0, KvDType::kInt8, 1e-4,
+                 "tp 2, Q8_0 weights, int8 KV");
+  // fp16 weights round the activations before each GEMM; the rounding points are the same,
+  // but a value near a rounding boundary may fall either way.
+  CompareSharded(config, full, 2, model::DType::kF16, WeightDType::kF32, KvDType::kF16, 2e-2,
+                 "tp 2, fp16 weights and KV");
+  const model::ModelConfig odd = TinyQwen(511);
+  CompareSharded(odd, LlamaModel::RandomWeights(odd, 9), 2, model::DType::kF32,
+                 WeightDType::kF32, KvDType::kF32, 1e-4,
+                 "tp 2, vocabulary of 511: embedding and head replicated");
+}
+
+TEST(CudaTensorParallelTest, StagedGroupsRunWithoutGraphs) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const model::ModelConfig config = TinyQwen(512);
+  const LlamaWeights full = LlamaModel::RandomWeights(config, 7);
+  RunGroup(2, [&](int rank, Communicator& host) {
+    auto shard = LlamaModel::ShardWeights(config, full, {.rank = rank, .size = 2});
+    ASSERT_TRUE(shard.ok());
+    HostStagedCommunicator device_comm(host);
+    auto model = CudaLlamaModel::FromWeights(config, *shard, model::DType::kF32, &device_comm);
+    ASSERT_TRUE(model.ok()) << model.status();
+    (*model)->SetDecodeGraphs(true);
+    EXPECT_NE((*model)->decode_graph_stats().disabled_by, "");
+    Steps(**model, KvDType::kF16);
+    EXPECT_EQ((*model)->decode_graph_stats().captures, 0);
+  });
+}
+
+std::map<std::string, std::vector<int32_t>> Greedy(Engine& engine) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      {258, 900, 44}, {267, 309, 297, 336}, {259, 402}, {368, 287, 258, 1016, 268}};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    GenerationRequest r;
+    r.id = absl::StrCat("r", i);
+    r.prompt = prompts[i];
+    r.sampling.temperature = 0;
+    r.stopping.max_new_tokens = 12;
+    r.stopping.ignore_eos = true;
+    EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
+  }
+  std::map<std::string, std::vector<int32_t>> out;
+  for (int guard = 0; engine.HasWork() && guard < 1000; ++guard) {
+    auto step = engine.Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) break;
+    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
+  }
+  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
+  return out;
+}
+
+// The engine on one CUDA model, and on a two-rank CUDA group whose ranks were offered pools
+// of different sizes: the group takes the smaller, and the tokens are the same, through
+// preemption by swap.
+TEST(CudaTensorParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  if (!std::filesystem::exists(KjvTiny() / "model.safetensors")) {
+    GTEST_SKIP() << KjvTiny() << " not found (set KVGRID_SOURCE_DIR to the repository)";
+  }
+  const KvDType kv = KvDType::kF16;
+  EngineOptions options;
+  options.block_size = 8;
+  options.k_dtype = kv;
+  options.v_dtype = kv;
+  options.watermark = 0;
+  options.preemption_mode = PreemptionMode::kSwap;
+  const auto pool_options = [&](const KvGeometry& g, int64_t blocks) {
+    return CudaExecutor::PoolOptions{.block_size = 8,
+                                     .k_dtype = kv,
+                                     .v_dtype = kv,
+                                     .kv_cache_memory = blocks * g.BytesPerBlock(),
+                                     .swap_space = 16 * g.BytesPerBlock()};
+  };
+
+  std::map<std::string, std::vector<int32_t>> alone;
+  {
+    auto host = LlamaModel::Load(KjvTiny());
+    ASSERT_TRUE(host.ok()) << host.status();
+    auto model = CudaLlamaModel::FromWeights((*host)->config(), (*host)->weights(),
+                                             model::DType::kF32);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
+    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, 5));
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    EngineOptions o = options;
+    o.kv_cache_memory = 5 * g.BytesPerBlock();
+    o.swap_space = 16 * g.BytesPerBlock();
+    auto engine = Engine::Create(std::unique_ptr<Executor>(*std::move(executor)), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    alone = Greedy(**engine);
+    EXPECT_GT((*engine)->Stats().num_swap_outs, 0) << "the pool should be small enough to swap";
+  }
+
+  std::map<std::string, std::vector<int32_t>> group;
+  RunGroup(2, [&](int rank, Communicator& host) {
+    const TensorParallel tp{.rank = rank, .size = 2, .comm = &host};
+    auto host_model = LlamaModel::Load(KjvTiny(), tp);
+    ASSERT_TRUE(host_model.ok()) << host_model.status();
+    auto device_comm = std::make_unique<HostStagedCommunicator>(host);
+    auto model = CudaLlamaModel::FromWeights((*host_model)->config(), (*host_model)->weights(),
+                                             model::DType::kF32, device_comm.get());
+    ASSERT_TRUE(model.ok()) << model.status();
+    const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
+    // Rank 1 is offered a larger pool; the group takes rank 0's five blocks.
+    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, rank == 0 ? 5 : 9),
+                                         tp, std::move(device_comm));
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    EXPECT_EQ((*executor)->num_blocks(), 5) << "rank " << rank;
+    if (rank != 0) {
+      EXPECT_TRUE(RunFollower(**executor, host).ok());
+      return;
+    }
+    EngineOptions o = options;
+    o.kv_cache_memory = 5 * g.BytesPerBlock();
+    o.swap_space = 16 * g.BytesPerBlock();
+    o.group = &host;
+    auto engine = Engine::Create(std::unique_ptr<Executor>(*std::move(executor)), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    group = Greedy(**engine);
+    EXPECT_GT((*engine)->Stats().num_swap_outs, 0);
+    EXPECT_TRUE((*engine)->StopFollowers().ok());
+  });
+  EXPECT_EQ(group, alone);
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
