@@ -141,8 +141,9 @@ absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
   if (cuda.create != nullptr) {
     KVGRID_ASSIGN_OR_RETURN(executor, CudaExecutorFor(cuda, std::move(model), options));
   } else {
-    KVGRID_ASSIGN_OR_RETURN(executor, kvgrid::worker::CpuExecutor::Create(
-                                          std::move(model), kvgrid::worker::CpuPoolOptions(options)));
+    KVGRID_ASSIGN_OR_RETURN(executor,
+                            kvgrid::worker::CpuExecutor::Create(
+                                std::move(model), kvgrid::worker::CpuPoolOptions(options)));
   }
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
                comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));

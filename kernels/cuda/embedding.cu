@@ -73,7 +73,8 @@ absl::Status EmbeddingParams::Validate() const {
   if (vocab <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("EmbeddingParams.vocab must be > 0: ", vocab));
   }
-  if (vocab_begin < 0 || table_rows < 0 || vocab_begin + table_rows > vocab) {
+  if (vocab_begin < 0 || table_rows < 0 || vocab_begin + table_rows > vocab ||
+      (table_rows == 0 && vocab_begin != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "EmbeddingParams.vocab_begin + table_rows (", vocab_begin, " + ", table_rows,
         ") must lie within the vocabulary of ", vocab));

@@ -31,7 +31,7 @@ struct EmbeddingParams {
   model::DType table_dtype = model::DType::kF32;  // kF32, kF16 or kBF16
   int64_t vocab = 0;
   int64_t vocab_begin = 0;  // the vocabulary row of the table's first row
-  int64_t table_rows = 0;   // rows in the table; 0: vocab (the whole vocabulary)
+  int64_t table_rows = 0;   // rows in the table; 0: vocab (the whole vocabulary, vocab_begin 0)
   int64_t hidden = 0;
   int64_t num_tokens = 0;  // 0 launches nothing
 

@@ -78,8 +78,10 @@ void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
   for (std::thread& t : threads) t.join();
 }
 
-// Logits of a 37-token prefill and then 5 decode steps of fixed tokens (so that every rank
-// and every configuration computes the same batches), through `model` on a pool of its heads.
+// Logits of three prefills (37, 20 and 9 tokens) and then 5 decode steps of the three
+// sequences with fixed tokens (so that every rank and every configuration computes the same
+// batches), through `model` on a pool of its heads. With decode graphs on, the decode steps
+// are padded to 4 rows (captured alone or with NCCL; eager in a staged group).
 std::vector<std::vector<float>> Steps(CudaLlamaModel& model, KvDType kv) {
   std::vector<std::vector<float>> out;
   const KvGeometry g = model.KvGeometryFor(16, kv, kv);
@@ -88,18 +90,30 @@ std::vector<std::vector<float>> Steps(CudaLlamaModel& model, KvDType kv) {
   if (!pool.ok()) return out;
   BlockManager blocks((*pool)->num_blocks(), 16);
   const int64_t vocab = model.config().vocab_size;
-  std::vector<int32_t> prompt(37);
-  for (int i = 0; i < 37; ++i) prompt[i] = static_cast<int32_t>((i * 7919 + 11) % vocab);
-  EXPECT_TRUE(blocks.Reserve(1, 37 + 5).ok());
+  const std::vector<SequenceId> seqs = {1, 2, 3};
+  std::vector<int64_t> positions = {37, 20, 9};
   std::vector<float> logits;
-  absl::Status s = model.Forward(SingleSequenceBatch(blocks, 1, 0, prompt), **pool, &logits);
-  EXPECT_TRUE(s.ok()) << s;
-  out.push_back(logits);
-  for (int step = 0; step < 5; ++step) {
-    const std::vector<int32_t> one = {static_cast<int32_t>((step * 131 + 5) % vocab)};
-    s = model.Forward(SingleSequenceBatch(blocks, 1, 37 + step, one), **pool, &logits);
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    std::vector<int32_t> prompt(positions[i]);
+    for (int64_t t = 0; t < positions[i]; ++t) {
+      prompt[t] = static_cast<int32_t>((t * 7919 + 11 * (i + 1)) % vocab);
+    }
+    EXPECT_TRUE(blocks.Reserve(seqs[i], positions[i] + 5).ok());
+    const absl::Status s =
+        model.Forward(SingleSequenceBatch(blocks, seqs[i], 0, prompt), **pool, &logits);
     EXPECT_TRUE(s.ok()) << s;
     out.push_back(logits);
+  }
+  for (int step = 0; step < 5; ++step) {
+    std::vector<int32_t> tokens;
+    for (int i = 0; i < 3; ++i) {
+      tokens.push_back(static_cast<int32_t>((step * 131 + 5 * i) % vocab));
+    }
+    const absl::Status s =
+        model.Forward(DecodeBatch(blocks, seqs, positions, tokens), **pool, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    out.push_back(logits);
+    for (int64_t& p : positions) ++p;
   }
   return out;
 }
@@ -145,6 +159,9 @@ void CompareSharded(const model::ModelConfig& config, const LlamaWeights& full, 
                                              &device_comm);
     ASSERT_TRUE(model.ok()) << model.status();
     EXPECT_EQ((*model)->dims().heads, config.num_attention_heads / size);
+    // Padded decode steps (staged collectives: no capture), so that rank 0 reassembles the
+    // gathered logits of 3 rows out of 4.
+    (*model)->SetDecodeGraphs(true);
     auto logits = Steps(**model, kv);
     if (rank == 0) {
       got = std::move(logits);
@@ -191,6 +208,8 @@ TEST(CudaTensorParallelTest, StagedGroupsRunWithoutGraphs) {
     EXPECT_NE((*model)->decode_graph_stats().disabled_by, "");
     Steps(**model, KvDType::kF16);
     EXPECT_EQ((*model)->decode_graph_stats().captures, 0);
+    EXPECT_EQ((*model)->decode_graph_stats().replays, 0);
+    EXPECT_EQ((*model)->decode_graph_stats().eager_steps, 3 + 5);
   });
 }
 
@@ -232,12 +251,12 @@ TEST(CudaTensorParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
   options.v_dtype = kv;
   options.watermark = 0;
   options.preemption_mode = PreemptionMode::kSwap;
-  const auto pool_options = [&](const KvGeometry& g, int64_t blocks) {
+  const auto pool_options = [&](const KvGeometry& g, int64_t blocks, int64_t swap_blocks) {
     return CudaExecutor::PoolOptions{.block_size = 8,
                                      .k_dtype = kv,
                                      .v_dtype = kv,
                                      .kv_cache_memory = blocks * g.BytesPerBlock(),
-                                     .swap_space = 16 * g.BytesPerBlock()};
+                                     .swap_space = swap_blocks * g.BytesPerBlock()};
   };
 
   std::map<std::string, std::vector<int32_t>> alone;
@@ -248,7 +267,7 @@ TEST(CudaTensorParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
                                              model::DType::kF32);
     ASSERT_TRUE(model.ok()) << model.status();
     const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
-    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, 5));
+    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, 5, 16));
     ASSERT_TRUE(executor.ok()) << executor.status();
     EngineOptions o = options;
     o.kv_cache_memory = 5 * g.BytesPerBlock();
@@ -269,11 +288,13 @@ TEST(CudaTensorParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
                                              model::DType::kF32, device_comm.get());
     ASSERT_TRUE(model.ok()) << model.status();
     const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
-    // Rank 1 is offered a larger pool; the group takes rank 0's five blocks.
-    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, rank == 0 ? 5 : 9),
-                                         tp, std::move(device_comm));
+    // Rank 1 is offered a larger pool and swap space; the group takes rank 0's.
+    const CudaExecutor::PoolOptions offered =
+        rank == 0 ? pool_options(g, 5, 16) : pool_options(g, 9, 20);
+    auto executor = CudaExecutor::Create(*std::move(model), offered, tp, std::move(device_comm));
     ASSERT_TRUE(executor.ok()) << executor.status();
     EXPECT_EQ((*executor)->num_blocks(), 5) << "rank " << rank;
+    EXPECT_EQ((*executor)->num_swap_blocks(), 16) << "rank " << rank;
     if (rank != 0) {
       EXPECT_TRUE(RunFollower(**executor, host).ok());
       return;

@@ -140,6 +140,9 @@ TEST(EmbeddingCudaTest, ValidateNamesTheField) {
   p.table_rows = 1;
   p.vocab_begin = -1;
   EXPECT_NE(std::string(p.Validate().message()).find("vocab_begin"), std::string::npos);
+  p.table_rows = 0;  // the whole vocabulary, which starts at row 0
+  p.vocab_begin = 1;
+  EXPECT_NE(std::string(p.Validate().message()).find("vocab_begin"), std::string::npos);
 }
 
 // Tensor parallelism's lookup: each rank's slice of the table gives its own rows and zeros for

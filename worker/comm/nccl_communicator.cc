@@ -120,6 +120,7 @@ NcclCommunicator::~NcclCommunicator() {
 absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  int64_t polls = 0;
   for (;;) {
     const cudaError_t done = cudaStreamQuery(stream);
     if (done == cudaSuccess) return absl::OkStatus();
@@ -136,7 +137,13 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
           "nccl ", what, ": ",
           async != ncclSuccess ? ncclGetErrorString(async) : "timed out (a peer is gone?)"));
     }
-    std::this_thread::yield();
+    // A step's collectives finish in microseconds to milliseconds: spin briefly, then sleep a
+    // little, so that a waiting rank does not hold a core the CPU threads could use.
+    if (++polls < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
 }
 

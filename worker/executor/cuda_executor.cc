@@ -42,6 +42,51 @@ PinnedBuffer::~PinnedBuffer() {
   if (ptr_ != nullptr) cudaFreeHost(ptr_);
 }
 
+absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLlamaModel& model,
+                                                                   const PoolOptions& options,
+                                                                   const KvGeometry& geometry) {
+  if (options.swap_space < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
+  }
+  if (options.ranks_on_card < 1) {
+    return absl::InvalidArgumentError("CudaPoolOptions.ranks_on_card must be >= 1");
+  }
+  const int64_t per_block = geometry.BytesPerBlock();
+  LocalSizes sizes{.graphs = options.cuda_graphs ? 1 : 0};
+  int64_t budget = options.kv_cache_memory;
+  if (budget <= 0) {
+    size_t free_bytes = 0, total_bytes = 0;
+    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // Ranks sharing the card share its utilization: each takes its part of what the weights
+    // (all of theirs, loaded by now) and every rank's step workspace leave.
+    const int64_t shares = options.ranks_on_card;
+    const int64_t workspace =
+        StepWorkspaceBytes(model.config(), options.max_num_batched_tokens, options.max_num_seqs);
+    KVGRID_ASSIGN_OR_RETURN(
+        budget, GpuKvBudget(static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
+                            options.gpu_memory_utilization, shares * workspace));
+    budget /= shares;
+  }
+  sizes.blocks = budget / per_block;
+  if (sizes.blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache: CudaKvPool: a budget of ", budget,
+                                                   " bytes holds no block of ", per_block));
+  }
+  if (sizes.blocks > INT32_MAX) {
+    return absl::InvalidArgumentError("KV cache: CudaKvPool: too many blocks");
+  }
+  if (options.swap_space > 0) {
+    sizes.swap_blocks = options.swap_space / per_block;
+    if (sizes.swap_blocks < 1 || sizes.swap_blocks > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--swap-space: ", options.swap_space, " bytes must hold between one block (",
+          per_block, " bytes) and 2^31 blocks"));
+    }
+  }
+  return sizes;
+}
+
 absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options, TensorParallel tp,
     std::unique_ptr<DeviceCommunicator> device_comm) {
@@ -52,27 +97,31 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     return absl::InvalidArgumentError(
         "CudaExecutor: a group's executor needs its device communicator, of the same rank");
   }
-  if (options.swap_space < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--swap-space: must be >= 0, got ", options.swap_space));
-  }
   const KvGeometry geometry =
       model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
-  int64_t budget = options.kv_cache_memory;
-  if (budget <= 0) {
-    size_t free_bytes = 0, total_bytes = 0;
-    KVGRID_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const int64_t workspace =
-        StepWorkspaceBytes(model->config(), options.max_num_batched_tokens, options.max_num_seqs);
-    KVGRID_ASSIGN_OR_RETURN(
-        budget, GpuKvBudget(static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
-                            options.gpu_memory_utilization, workspace));
-  }
   if (tp.size > 1) {
-    // The leader's engine hands out blocks by its own count; every rank must hold them all.
-    KVGRID_ASSIGN_OR_RETURN(budget, MinAcrossGroup(*tp.comm, budget));
+    // Every rank's weights are on its card before any measures what is left of it.
+    KVGRID_RETURN_IF_ERROR(tp.comm->Barrier());
   }
-  absl::StatusOr<std::unique_ptr<CudaKvPool>> pool = CudaKvPool::Create(geometry, budget);
+  absl::StatusOr<LocalSizes> local = SizeLocally(*model, options, geometry);
+  if (tp.size > 1) {
+    // The leader's engine hands out pool and swap blocks by its own counts, and every rank
+    // must run the same step shapes: the group takes the smallest counts and runs graphs only
+    // if every rank asked for them. A rank that cannot size its pool sends -1, and the group
+    // fails together rather than waiting for it.
+    const LocalSizes mine = local.ok() ? *local : LocalSizes{.blocks = -1};
+    KVGRID_ASSIGN_OR_RETURN(const int64_t blocks, MinAcrossGroup(*tp.comm, mine.blocks));
+    KVGRID_ASSIGN_OR_RETURN(const int64_t swap, MinAcrossGroup(*tp.comm, mine.swap_blocks));
+    KVGRID_ASSIGN_OR_RETURN(const int64_t graphs, MinAcrossGroup(*tp.comm, mine.graphs));
+    if (!local.ok()) return local.status();
+    if (blocks < 0) {
+      return absl::UnavailableError("KV cache: another rank of the group could not size its pool");
+    }
+    local = LocalSizes{.blocks = blocks, .swap_blocks = swap, .graphs = graphs};
+  }
+  if (!local.ok()) return local.status();
+  absl::StatusOr<std::unique_ptr<CudaKvPool>> pool =
+      CudaKvPool::Create(geometry, local->blocks * geometry.BytesPerBlock());
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("KV cache: ", pool.status().message()));
@@ -80,20 +129,15 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
   executor->tp_ = tp;
   executor->device_comm_ = std::move(device_comm);
-  executor->model_->SetDecodeGraphs(options.cuda_graphs);
+  executor->model_->SetDecodeGraphs(local->graphs != 0);
   // Taken now from the room GpuKvBudget left for it.
   if (absl::Status s = executor->model_->ReserveSteps(options.max_num_batched_tokens,
                                                       options.max_num_seqs);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("step workspace: ", s.message()));
   }
-  if (options.swap_space > 0) {
-    const int64_t blocks = options.swap_space / geometry.BytesPerBlock();
-    if (blocks < 1 || blocks > INT32_MAX) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--swap-space: ", options.swap_space, " bytes must hold between one block (",
-          geometry.BytesPerBlock(), " bytes) and 2^31 blocks"));
-    }
+  if (local->swap_blocks > 0) {
+    const int64_t blocks = local->swap_blocks;
     executor->num_swap_blocks_ = static_cast<int32_t>(blocks);
     for (int64_t layer = 0; layer < geometry.num_layers; ++layer) {
       for (int plane = 0; plane < 4; ++plane) {

@@ -78,6 +78,13 @@ class CudaExecutor final : public Executor {
   CudaExecutor(std::unique_ptr<CudaLlamaModel> model, std::unique_ptr<CudaKvPool> pool)
       : model_(std::move(model)), pool_(std::move(pool)) {}
 
+  // What this rank alone would take: pool and swap blocks, and whether it runs graphs (1/0).
+  struct LocalSizes {
+    int64_t blocks = 0, swap_blocks = 0, graphs = 0;
+  };
+  static absl::StatusOr<LocalSizes> SizeLocally(const CudaLlamaModel& model,
+                                                const PoolOptions& options,
+                                                const KvGeometry& geometry);
   // Bytes of one block in plane `plane` (0: K values, 1: V values, 2: K meta, 3: V meta).
   [[nodiscard]] int64_t PlaneBlockBytes(int plane) const;
   [[nodiscard]] void* DevicePlane(int64_t layer, int plane) const;

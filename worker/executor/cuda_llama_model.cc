@@ -213,6 +213,7 @@ absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry&
 // --- CudaLlamaModel -----------------------------------------------------------------------
 
 CudaLlamaModel::~CudaLlamaModel() {
+  (void)cudaSetDevice(device_);  // nothing to report to from here
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // nothing to report to from here
   cublas_ = kernels::cuda::CublasHandle();  // before the stream it is bound to
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -278,7 +279,11 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
   const int64_t hidden = d.hidden, inter = d.inter, q_dim = d.q_dim, kv_dim = d.kv_dim;
   KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
   KVGRID_ASSIGN_OR_RETURN(m->final_norm_, UploadVector(w.final_norm));
-  if (!w.lm_head_q.empty() || !w.lm_head.empty()) {
+  if (!m->leader() && !m->vocab_parallel()) {
+    // A replicated head runs on rank 0 only (EnqueueStep): the others hold none.
+    m->head_.out = d.vocab_local;
+    m->head_.in = hidden;
+  } else if (!w.lm_head_q.empty() || !w.lm_head.empty()) {
     KVGRID_ASSIGN_OR_RETURN(m->head_, linear(w.lm_head, w.lm_head_q, d.vocab_local, hidden));
   } else {
     m->TieHeadToEmbedding();
@@ -509,7 +514,7 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   }
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
   // A plain decode step: one query token per sequence, logits for each, in order.
-  bool plain_decode = graphs_enabled_ && max_query_len == 1 && n == num_seqs &&
+  bool plain_decode = decode_padding_ && max_query_len == 1 && n == num_seqs &&
                       n <= kMaxGraphBatch && m == n;
   for (int64_t i = 0; plain_decode && i < m; ++i) plain_decode = b.logit_rows[i] == i;
   if (plain_decode) return ForwardDecodeGraph(b, max_seq_len, pool, logits);
@@ -571,8 +576,13 @@ cuda::PagedAttentionParams CudaLlamaModel::AttentionParams(const StepShape& shap
 absl::Status CudaLlamaModel::PrepareStep(const StepShape& shape, const CudaKvPool& pool,
                                          int64_t logit_rows) {
   KVGRID_RETURN_IF_ERROR(Reserve(shape.tokens, shape.seqs, shape.max_blocks, logit_rows));
-  return GrowStepBuffer(attn_workspace_,
-                        cuda::PagedAttentionWorkspaceBytes(AttentionParams(shape, pool)));
+  const int64_t need = cuda::PagedAttentionWorkspaceBytes(AttentionParams(shape, pool));
+  if (need <= attn_workspace_.bytes()) return absl::OkStatus();
+  // Grown to a power of two: contexts grow token by token, and every new allocation drops the
+  // decode graphs, so it should happen a few times in a process's life, not at every prefill.
+  int64_t bytes = 4096;
+  while (bytes < need) bytes *= 2;
+  return GrowStepBuffer(attn_workspace_, bytes);
 }
 
 absl::Status CudaLlamaModel::GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes) {
@@ -674,7 +684,8 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     attention.v_meta = pool.v_meta(layer);
     KVGRID_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, stream_));
     // The residual adds are the GEMMs' accumulate.
-    KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(), l.o_bias.as<float>(), x_.as<float>(),
+    KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(),
+                                     leader() ? l.o_bias.as<float>() : nullptr, x_.as<float>(),
                                      n, accumulate));
     KVGRID_RETURN_IF_ERROR(all_reduce_x());
     KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = x_.as<float>(),
@@ -768,6 +779,7 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
 }
 
 absl::Status CudaLlamaModel::ReserveSteps(int64_t max_tokens, int64_t max_seqs) {
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
   return Reserve(std::max(max_tokens, seqs), seqs, 1, seqs);
 }
@@ -812,13 +824,22 @@ void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
 }
 
 void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
-  if (enabled && comm_ != nullptr && !comm_->capturable()) {
-    graph_stats_.disabled_by = "the group's collectives cannot be captured (staged through host)";
-    enabled = false;
-  }
+  decode_padding_ = enabled;
   graphs_enabled_ = enabled;
-  if (enabled) graph_stats_.disabled_by.clear();
+  graph_stats_.disabled_by.clear();
+  if (enabled && comm_ != nullptr && !comm_->capturable()) {
+    StopGraphs("the group's collectives cannot be captured (staged through host memory)");
+  }
   if (!enabled) graphs_.clear();
+}
+
+void CudaLlamaModel::StopGraphs(const std::string& why) {
+  graph_stats_.disabled_by = why;
+  graphs_enabled_ = false;
+  graphs_.clear();
+  // Alone, padding without graphs is wasted work. In a group it stays: every rank must run
+  // the same shapes, so that the collectives' sizes match whatever the others capture.
+  decode_padding_ = comm_ != nullptr;
 }
 
 absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len,
@@ -840,6 +861,11 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   if (graphs_generation_ != buffers_generation_) {  // a buffer moved: the graphs are stale
     graphs_.clear();
     graphs_generation_ = buffers_generation_;
+  }
+  if (!graphs_enabled_) {  // a group's padded step, kernel by kernel
+    KVGRID_RETURN_IF_ERROR(EnqueueStep(shape, pool, p.logit_rows));
+    ++graph_stats_.eager_steps;
+    return FinishStep(n, batch, logits);
   }
   const GraphKey key{batch, max_blocks, pool.id()};
   if (auto it = graphs_.find(key); it != graphs_.end()) {
@@ -874,8 +900,7 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   if (graph != nullptr) (void)cudaGraphDestroy(graph);
   if (!failure.empty()) {
     // The eager step stands; later steps stay eager.
-    graph_stats_.disabled_by = failure;
-    SetDecodeGraphs(false);
+    StopGraphs(failure);
     (void)cudaGetLastError();  // the failure is reported above, not to the next call
     return FinishStep(n, batch, logits);
   }

@@ -172,7 +172,9 @@ class CudaLlamaModel {
                              ForwardBatch* padded);
   // Turns decode graphs on or off (off at construction). Turning them off frees the graphs.
   // They stay off in a group whose collectives cannot be captured (decode_graph_stats() says
-  // why).
+  // why). In a group, decode steps are padded whenever graphs were turned on, captured or not,
+  // so that every rank's collectives have the same sizes; every rank must make the same call.
+  // Not for use with another thread in Forward.
   void SetDecodeGraphs(bool enabled);
   struct DecodeGraphStats {
     int64_t captures = 0;      // graphs captured (each after one eager padded step)
@@ -276,7 +278,10 @@ class CudaLlamaModel {
     void operator()(cudaGraphExec_t exec) const;
   };
   using GraphExec = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>;
+  // Graphs off (after a failed capture, or never on), with the reason in graph_stats_.
+  void StopGraphs(const std::string& why);
   bool graphs_enabled_ = false;
+  bool decode_padding_ = false;  // plain decode steps take ForwardDecodeGraph
   uint64_t buffers_generation_ = 0, graphs_generation_ = 0;
   std::map<GraphKey, GraphExec> graphs_;
   DecodeGraphStats graph_stats_;

@@ -40,21 +40,28 @@ absl::StatusOr<int> ChooseDevice(int requested, int rank) {
   return requested >= 0 ? requested : rank % count;
 }
 
-// Whether two ranks of the group run on one card (same host, same PCI bus id).
-absl::StatusOr<bool> RanksShareACard(Communicator& host, int device) {
+// Where the group's ranks run: how many share this rank's card (same host, same PCI bus id),
+// and whether any card is shared.
+struct CardSharing {
+  int on_my_card = 1;
+  bool any = false;
+};
+absl::StatusOr<CardSharing> ShareCards(Communicator& host, int device) {
   char bus[64] = {};
   KVGRID_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
   char name[256] = {};
   (void)gethostname(name, sizeof(name) - 1);
-  KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> all,
-                          GatherBytes(host, absl::StrCat(name, "/", bus)));
+  const std::string mine = absl::StrCat(name, "/", bus);
+  KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> all, GatherBytes(host, mine));
+  CardSharing sharing;
+  sharing.on_my_card = static_cast<int>(std::count(all.begin(), all.end(), mine));
   std::sort(all.begin(), all.end());
-  return std::adjacent_find(all.begin(), all.end()) != all.end();
+  sharing.any = std::adjacent_find(all.begin(), all.end()) != all.end();
+  return sharing;
 }
 
 absl::StatusOr<std::unique_ptr<DeviceCommunicator>> DeviceCollectives(
-    const TensorParallel& tp, int device, double timeout_s) {
-  KVGRID_ASSIGN_OR_RETURN(const bool shared, RanksShareACard(*tp.comm, device));
+    const TensorParallel& tp, int device, bool shared, double timeout_s) {
   if (shared) {
     if (tp.rank == 0) {
       std::fprintf(stderr, "kvgrid-worker: ranks of the group share a card; their collectives "
@@ -89,9 +96,12 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   KVGRID_ASSIGN_OR_RETURN(const int device, ChooseDevice(options.device, tp.rank));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   std::unique_ptr<DeviceCommunicator> collectives;
+  CudaPoolOptions pool = options.pool;
   if (tp.size > 1) {
-    KVGRID_ASSIGN_OR_RETURN(collectives,
-                            DeviceCollectives(tp, device, options.collective_timeout_s));
+    KVGRID_ASSIGN_OR_RETURN(const CardSharing sharing, ShareCards(*tp.comm, device));
+    pool.ranks_on_card = sharing.on_my_card;
+    KVGRID_ASSIGN_OR_RETURN(collectives, DeviceCollectives(tp, device, sharing.any,
+                                                           options.collective_timeout_s));
   }
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaLlamaModel> gpu_model,
@@ -99,7 +109,7 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   model.reset();
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaExecutor> executor,
-      CudaExecutor::Create(std::move(gpu_model), options.pool, tp, std::move(collectives)));
+      CudaExecutor::Create(std::move(gpu_model), pool, tp, std::move(collectives)));
   return std::unique_ptr<Executor>(std::move(executor));
 }
 

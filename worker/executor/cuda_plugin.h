@@ -32,6 +32,9 @@ struct CudaPoolOptions {
   int64_t max_num_seqs = 64;
   int64_t swap_space = 0;                 // pinned host bytes; 0: none
   bool cuda_graphs = true;                // decode steps replayed from CUDA graphs
+  // Ranks of the group on this card (set by the plugin): a pool sized by utilization is their
+  // share of it.
+  int ranks_on_card = 1;
 };
 
 struct CudaExecutorOptions {

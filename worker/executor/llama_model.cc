@@ -510,7 +510,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
 absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& config,
                                                       const LlamaWeights& full_weights,
                                                       TensorParallel tp) {
-  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  KVGRID_RETURN_IF_ERROR(tp.ValidateSplit(config));
   KVGRID_RETURN_IF_ERROR(CheckWeights(config, full_weights, {}));
   const ShardDims full = ShardDimsOf(config);
   const ShardDims d = ShardDimsOf(config, tp);

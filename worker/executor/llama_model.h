@@ -147,7 +147,7 @@ class LlamaModel {
                                    TensorParallel tp = {});
 
   // Rank tp.rank's share of whole-model weights (benchmarks, tests), sliced as Load slices a
-  // checkpoint. Errors: as TensorParallel::Validate.
+  // checkpoint (tp.comm is not needed). Errors: as TensorParallel::ValidateSplit.
   static absl::StatusOr<LlamaWeights> ShardWeights(const model::ModelConfig& config,
                                                    const LlamaWeights& full, TensorParallel tp);
 
