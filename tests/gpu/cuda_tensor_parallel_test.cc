@@ -81,7 +81,7 @@ void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
 // Logits of three prefills (37, 20 and 9 tokens) and then 5 decode steps of the three
 // sequences with fixed tokens (so that every rank and every configuration computes the same
 // batches), through `model` on a pool of its heads. With decode graphs on, the decode steps
-// are padded to 4 rows (captured alone or with NCCL; eager in a staged group).
+// are padded to 4 rows (kernel by kernel in a staged group, which cannot capture).
 std::vector<std::vector<float>> Steps(CudaLlamaModel& model, KvDType kv) {
   std::vector<std::vector<float>> out;
   const KvGeometry g = model.KvGeometryFor(16, kv, kv);

@@ -52,6 +52,9 @@ absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLla
   if (options.ranks_on_card < 1) {
     return absl::InvalidArgumentError("CudaPoolOptions.ranks_on_card must be >= 1");
   }
+  if (absl::Status s = CudaKvPool::CheckGeometry(geometry); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat("KV cache: ", s.message()));
+  }
   const int64_t per_block = geometry.BytesPerBlock();
   LocalSizes sizes{.graphs = options.cuda_graphs ? 1 : 0};
   int64_t budget = options.kv_cache_memory;
@@ -97,6 +100,7 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     return absl::InvalidArgumentError(
         "CudaExecutor: a group's executor needs its device communicator, of the same rank");
   }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(model->device()));
   const KvGeometry geometry =
       model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
   if (tp.size > 1) {
@@ -120,24 +124,42 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     local = LocalSizes{.blocks = blocks, .swap_blocks = swap, .graphs = graphs};
   }
   if (!local.ok()) return local.status();
+  absl::StatusOr<std::unique_ptr<CudaExecutor>> executor =
+      Allocate(std::move(model), options, geometry, *local);
+  if (tp.size > 1) {
+    // Out of device or pinned memory on one rank fails the group now, not at its first step.
+    KVGRID_ASSIGN_OR_RETURN(const int64_t all_ok,
+                            MinAcrossGroup(*tp.comm, executor.ok() ? 1 : 0));
+    if (!executor.ok()) return executor.status();
+    if (all_ok == 0) {
+      return absl::UnavailableError("KV cache: another rank of the group could not allocate");
+    }
+  }
+  if (!executor.ok()) return executor.status();
+  (*executor)->tp_ = tp;
+  (*executor)->device_comm_ = std::move(device_comm);
+  return executor;
+}
+
+absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Allocate(
+    std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options,
+    const KvGeometry& geometry, const LocalSizes& sizes) {
   absl::StatusOr<std::unique_ptr<CudaKvPool>> pool =
-      CudaKvPool::Create(geometry, local->blocks * geometry.BytesPerBlock());
+      CudaKvPool::Create(geometry, sizes.blocks * geometry.BytesPerBlock());
   if (!pool.ok()) {
     return absl::Status(pool.status().code(),
                         absl::StrCat("KV cache: ", pool.status().message()));
   }
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
-  executor->tp_ = tp;
-  executor->device_comm_ = std::move(device_comm);
-  executor->model_->SetDecodeGraphs(local->graphs != 0);
+  executor->model_->SetDecodeGraphs(sizes.graphs != 0);
   // Taken now from the room GpuKvBudget left for it.
   if (absl::Status s = executor->model_->ReserveSteps(options.max_num_batched_tokens,
                                                       options.max_num_seqs);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("step workspace: ", s.message()));
   }
-  if (local->swap_blocks > 0) {
-    const int64_t blocks = local->swap_blocks;
+  if (sizes.swap_blocks > 0) {
+    const int64_t blocks = sizes.swap_blocks;
     executor->num_swap_blocks_ = static_cast<int32_t>(blocks);
     for (int64_t layer = 0; layer < geometry.num_layers; ++layer) {
       for (int plane = 0; plane < 4; ++plane) {

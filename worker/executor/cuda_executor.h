@@ -85,6 +85,10 @@ class CudaExecutor final : public Executor {
   static absl::StatusOr<LocalSizes> SizeLocally(const CudaLlamaModel& model,
                                                 const PoolOptions& options,
                                                 const KvGeometry& geometry);
+  // The pool, step buffers and swap space of the agreed sizes.
+  static absl::StatusOr<std::unique_ptr<CudaExecutor>> Allocate(
+      std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options,
+      const KvGeometry& geometry, const LocalSizes& sizes);
   // Bytes of one block in plane `plane` (0: K values, 1: V values, 2: K meta, 3: V meta).
   [[nodiscard]] int64_t PlaneBlockBytes(int plane) const;
   [[nodiscard]] void* DevicePlane(int64_t layer, int plane) const;

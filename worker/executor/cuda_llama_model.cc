@@ -172,12 +172,17 @@ CudaKvPool::CudaKvPool(const KvGeometry& geometry, int32_t num_blocks)
   id_ = next_id.fetch_add(1);
 }
 
-absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
-                                                               int64_t budget_bytes) {
+absl::Status CudaKvPool::CheckGeometry(const KvGeometry& g) {
   if (g.num_layers <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 || g.head_dim % 2 != 0 ||
       (g.block_size != 8 && g.block_size != 16 && g.block_size != 32)) {
     return absl::InvalidArgumentError("CudaKvPool: bad KV geometry");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
+                                                               int64_t budget_bytes) {
+  KVGRID_RETURN_IF_ERROR(CheckGeometry(g));
   const int64_t per_block = g.BytesPerBlock();
   const int64_t blocks = budget_bytes / per_block;
   if (blocks < 1) {
@@ -213,7 +218,9 @@ absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry&
 // --- CudaLlamaModel -----------------------------------------------------------------------
 
 CudaLlamaModel::~CudaLlamaModel() {
-  (void)cudaSetDevice(device_);  // nothing to report to from here
+  // On the model's device, which the members' buffers are freed on after this body (the
+  // calling thread keeps it as its current device); nothing to report to from here.
+  (void)cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);  // nothing to report to from here
   cublas_ = kernels::cuda::CublasHandle();  // before the stream it is bound to
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -826,11 +833,26 @@ void CudaLlamaModel::GraphExecDeleter::operator()(cudaGraphExec_t exec) const {
 void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
   decode_padding_ = enabled;
   graphs_enabled_ = enabled;
-  graph_stats_.disabled_by.clear();
+  if (enabled) graph_stats_.disabled_by.clear();
   if (enabled && comm_ != nullptr && !comm_->capturable()) {
     StopGraphs("the group's collectives cannot be captured (staged through host memory)");
   }
   if (!enabled) graphs_.clear();
+}
+
+absl::StatusOr<bool> CudaLlamaModel::AllRanksAgree(bool mine) {
+  if (agree_.get() == nullptr) {
+    KVGRID_ASSIGN_OR_RETURN(agree_, DeviceBuffer::Allocate(sizeof(float)));
+  }
+  const float vote = mine ? 0.f : 1.f;  // the sum counts the ranks that disagree
+  float votes = 0.f;
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(agree_.get(), &vote, sizeof(vote),
+                                              cudaMemcpyHostToDevice, stream_));
+  KVGRID_RETURN_IF_ERROR(comm_->AllReduceSumOn(agree_.as<float>(), 1, stream_));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&votes, agree_.get(), sizeof(votes),
+                                              cudaMemcpyDeviceToHost, stream_));
+  KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  return votes == 0.f;
 }
 
 void CudaLlamaModel::StopGraphs(const std::string& why) {
@@ -898,10 +920,17 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
     }
   }
   if (graph != nullptr) (void)cudaGraphDestroy(graph);
+  if (!failure.empty()) (void)cudaGetLastError();  // reported below, not to the next call
+  if (comm_ != nullptr) {
+    // NCCL wants a collective captured on every rank or on none: the group keeps graphs only
+    // if every rank captured this one (every rank captures at the same step).
+    KVGRID_ASSIGN_OR_RETURN(const bool everyone, AllRanksAgree(failure.empty()));
+    if (!everyone && failure.empty()) failure = "another rank of the group failed to capture";
+  }
   if (!failure.empty()) {
-    // The eager step stands; later steps stay eager.
+    // The eager step stands; later steps stay eager (padded, in a group).
+    if (exec != nullptr) (void)cudaGraphExecDestroy(exec);
     StopGraphs(failure);
-    (void)cudaGetLastError();  // the failure is reported above, not to the next call
     return FinishStep(n, batch, logits);
   }
   graphs_.emplace(key, GraphExec(exec));

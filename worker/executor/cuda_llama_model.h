@@ -84,6 +84,9 @@ class CudaKvPool {
   // budget below one block; RESOURCE_EXHAUSTED when the device cannot hold it.
   static absl::StatusOr<std::unique_ptr<CudaKvPool>> Create(const KvGeometry& geometry,
                                                             int64_t budget_bytes);
+  // INVALID_ARGUMENT unless the geometry is one the pool and the kernels take (block size 8,
+  // 16 or 32, an even head_dim, positive counts).
+  static absl::Status CheckGeometry(const KvGeometry& geometry);
 
   [[nodiscard]] const KvGeometry& geometry() const { return geometry_; }
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
@@ -179,7 +182,8 @@ class CudaLlamaModel {
   struct DecodeGraphStats {
     int64_t captures = 0;      // graphs captured (each after one eager padded step)
     int64_t replays = 0;       // decode steps launched from a graph
-    int64_t eager_steps = 0;   // steps run kernel by kernel (prefill, large or first decodes)
+    int64_t eager_steps = 0;   // steps run kernel by kernel (prefill, large or first decodes,
+                               // and a group's padded decodes when it has no graphs)
     std::string disabled_by;   // why a capture failed and graphs were turned off, else empty
   };
   [[nodiscard]] const DecodeGraphStats& decode_graph_stats() const { return graph_stats_; }
@@ -254,7 +258,8 @@ class CudaLlamaModel {
   kernels::cuda::CublasHandle cublas_;
   DeviceBuffer embed_;                 // [vocab_local, hidden] of dense_dtype_
   DeviceBuffer final_norm_;            // [hidden] fp32
-  Linear head_;                        // lm_head [vocab_local, hidden], or the tied embedding
+  Linear head_;  // lm_head [vocab_local, hidden], or the tied embedding; no data on a
+                 // follower whose head is replicated (rank 0 runs it alone)
   std::vector<Layer> layers_;
   DeviceBuffer inv_freq_;              // [head_dim / 2] double
   DeviceBuffer flags_;                 // [2] int32: invalid token id, invalid slot
@@ -280,6 +285,9 @@ class CudaLlamaModel {
   using GraphExec = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>;
   // Graphs off (after a failed capture, or never on), with the reason in graph_stats_.
   void StopGraphs(const std::string& why);
+  // In a group: whether every rank's `mine` is true (an all-reduce on the stream, waited for).
+  absl::StatusOr<bool> AllRanksAgree(bool mine);
+  DeviceBuffer agree_;  // [1] float, AllRanksAgree's vote
   bool graphs_enabled_ = false;
   bool decode_padding_ = false;  // plain decode steps take ForwardDecodeGraph
   uint64_t buffers_generation_ = 0, graphs_generation_ = 0;

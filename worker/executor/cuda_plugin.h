@@ -27,7 +27,8 @@ struct CudaPoolOptions {
   kernels::KvDType k_dtype = kernels::KvDType::kF16;
   kernels::KvDType v_dtype = kernels::KvDType::kF16;
   int64_t kv_cache_memory = 0;            // bytes; 0: size by gpu_memory_utilization
-  double gpu_memory_utilization = 0.9;    // share of the card this process may fill
+  double gpu_memory_utilization = 0.9;    // share of the card this process (with the group's
+                                          // other ranks on the card) may fill
   int64_t max_num_batched_tokens = 8192;  // sizes the step buffers, allocated at creation
   int64_t max_num_seqs = 64;
   int64_t swap_space = 0;                 // pinned host bytes; 0: none
