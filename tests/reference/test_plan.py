@@ -165,3 +165,38 @@ def test_gguf_weights_as_stored(tmp_path):
     assert rows["fp16"]["bytes_per_token"] == 4 * 2 * 64 * 2 * 2  # 4 layers, 2 KV heads, fp16
     r = run("--model", path, "--memory", "256MiB", "--weight-dtype", "q4_0")
     assert r.returncode != 0 and "planned as stored" in r.stderr
+
+
+def test_tensor_parallel_groups_plan_one_card(llama_dir):
+    """--tp T: each card holds rank 0's share (heads, KV heads, MLP columns and vocabulary
+    split; norms replicated) and its KV heads of every token, by hand arithmetic."""
+    alone, _ = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192)
+    group, rows = plan_json("--model", llama_dir, "--memory", "24GiB", "--context", 8192,
+                            "--tp", 2)
+    assert all(r["tensor_parallel_size"] == 2 for r in rows)
+    replicated = 32 * 2 * 4096 + 4096  # the layers' two norms and the final norm
+    per_card = (LLAMA3_8B_PARAMS - replicated) // 2 + replicated
+    fp16 = group["fp16"]
+    assert fp16["weight_params"] == per_card == 4_015_263_744
+    assert fp16["weight_bytes"] == 2 * per_card
+    # Four of the eight KV heads per card.
+    assert fp16["bytes_per_token"] == alone["fp16"]["bytes_per_token"] // 2 == 32 * 4 * 128 * 4
+    budget = 24 * GIB - 2 * per_card
+    assert fp16["blocks"] == budget // (16 * fp16["bytes_per_token"])
+    assert fp16["max_sequences"] == fp16["blocks"] // 512
+    assert fp16["max_sequences"] > 2 * alone["fp16"]["max_sequences"]
+
+    # Eight KV heads over 16 ranks: one each (replicated), so the per-card KV is 1/8, not 1/16.
+    big = dict(LLAMA3_8B, num_attention_heads=64, intermediate_size=28672, hidden_size=8192,
+               num_hidden_layers=80)
+    d = llama_dir.parent / "big"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(big))
+    by16, _ = plan_json("--model", d, "--memory", "80GiB", "--context", 8192, "--tp", 16)
+    assert by16["fp16"]["bytes_per_token"] == 80 * 1 * 128 * 4
+
+
+def test_tensor_parallel_size_that_does_not_split(llama_dir):
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--tp", 3),
+                         "--tp", "num_attention_heads")
+    assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--tp", 0), "--tp")

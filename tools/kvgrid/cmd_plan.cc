@@ -1,7 +1,9 @@
 // kvgrid plan: for a model's config.json and a memory budget, what the KV cache holds per
 // dtype once the weights are in: bytes per token, max tokens, max concurrent sequences at a
 // context length. Reads config.json only, so it works without the weights; for a GGUF file, its
-// metadata and tensor directory (the weights as stored, quantized blocks included).
+// metadata and tensor directory (the weights as stored, quantized blocks included). With
+// --tp T the budget is each card's of a tensor-parallel group, which holds rank 0's share of
+// the weights (the largest) and its KV heads of every token.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -17,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
+#include "worker/executor/llama_model.h"
 #include "worker/kv/kv_planner.h"
 
 namespace kvgrid::cli {
@@ -25,7 +28,7 @@ namespace {
 constexpr char kHelp[] =
     "usage: kvgrid plan [--model DIR|config.json|model.gguf] --memory 24GiB [--context N]\n"
     "                   [--weight-dtype auto|fp32|bf16|fp16|q8_0|q4_0|q4_1] [--block-size 8|16|32]\n"
-    "                   [--json]\n"
+    "                   [--tp T] [--json]\n"
     "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values, fp8_e4m3): bytes per\n"
     "token, max tokens and max concurrent sequences at --context (default: the model's\n"
     "max_position_embeddings), in what --memory leaves after the weights.\n"
@@ -34,7 +37,11 @@ constexpr char kHelp[] =
     "torch_dtype (fp32 when absent). q8_0/q4_0/q4_1: the layers' linear weights in blocks of\n"
     "32 (34/18/20 bytes) and the head in Q8_0, as --weight-dtype quantizes at load; the rest\n"
     "at torch_dtype. A .gguf model: its tensors' sizes as stored (--weight-dtype must be\n"
-    "auto). --json: one JSON object per dtype per line.\n";
+    "auto). --tp T: --memory is each card's of a tensor-parallel group of T (as kvgrid-worker\n"
+    "--tensor-parallel-size shards: heads, KV heads and MLP columns split, KV heads replicated\n"
+    "when T exceeds them, the vocabulary split when T divides it); a card holds its share of\n"
+    "the weights and of every token's KV, so the token and sequence figures are the group's.\n"
+    "--json: one JSON object per dtype per line.\n";
 
 // A GGUF file's weights as stored: every tensor's bytes (quantized blocks at their size).
 worker::WeightFootprint GgufFootprint(const model::GgufFile& file) {
@@ -57,6 +64,7 @@ absl::Status Plan(Args& args) {
   const std::string weight_dtype = args.GetString("weight-dtype").value_or("auto");
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> block_size_flag, args.GetInt("block-size"));
   KVGRID_ASSIGN_OR_RETURN(const bool json, args.GetBool("json", false));
+  KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> tp_flag, args.GetInt("tp"));
   KVGRID_RETURN_IF_ERROR(args.Finish());
 
   if (!memory_flag) {
@@ -83,18 +91,38 @@ absl::Status Plan(Args& args) {
                                             " (expected a model directory or its config.json)"));
   }
   KVGRID_ASSIGN_OR_RETURN(const model::ModelConfig config, std::move(loaded));
+  const int64_t tp = tp_flag.value_or(1);
+  if (tp < 1 || tp > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("--tp: must be in [1, 64], got ", tp));
+  }
+  if (tp > 1 && gguf) {
+    return absl::InvalidArgumentError("--tp: GGUF models are served by one rank (tp 1)");
+  }
+  // What rank 0 of the group holds: the config as it sees the model.
+  model::ModelConfig shard = config;
+  if (tp > 1) {
+    const worker::TensorParallel group{.rank = 0, .size = static_cast<int>(tp)};
+    if (absl::Status s = group.ValidateSplit(config); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tp: ", std::string(s.message())));
+    }
+    const worker::ShardDims d = worker::ShardDimsOf(config, group);
+    shard.num_attention_heads = d.heads;
+    shard.num_key_value_heads = d.kv_heads;
+    shard.intermediate_size = d.inter;
+    shard.vocab_size = d.vocab_local;
+  }
   const int64_t context = context_flag.value_or(config.max_position_embeddings);
   if (context <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("--context: must be positive, got ", context));
   }
   absl::StatusOr<worker::WeightFootprint> weights =
-      gguf ? GgufFootprint(*gguf) : worker::PlanWeights(config, weight_dtype);
+      gguf ? GgufFootprint(*gguf) : worker::PlanWeights(shard, weight_dtype);
   if (!weights.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("--weight-dtype: ", std::string(weights.status().message())));
   }
   absl::StatusOr<std::vector<worker::KvPlanRow>> rows =
-      worker::PlanKvCapacity(config, memory, context, block_size, *weights);
+      worker::PlanKvCapacity(shard, memory, context, block_size, *weights);
   if (!rows.ok()) {
     // Flags were validated above: what is left is weights that do not fit.
     return absl::InvalidArgumentError(
@@ -120,6 +148,7 @@ absl::Status Plan(Args& args) {
       j["weight_params"] = r.weight_params;
       j["weight_bytes"] = r.weight_bytes;
       j["kv_budget_bytes"] = r.kv_budget_bytes;
+      j["tensor_parallel_size"] = tp;
       std::printf("%s\n", j.dump().c_str());
     }
     return absl::OkStatus();
@@ -130,6 +159,16 @@ absl::Status Plan(Args& args) {
               config.model_type.c_str(), static_cast<long long>(config.num_hidden_layers),
               static_cast<long long>(config.num_key_value_heads),
               static_cast<long long>(config.head_dim));
+  if (tp > 1) {
+    std::printf("tensor parallel: %lld cards; per card %lld of %lld q heads, %lld KV heads, "
+                "%lld of %lld vocabulary rows; figures below are one card's, tokens the "
+                "group's\n",
+                static_cast<long long>(tp), static_cast<long long>(shard.num_attention_heads),
+                static_cast<long long>(config.num_attention_heads),
+                static_cast<long long>(shard.num_key_value_heads),
+                static_cast<long long>(shard.vocab_size),
+                static_cast<long long>(config.vocab_size));
+  }
   std::printf("memory     %lld B (%s)\n", static_cast<long long>(memory), GiB(memory).c_str());
   std::printf("weights    %lld B (%s) = %lld parameters as %s (%.3f B each)\n",
               static_cast<long long>(first.weight_bytes), GiB(first.weight_bytes).c_str(),
