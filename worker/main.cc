@@ -69,8 +69,10 @@ constexpr char kHelp[] =
     "                              each worker its share when several share a machine)\n"
     "  --device cpu|cuda           where the model runs (default cpu); cuda needs a build with\n"
     "                              CUDA\n"
-    "  --cuda-device N             cuda: the device to use (default: the rank modulo the\n"
-    "                              visible devices)\n"
+    "  --cuda-device N             cuda: the device to use (default: the slot, else the rank,\n"
+    "                              modulo the visible devices)\n"
+    "  --cuda-device-slot K        cuda: this worker's place among the machine's workers (set\n"
+    "                              by kvgrid serve), so that they spread over its cards\n"
     "  --gpu-memory-utilization F  cuda: share of the card's memory this worker may fill; the\n"
     "                              KV pool gets what the weights and a step workspace leave\n"
     "                              (default 0.9; --kv-cache-memory sets the pool instead)\n"
@@ -97,6 +99,7 @@ struct CudaFlags {
   bool kv_memory_given = false;
   bool graphs = true;
   int device = -1;
+  int device_slot = -1;
   double collective_timeout_s = 30.0;
 };
 
@@ -120,6 +123,7 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> CudaExecutorFor(
                             .swap_space = options.swap_space,
                             .cuda_graphs = cuda.graphs},
                    .device = cuda.device,
+                   .device_slot = cuda.device_slot,
                    .collective_timeout_s = cuda.collective_timeout_s}));
   std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens, %s\n",
                static_cast<long long>(executor->num_blocks()),
@@ -200,6 +204,7 @@ absl::Status Serve(Args& args) {
   const std::string dense_dtype = args.GetString("dtype").value_or("auto");
   KVGRID_ASSIGN_OR_RETURN(const bool cuda_graphs, args.GetBool("cuda-graphs", true));
   KVGRID_ASSIGN_OR_RETURN(auto cuda_device, args.GetInt("cuda-device"));
+  KVGRID_ASSIGN_OR_RETURN(auto cuda_device_slot, args.GetInt("cuda-device-slot"));
   const bool kv_memory_given = args.Has("kv-cache-memory");
   const bool kv_dtype_given =
       args.Has("kv-cache-dtype") || args.Has("k-cache-dtype") || args.Has("v-cache-dtype");
@@ -229,6 +234,10 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--cuda-device: must be in [0, 1024], got ", *cuda_device));
   }
+  if (cuda_device_slot && (*cuda_device_slot < 0 || *cuda_device_slot > 1 << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cuda-device-slot: must be in [0, 2^20], got ", *cuda_device_slot));
+  }
   if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
   const int tp = static_cast<int>(tp_size.value_or(1));
   CudaFlags cuda{.dense_dtype = dense_dtype,
@@ -236,6 +245,7 @@ absl::Status Serve(Args& args) {
                  .kv_memory_given = kv_memory_given,
                  .graphs = cuda_graphs,
                  .device = static_cast<int>(cuda_device.value_or(-1)),
+                 .device_slot = static_cast<int>(cuda_device_slot.value_or(-1)),
                  .collective_timeout_s = collective_timeout.value_or(30.0)};
   // Before the model is loaded: a missing plugin is reported at once.
   if (device == "cuda") {

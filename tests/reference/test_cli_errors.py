@@ -175,3 +175,5 @@ def test_worker_device_flags(model_copy):
     assert_clean_failure(run_worker("--device", "tpu"), "--device", "tpu")
     assert_clean_failure(run_worker("--device", "cuda", "--dtype", "fp8"), "--dtype")
     assert_clean_failure(run_worker("--device", "cuda", "--cuda-device", "-1"), "--cuda-device")
+    assert_clean_failure(run_worker("--device", "cuda", "--cuda-device-slot", "x"),
+                         "--cuda-device-slot")

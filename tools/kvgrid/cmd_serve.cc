@@ -47,7 +47,8 @@ constexpr char kHelp[] =
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
-    "  --device --dtype --gpu-memory-utilization --cuda-graphs\n"
+    "  --device --dtype --gpu-memory-utilization --cuda-graphs (on cuda, worker process i of\n"
+    "  the cluster runs on visible device i modulo their count)\n"
     "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
     "  the machine)\n";
 
@@ -85,6 +86,7 @@ absl::Status Serve(Args& args) {
     }
   }
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  const bool on_cuda = args.GetString("device").value_or("cpu") == "cuda";
   const bool has_threads =
       std::find(forwarded.begin(), forwarded.end(), "--threads") != forwarded.end();
   // Group sizes: --groups lists them; else --workers groups of --tp ranks each.
@@ -154,6 +156,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(pid_t cpid, Spawn(coordinator));
   children.push_back(cpid);
   const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+  int64_t slot = 0;  // the worker process's place on this machine: its card on cuda
   for (size_t g = 0; g < groups.size(); ++g) {
     for (int32_t rank = 0; rank < groups[g]; ++rank) {
       std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model",
@@ -166,6 +169,8 @@ absl::Status Serve(Args& args) {
       }
       if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
       worker.insert(worker.end(), forwarded.begin(), forwarded.end());
+      if (on_cuda) worker.insert(worker.end(), {"--cuda-device-slot", absl::StrCat(slot)});
+      ++slot;
       if (!has_threads) {
         worker.insert(worker.end(),
                       {"--threads", absl::StrCat(std::max<int64_t>(1, cores / processes))});

@@ -26,9 +26,10 @@
 namespace kvgrid::worker {
 namespace {
 
-// The device this rank runs on: the one asked for, else rank modulo the visible devices
-// (a machine's ranks over its cards; one card per process when each sees only its own).
-absl::StatusOr<int> ChooseDevice(int requested, int rank) {
+// The device this rank runs on: the one asked for, else its slot (kvgrid serve numbers a
+// machine's workers) or its rank modulo the visible devices: a machine's workers spread over
+// its cards, and a process that sees only its own card uses it.
+absl::StatusOr<int> ChooseDevice(int requested, int place) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     return absl::FailedPreconditionError("--device cuda: no CUDA device is visible");
@@ -37,7 +38,7 @@ absl::StatusOr<int> ChooseDevice(int requested, int rank) {
     return absl::InvalidArgumentError(absl::StrCat("--cuda-device: ", requested, " but only ",
                                                    count, " CUDA devices are visible"));
   }
-  return requested >= 0 ? requested : rank % count;
+  return requested >= 0 ? requested : place % count;
 }
 
 // Where the group's ranks run: how many share this rank's card (same host, same PCI bus id),
@@ -93,7 +94,9 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
     dense = DType::kF32;
   }
   const TensorParallel tp = model->tensor_parallel();
-  KVGRID_ASSIGN_OR_RETURN(const int device, ChooseDevice(options.device, tp.rank));
+  KVGRID_ASSIGN_OR_RETURN(
+      const int device,
+      ChooseDevice(options.device, options.device_slot >= 0 ? options.device_slot : tp.rank));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   std::unique_ptr<DeviceCommunicator> collectives;
   CudaPoolOptions pool = options.pool;

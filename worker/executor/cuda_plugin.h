@@ -41,7 +41,8 @@ struct CudaPoolOptions {
 struct CudaExecutorOptions {
   std::string dense_dtype = "auto";  // auto (the checkpoint's torch_dtype), fp16, bf16, fp32
   CudaPoolOptions pool;
-  int device = -1;  // the CUDA device; -1: the rank modulo the visible devices
+  int device = -1;       // the CUDA device; -1: device_slot (else the rank) modulo the visible ones
+  int device_slot = -1;  // the worker's place among its machine's workers; -1: none given
   // Seconds a step's collectives may take before the group counts as broken.
   double collective_timeout_s = 30.0;
 };
