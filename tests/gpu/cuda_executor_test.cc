@@ -13,41 +13,16 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/device_buffer.h"
+#include "tests/gpu/test_models.h"
 #include "worker/engine/engine.h"
 #include "worker/executor/llama_model.h"
 
 namespace kvgrid::worker {
 namespace {
 
+using ::kvgrid::testing::Greedy;
 using ::kvgrid::testing::HaveGpu;
-
-std::filesystem::path KjvTiny() {
-  const char* env = std::getenv("KVGRID_SOURCE_DIR");
-  return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
-}
-
-std::map<std::string, std::vector<int32_t>> Greedy(Engine& engine) {
-  const std::vector<std::vector<int32_t>> prompts = {
-      {258, 900, 44}, {267, 309, 297, 336}, {259, 402}, {368, 287, 258, 1016, 268}};
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationRequest r;
-    r.id = absl::StrCat("r", i);
-    r.prompt = prompts[i];
-    r.sampling.temperature = 0;
-    r.stopping.max_new_tokens = 12;
-    r.stopping.ignore_eos = true;
-    EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
-  }
-  std::map<std::string, std::vector<int32_t>> out;
-  for (int guard = 0; engine.HasWork() && guard < 1000; ++guard) {
-    auto step = engine.Step();
-    EXPECT_TRUE(step.ok()) << step.status();
-    if (!step.ok()) break;
-    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
-  }
-  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
-  return out;
-}
+using ::kvgrid::testing::KjvTiny;
 
 // fp16 KV, and int8 K / int4 V, whose scale planes must travel with the values.
 class CudaExecutorSwapTest

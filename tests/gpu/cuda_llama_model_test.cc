@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/quant_linear.h"
 #include "tests/gpu/device_buffer.h"
+#include "tests/gpu/test_models.h"
 #include "worker/executor/cuda_llama_model.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
@@ -31,29 +32,8 @@ namespace {
 using kernels::KvDType;
 using kernels::cpu::WeightDType;
 using ::kvgrid::testing::HaveGpu;
-
-model::ModelConfig TinyQwen() {
-  model::ModelConfig c;
-  c.model_type = "qwen2";
-  c.vocab_size = 512;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.max_position_embeddings = 4096;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000000.0;
-  c.tie_word_embeddings = true;
-  c.attention_bias = true;
-  return c;
-}
-
-std::filesystem::path KjvTiny() {
-  const char* env = std::getenv("KVGRID_SOURCE_DIR");
-  return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
-}
+using ::kvgrid::testing::KjvTiny;
+using ::kvgrid::testing::TinyQwen;
 
 struct Run {
   std::vector<std::vector<float>> logits;  // per step: the last position's logits

@@ -21,10 +21,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
 #include "tests/gpu/device_buffer.h"
-#include "worker/comm/gloo_communicator.h"
+#include "tests/gpu/test_models.h"
+#include "tests/unit/comm/gloo_group.h"
 #include "worker/comm/host_staged_communicator.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/step_plan.h"
@@ -37,46 +37,11 @@ namespace kvgrid::worker {
 namespace {
 
 using kernels::KvDType;
+using ::kvgrid::testing::Greedy;
 using ::kvgrid::testing::HaveGpu;
-
-constexpr auto kTimeout = std::chrono::seconds(60);
-
-model::ModelConfig TinyQwen(int64_t vocab) {
-  model::ModelConfig c;
-  c.model_type = "qwen2";
-  c.vocab_size = vocab;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.max_position_embeddings = 4096;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1000000.0;
-  c.tie_word_embeddings = true;
-  c.attention_bias = true;
-  return c;
-}
-
-std::filesystem::path KjvTiny() {
-  const char* env = std::getenv("KVGRID_SOURCE_DIR");
-  return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
-}
-
-// Runs `body(rank, host communicator)` on `size` threads joined through one in-process store.
-void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", kTimeout);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      body(r, **comm);
-    });
-  }
-  for (std::thread& t : threads) t.join();
-}
+using ::kvgrid::testing::KjvTiny;
+using ::kvgrid::testing::RunGroup;
+using ::kvgrid::testing::TinyQwen;
 
 // Logits of three prefills (37, 20 and 9 tokens) and then 5 decode steps of the three
 // sequences with fixed tokens (so that every rank and every configuration computes the same
@@ -211,29 +176,6 @@ TEST(CudaTensorParallelTest, StagedGroupsRunWithoutGraphs) {
     EXPECT_EQ((*model)->decode_graph_stats().replays, 0);
     EXPECT_EQ((*model)->decode_graph_stats().eager_steps, 3 + 5);
   });
-}
-
-std::map<std::string, std::vector<int32_t>> Greedy(Engine& engine) {
-  const std::vector<std::vector<int32_t>> prompts = {
-      {258, 900, 44}, {267, 309, 297, 336}, {259, 402}, {368, 287, 258, 1016, 268}};
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerationRequest r;
-    r.id = absl::StrCat("r", i);
-    r.prompt = prompts[i];
-    r.sampling.temperature = 0;
-    r.stopping.max_new_tokens = 12;
-    r.stopping.ignore_eos = true;
-    EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
-  }
-  std::map<std::string, std::vector<int32_t>> out;
-  for (int guard = 0; engine.HasWork() && guard < 1000; ++guard) {
-    auto step = engine.Step();
-    EXPECT_TRUE(step.ok()) << step.status();
-    if (!step.ok()) break;
-    for (const TokenOutput& t : *step) out[t.request_id].push_back(t.token_id);
-  }
-  EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
-  return out;
 }
 
 // The engine on one CUDA model, and on a two-rank CUDA group whose ranks were offered pools

@@ -11,12 +11,14 @@
 
 #include "gloo/rendezvous/hash_store.h"
 #include "gtest/gtest.h"
-#include "worker/comm/gloo_communicator.h"
+#include "tests/unit/comm/gloo_group.h"
 #include "worker/comm/host_staged_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 
 namespace kvgrid::worker {
 namespace {
+
+using ::kvgrid::testing::RunGroup;
 
 TEST(NcclCommunicatorTest, CollectivesAcrossTheVisibleGpus) {
   int devices = 0;
@@ -56,20 +58,6 @@ TEST(NcclCommunicatorTest, CollectivesAcrossTheVisibleGpus) {
     });
   }
   for (auto& t : ranks) t.join();
-}
-
-// Runs `body(rank, host)` on `size` threads joined over Gloo.
-void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", std::chrono::seconds(60));
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      body(r, **comm);
-    });
-  }
-  for (auto& t : threads) t.join();
 }
 
 // Rank r contributes {r, 2, -3r, 0.5} to an all-reduce and {10r, 10r + 1} to an all-gather, on

@@ -9,9 +9,9 @@
 #include <thread>
 #include <vector>
 
-#include "gloo/rendezvous/hash_store.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/unit/comm/gloo_group.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/step_plan.h"
@@ -23,21 +23,7 @@
 namespace kvgrid::worker {
 namespace {
 
-constexpr auto kTimeout = std::chrono::seconds(30);
-
-// Runs `body(rank, comm)` on `size` threads connected through one in-process store.
-void RunGroup(int size, const std::function<void(int, Communicator&)>& body) {
-  gloo::rendezvous::HashStore store;
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      auto comm = GlooCommunicator::Connect(r, size, store, "127.0.0.1", kTimeout);
-      ASSERT_TRUE(comm.ok()) << comm.status();
-      body(r, **comm);
-    });
-  }
-  for (auto& t : threads) t.join();
-}
+using ::kvgrid::testing::RunGroup;
 
 TEST(GlooCommunicatorTest, Collectives) {
   RunGroup(3, [](int rank, Communicator& comm) {
