@@ -250,11 +250,15 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
       } else if (kind == 4) {  // swap out
         const SequenceId s = pick();
         std::vector<BlockCopy> copies;
-        if (m.CanSwapOut(s)) ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+        if (m.CanSwapOut(s)) {
+          ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+        }
       } else if (kind == 5) {  // swap in
         const SequenceId s = pick();
         std::vector<BlockCopy> copies;
-        if (m.CanSwapIn(s)) ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+        if (m.CanSwapIn(s)) {
+          ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+        }
       } else {  // pressure: a big reservation that may evict cached blocks
         const int64_t want = static_cast<int64_t>(rng() % 200);
         if (m.Reserve(next, want).ok() && m.HasSequence(next)) live[next] = Live{Tokens(want, 9), want};
