@@ -47,9 +47,10 @@ cuda_dir="$(ldconfig -p | awk '/libcuda\.so\.1 / {print $NF; exit}' | xargs -r d
 for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do
   [[ -d "$d" ]] && libpath="$libpath:$d"
 done
-run() { "$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+loader=("$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath")
+run() { "${loader[@]}" "$@"; }
 # A program that hangs (a group waiting on a rank that failed) is cut off, not the whole check.
-limited() { timeout --kill-after=10 180 "$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath" "$@"; }
+limited() { timeout --kill-after=10 180 "${loader[@]}" "$@"; }
 # The model test reads models/kjv-tiny from the repository, which travels with the command.
 export KVGRID_SOURCE_DIR="$root"
 
@@ -81,6 +82,49 @@ for b in "$bundle"/bin/cuda_*bench; do
     failed+=("$name")
   fi
 done
+
+echo "== serving: kvgrid-coordinator + kvgrid-worker --device cuda against kvgrid run on the CPU"
+# The production path (the plugin loaded by the worker, registration, streaming) on
+# models/kjv-tiny with fp32 weights and KV, whose greedy tokens must be the CPU's: one worker,
+# then a two-rank group on this card (collectives staged through host memory).
+model="$root/models/kjv-tiny"
+export KVGRID_CUDA_PLUGIN="$bundle/lib/libkvgrid_cuda_plugin.so"
+ids() { python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["token_ids"])'; }
+prompt=(--prompt-ids 258,900,44,267,309 --temperature 0 --max-new-tokens 24 --ignore-eos --json)
+want="$(limited "$bundle/bin/kvgrid" run --model "$model" "${prompt[@]}" 2>"$out/serve-cpu.err" | ids)"
+echo "cpu: $want"
+serve_check() {  # $1: name, $2: ranks
+  local name=$1 ranks=$2 port=$((50600 + RANDOM % 1000)) pids=() got=""
+  # Started without a function in between, so that $! is the process itself.
+  "${loader[@]}" "$bundle/bin/kvgrid-coordinator" --model "$model" --listen "127.0.0.1:$port" \
+    >"$out/serve-$name-coordinator.log" 2>&1 &
+  pids+=($!)
+  for ((r = 0; r < ranks; ++r)); do
+    local group=()
+    ((ranks > 1)) && group=(--group "g$name" --tensor-parallel-size "$ranks" --rank "$r")
+    "${loader[@]}" "$bundle/bin/kvgrid-worker" --model "$model" --coordinator "127.0.0.1:$port" \
+      --device cuda --dtype fp32 --kv-cache-dtype fp32 --kv-cache-memory 64MiB "${group[@]}" \
+      >"$out/serve-$name-worker$r.log" 2>&1 &
+    pids+=($!)
+  done
+  for _ in $(seq 1 120); do  # until the group serves (a minute at most)
+    got="$(limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" "${prompt[@]}" \
+      --timeout-s 30 2>>"$out/serve-$name-generate.err" | ids 2>/dev/null)" && [[ -n "$got" ]] && break
+    got=""
+    sleep 0.5
+  done
+  kill -TERM "${pids[@]}" 2>/dev/null
+  wait "${pids[@]}" 2>/dev/null
+  if [[ -n "$want" && "$got" == "$want" ]]; then
+    echo "PASS serve-$name: $got"
+  else
+    echo "FAIL serve-$name: got '$got'"
+    tail -n 15 "$out/serve-$name-worker0.log" "$out/serve-$name-generate.err"
+    failed+=("serve-$name")
+  fi
+}
+serve_check tp1 1
+serve_check tp2 2
 
 echo "== report"
 if (( ${#failed[@]} )); then
