@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -41,8 +42,19 @@ absl::StatusOr<int> ChooseDevice(int requested, int place) {
   return requested >= 0 ? requested : place % count;
 }
 
-// Where the group's ranks run: how many share this rank's card (same host, same PCI bus id),
-// and whether any card is shared.
+// The running kernel's boot id: the same in every container of a machine, different on every
+// other machine (hostnames may repeat across containers). The hostname where it is unreadable.
+std::string MachineId() {
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (boot && std::getline(boot, id) && !id.empty()) return id;
+  char name[256] = {};
+  (void)gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+// Where the group's ranks run: how many share this rank's card (same machine, same PCI bus
+// id), and whether any card is shared.
 struct CardSharing {
   int on_my_card = 1;
   bool any = false;
@@ -50,9 +62,7 @@ struct CardSharing {
 absl::StatusOr<CardSharing> ShareCards(Communicator& host, int device) {
   char bus[64] = {};
   KVGRID_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
-  char name[256] = {};
-  (void)gethostname(name, sizeof(name) - 1);
-  const std::string mine = absl::StrCat(name, "/", bus);
+  const std::string mine = absl::StrCat(MachineId(), "/", bus);
   KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> all, GatherBytes(host, mine));
   CardSharing sharing;
   sharing.on_my_card = static_cast<int>(std::count(all.begin(), all.end(), mine));
