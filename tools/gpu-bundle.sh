@@ -53,7 +53,8 @@ rm -rf "$root/.gpu-bundle" && mkdir -p "$root/.gpu-bundle"
 archive="$root/.gpu-bundle/kvgrid-gpu.tar.xz"
 tar -C "$bundle" -cJf "$archive" bin lib
 size_kib=$(du -sk "$archive" | cut -f1)
-echo "gpu-bundle: ${#targets[@]} programs, $((size_kib / 1024)) MiB in $archive"
+echo "gpu-bundle: ${#targets[@]} tests and benchmarks, 3 serving programs and the CUDA plugin," \
+  "$((size_kib / 1024)) MiB in $archive"
 if (( size_kib > 60 * 1024 )); then
   echo "gpu-bundle: larger than 60 MiB; the device tool carries at most 64 MiB" >&2
   exit 1

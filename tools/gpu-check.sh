@@ -2,8 +2,10 @@
 # On a GPU machine: runs kvgrid's gpu-labelled tests (every CUDA op against the CPU reference)
 # and the CUDA micro-benchmarks from .gpu-bundle/kvgrid-gpu.tar.xz (built on a build machine by
 # tools/gpu-bundle.sh), and prints a report. Logs and benchmark JSON go to $OUT when it is set
-# (the device tool's output folder), else to /tmp/kvgrid-gpu/results. Budget: well under 8
-# minutes on an H200.
+# (the device tool's output folder), else to /tmp/kvgrid-gpu/results. Then it serves
+# models/kjv-tiny from kvgrid-worker --device cuda (one worker, then a two-rank group on the
+# card) and checks the greedy tokens against kvgrid run on the CPU. Budget: about 6 minutes on
+# an H200.
 #
 #   bash tools/gpu-check.sh
 set -uo pipefail
@@ -93,38 +95,59 @@ ids() { python3 -c 'import json, sys; print(json.loads(sys.stdin.read())["token_
 prompt=(--prompt-ids 258,900,44,267,309 --temperature 0 --max-new-tokens 24 --ignore-eos --json)
 want="$(limited "$bundle/bin/kvgrid" run --model "$model" "${prompt[@]}" 2>"$out/serve-cpu.err" | ids)"
 echo "cpu: $want"
+# Stops `pids` (TERM, then KILL after 40 s: a rank stuck joining its group ignores TERM).
+stop_all() {
+  kill -TERM "$@" 2>/dev/null
+  for _ in $(seq 1 80); do
+    local left=0
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && left=1; done
+    ((left)) || break
+    sleep 0.5
+  done
+  kill -KILL "$@" 2>/dev/null
+  wait "$@" 2>/dev/null
+}
 serve_check() {  # $1: name, $2: ranks
-  local name=$1 ranks=$2 port=$((50600 + RANDOM % 1000)) pids=() got=""
+  local name=$1 ranks=$2 port=$((20000 + RANDOM % 5000)) pids=() got=""
   # Started without a function in between, so that $! is the process itself.
   "${loader[@]}" "$bundle/bin/kvgrid-coordinator" --model "$model" --listen "127.0.0.1:$port" \
     >"$out/serve-$name-coordinator.log" 2>&1 &
   pids+=($!)
   for ((r = 0; r < ranks; ++r)); do
-    local group=()
+    local group=(--tensor-parallel-size 1)
     ((ranks > 1)) && group=(--group "g$name" --tensor-parallel-size "$ranks" --rank "$r")
     "${loader[@]}" "$bundle/bin/kvgrid-worker" --model "$model" --coordinator "127.0.0.1:$port" \
       --device cuda --dtype fp32 --kv-cache-dtype fp32 --kv-cache-memory 64MiB "${group[@]}" \
       >"$out/serve-$name-worker$r.log" 2>&1 &
     pids+=($!)
   done
-  for _ in $(seq 1 120); do  # until the group serves (a minute at most)
+  local end=$((SECONDS + 90))
+  while ((SECONDS < end)); do  # until the group serves, or a process of it is gone
     got="$(limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" "${prompt[@]}" \
-      --timeout-s 30 2>>"$out/serve-$name-generate.err" | ids 2>/dev/null)" && [[ -n "$got" ]] && break
+      --timeout-s 10 2>>"$out/serve-$name-generate.err" | ids 2>/dev/null)" && [[ -n "$got" ]] && break
     got=""
+    local alive=1
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || alive=0; done
+    ((alive)) || break
     sleep 0.5
   done
-  kill -TERM "${pids[@]}" 2>/dev/null
-  wait "${pids[@]}" 2>/dev/null
-  if [[ -n "$want" && "$got" == "$want" ]]; then
+  stop_all "${pids[@]}"
+  if [[ "$got" == "$want" ]]; then
     echo "PASS serve-$name: $got"
   else
     echo "FAIL serve-$name: got '$got'"
-    tail -n 15 "$out/serve-$name-worker0.log" "$out/serve-$name-generate.err"
+    tail -n 15 "$out/serve-$name"-*.log "$out/serve-$name-generate.err"
     failed+=("serve-$name")
   fi
 }
-serve_check tp1 1
-serve_check tp2 2
+if [[ -z "$want" ]]; then
+  echo "FAIL serve-cpu: kvgrid run gave no tokens"
+  tail -n 15 "$out/serve-cpu.err"
+  failed+=("serve-cpu")
+else
+  serve_check tp1 1
+  serve_check tp2 2
+fi
 
 echo "== report"
 if (( ${#failed[@]} )); then

@@ -239,6 +239,10 @@ absl::Status Serve(Args& args) {
         absl::StrCat("--cuda-device-slot: must be in [0, 2^20], got ", *cuda_device_slot));
   }
   if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
+  if (collective_timeout && !(*collective_timeout > 0.0 && *collective_timeout <= 86400.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--collective-timeout-s: must be in (0, 86400], got ", *collective_timeout));
+  }
   const int tp = static_cast<int>(tp_size.value_or(1));
   CudaFlags cuda{.dense_dtype = dense_dtype,
                  .gpu_memory_utilization = gpu_memory_utilization.value_or(0.9),

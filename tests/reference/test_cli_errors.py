@@ -177,3 +177,4 @@ def test_worker_device_flags(model_copy):
     assert_clean_failure(run_worker("--device", "cuda", "--cuda-device", "-1"), "--cuda-device")
     assert_clean_failure(run_worker("--device", "cuda", "--cuda-device-slot", "x"),
                          "--cuda-device-slot")
+    assert_clean_failure(run_worker("--collective-timeout-s", "0"), "--collective-timeout-s")

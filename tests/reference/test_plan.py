@@ -147,6 +147,8 @@ def test_quantized_weights_leave_more_for_the_cache(llama_dir, tmp_path):
     assert rows["fp16"]["weight_bytes"] == linear // 32 * 20 + (LLAMA3_8B_PARAMS - linear) * 2
     r = run("--model", llama_dir, "--memory", "24GiB", "--weight-dtype", "int3")
     assert r.returncode != 0 and "--weight-dtype: unknown weight dtype 'int3'" in r.stderr
+    # The worker loads 4-bit checkpoints on one rank only; plan says so rather than plan a group.
+    assert_clean_failure(run("--model", d, "--memory", "24GiB", "--tp", 2), "--tp", "AWQ/GPTQ")
 
 
 def test_gguf_weights_as_stored(tmp_path):

@@ -98,6 +98,10 @@ absl::Status Plan(Args& args) {
   if (tp > 1 && gguf) {
     return absl::InvalidArgumentError("--tp: GGUF models are served by one rank (tp 1)");
   }
+  if (tp > 1 && config.quantization.quantized()) {
+    return absl::InvalidArgumentError(
+        "--tp: 4-bit AWQ/GPTQ checkpoints are served by one rank (tp 1)");
+  }
   // What rank 0 of the group holds: the config as it sees the model.
   model::ModelConfig shard = config;
   if (tp > 1) {

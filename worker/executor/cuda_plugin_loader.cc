@@ -33,7 +33,8 @@ absl::StatusOr<CreateCudaExecutorFn> LoadCudaPlugin() {
       absl::FailedPreconditionError("not loaded");
   std::call_once(once, [] {
     const std::string path = PluginPath();
-    // RTLD_LOCAL: the plugin's own copy of kvgrid's code stays its own.
+    // RTLD_LOCAL: in a static build the plugin's own copy of kvgrid's code stays its own (a
+    // shared build loads one copy of each kvgrid library, which both use).
     void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (handle == nullptr) {
       const char* why = dlerror();
