@@ -103,12 +103,17 @@ struct CudaFlags {
   double collective_timeout_s = 30.0;
 };
 
-// This rank's executor on its GPU, through the CUDA plugin (worker/executor/cuda_plugin.h):
-// the loaded weights (this rank's share) go to the device and the host copy is dropped.
-absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> CudaExecutorFor(
+// This rank's executor for `model` (its share of the weights): on the CPU, or on its GPU
+// through the CUDA plugin (worker/executor/cuda_plugin.h), where the weights go to the device
+// and the host copy is dropped.
+absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> ExecutorFor(
     const CudaFlags& cuda, std::unique_ptr<kvgrid::worker::LlamaModel> model,
     const kvgrid::worker::EngineOptions& options) {
   KVGRID_RETURN_IF_ERROR(kvgrid::worker::Engine::ValidateOptions(options, model->config()));
+  if (cuda.create == nullptr) {
+    return kvgrid::worker::CpuExecutor::Create(std::move(model),
+                                               kvgrid::worker::CpuPoolOptions(options));
+  }
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<kvgrid::worker::Executor> executor,
       cuda.create(std::move(model),
@@ -141,14 +146,8 @@ absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
                     kvgrid::worker::Communicator& comm, const std::string& group,
                     double drain_timeout) {
   kv_dtypes.ApplyTo(model->config(), &options);
-  std::unique_ptr<kvgrid::worker::Executor> executor;
-  if (cuda.create != nullptr) {
-    KVGRID_ASSIGN_OR_RETURN(executor, CudaExecutorFor(cuda, std::move(model), options));
-  } else {
-    KVGRID_ASSIGN_OR_RETURN(executor,
-                            kvgrid::worker::CpuExecutor::Create(
-                                std::move(model), kvgrid::worker::CpuPoolOptions(options)));
-  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Executor> executor,
+                          ExecutorFor(cuda, std::move(model), options));
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
                comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));
   std::atomic<bool> done{false};
@@ -304,16 +303,10 @@ absl::Status Serve(Args& args) {
       kvgrid::model::ResolveEosTokenIds(loaded.generation, loaded.model->config());
   options.tokenizer = loaded.tokenizer.get();
   const int32_t vocab = static_cast<int32_t>(loaded.model->config().vocab_size);
-  std::unique_ptr<kvgrid::worker::Engine> engine;
-  if (cuda.create != nullptr) {
-    KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Executor> executor,
-                            CudaExecutorFor(cuda, std::move(loaded.model), options));
-    KVGRID_ASSIGN_OR_RETURN(engine,
-                            kvgrid::worker::Engine::Create(std::move(executor), options));
-  } else {
-    KVGRID_ASSIGN_OR_RETURN(engine,
-                            kvgrid::worker::Engine::Create(std::move(loaded.model), options));
-  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Executor> executor,
+                          ExecutorFor(cuda, std::move(loaded.model), options));
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Engine> engine,
+                          kvgrid::worker::Engine::Create(std::move(executor), options));
   const kvgrid::v1::KvCapacity capacity =
       kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
   // A failed step in a group means the group is broken: shut down, so the coordinator's

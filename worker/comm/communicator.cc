@@ -26,17 +26,26 @@ absl::StatusOr<std::vector<std::string>> GatherBytes(Communicator& comm,
   return all;
 }
 
-absl::StatusOr<int64_t> MinAcrossGroup(Communicator& comm, int64_t value) {
-  std::string mine(sizeof(value), '\0');
-  std::memcpy(mine.data(), &value, sizeof(value));
+absl::Status MinAcrossGroup(Communicator& comm, std::span<int64_t> values) {
+  const size_t bytes = values.size() * sizeof(int64_t);
+  std::string mine(bytes, '\0');
+  std::memcpy(mine.data(), values.data(), bytes);
   absl::StatusOr<std::vector<std::string>> all = GatherBytes(comm, mine);
   if (!all.ok()) return all.status();
-  for (const std::string& bytes : *all) {
-    int64_t v = 0;
-    if (bytes.size() != sizeof(v)) return absl::UnavailableError("MinAcrossGroup: a bad value");
-    std::memcpy(&v, bytes.data(), sizeof(v));
-    value = std::min(value, v);
+  for (const std::string& theirs : *all) {
+    if (theirs.size() != bytes) return absl::UnavailableError("MinAcrossGroup: a bad value");
+    for (size_t i = 0; i < values.size(); ++i) {
+      int64_t v = 0;
+      std::memcpy(&v, theirs.data() + i * sizeof(v), sizeof(v));
+      values[i] = std::min(values[i], v);
+    }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> MinAcrossGroup(Communicator& comm, int64_t value) {
+  absl::Status s = MinAcrossGroup(comm, std::span<int64_t>(&value, 1));
+  if (!s.ok()) return s;
   return value;
 }
 

@@ -44,6 +44,9 @@ absl::Status BroadcastBytes(Communicator& comm, std::string* bytes, int root);
 // for small values exchanged once, such as a group's setup).
 absl::StatusOr<std::vector<std::string>> GatherBytes(Communicator& comm, const std::string& mine);
 
+// values[i] = the smallest of the ranks' values[i], on every rank (one exchange for them all;
+// every rank passes as many).
+absl::Status MinAcrossGroup(Communicator& comm, std::span<int64_t> values);
 // The smallest of the ranks' `value`s, on every rank.
 absl::StatusOr<int64_t> MinAcrossGroup(Communicator& comm, int64_t value);
 

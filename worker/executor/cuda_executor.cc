@@ -52,10 +52,6 @@ absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLla
   if (options.ranks_on_card < 1) {
     return absl::InvalidArgumentError("CudaPoolOptions.ranks_on_card must be >= 1");
   }
-  if (absl::Status s = CudaKvPool::CheckGeometry(geometry); !s.ok()) {
-    return absl::Status(s.code(), absl::StrCat("KV cache: ", s.message()));
-  }
-  const int64_t per_block = geometry.BytesPerBlock();
   LocalSizes sizes{.graphs = options.cuda_graphs ? 1 : 0};
   int64_t budget = options.kv_cache_memory;
   if (budget <= 0) {
@@ -71,14 +67,13 @@ absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLla
                             options.gpu_memory_utilization, shares * workspace));
     budget /= shares;
   }
-  sizes.blocks = budget / per_block;
-  if (sizes.blocks < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("KV cache: CudaKvPool: a budget of ", budget,
-                                                   " bytes holds no block of ", per_block));
+  absl::StatusOr<int32_t> blocks = CudaKvPool::BlocksFor(geometry, budget);
+  if (!blocks.ok()) {
+    return absl::Status(blocks.status().code(),
+                        absl::StrCat("KV cache: ", blocks.status().message()));
   }
-  if (sizes.blocks > INT32_MAX) {
-    return absl::InvalidArgumentError("KV cache: CudaKvPool: too many blocks");
-  }
+  sizes.blocks = *blocks;
+  const int64_t per_block = geometry.BytesPerBlock();  // > 0: BlocksFor checked the geometry
   if (options.swap_space > 0) {
     sizes.swap_blocks = options.swap_space / per_block;
     if (sizes.swap_blocks < 1 || sizes.swap_blocks > INT32_MAX) {
@@ -114,14 +109,13 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     // if every rank asked for them. A rank that cannot size its pool sends -1, and the group
     // fails together rather than waiting for it.
     const LocalSizes mine = local.ok() ? *local : LocalSizes{.blocks = -1};
-    KVGRID_ASSIGN_OR_RETURN(const int64_t blocks, MinAcrossGroup(*tp.comm, mine.blocks));
-    KVGRID_ASSIGN_OR_RETURN(const int64_t swap, MinAcrossGroup(*tp.comm, mine.swap_blocks));
-    KVGRID_ASSIGN_OR_RETURN(const int64_t graphs, MinAcrossGroup(*tp.comm, mine.graphs));
-    if (!local.ok()) return local.status();
-    if (blocks < 0) {
+    int64_t agreed[] = {mine.blocks, mine.swap_blocks, mine.graphs};
+    KVGRID_RETURN_IF_ERROR(MinAcrossGroup(*tp.comm, agreed));
+    if (local.ok() && agreed[0] < 0) {
       return absl::UnavailableError("KV cache: another rank of the group could not size its pool");
     }
-    local = LocalSizes{.blocks = blocks, .swap_blocks = swap, .graphs = graphs};
+    if (local.ok()) local = LocalSizes{.blocks = agreed[0], .swap_blocks = agreed[1],
+                                       .graphs = agreed[2]};
   }
   if (!local.ok()) return local.status();
   absl::StatusOr<std::unique_ptr<CudaExecutor>> executor =
@@ -130,8 +124,7 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     // Out of device or pinned memory on one rank fails the group now, not at its first step.
     KVGRID_ASSIGN_OR_RETURN(const int64_t all_ok,
                             MinAcrossGroup(*tp.comm, executor.ok() ? 1 : 0));
-    if (!executor.ok()) return executor.status();
-    if (all_ok == 0) {
+    if (executor.ok() && all_ok == 0) {
       return absl::UnavailableError("KV cache: another rank of the group could not allocate");
     }
   }

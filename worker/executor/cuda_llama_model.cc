@@ -172,17 +172,11 @@ CudaKvPool::CudaKvPool(const KvGeometry& geometry, int32_t num_blocks)
   id_ = next_id.fetch_add(1);
 }
 
-absl::Status CudaKvPool::CheckGeometry(const KvGeometry& g) {
+absl::StatusOr<int32_t> CudaKvPool::BlocksFor(const KvGeometry& g, int64_t budget_bytes) {
   if (g.num_layers <= 0 || g.num_kv_heads <= 0 || g.head_dim <= 0 || g.head_dim % 2 != 0 ||
       (g.block_size != 8 && g.block_size != 16 && g.block_size != 32)) {
     return absl::InvalidArgumentError("CudaKvPool: bad KV geometry");
   }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
-                                                               int64_t budget_bytes) {
-  KVGRID_RETURN_IF_ERROR(CheckGeometry(g));
   const int64_t per_block = g.BytesPerBlock();
   const int64_t blocks = budget_bytes / per_block;
   if (blocks < 1) {
@@ -190,10 +184,16 @@ absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry&
                                                    " bytes holds no block of ", per_block));
   }
   if (blocks > INT32_MAX) return absl::InvalidArgumentError("CudaKvPool: too many blocks");
-  std::unique_ptr<CudaKvPool> pool(new CudaKvPool(g, static_cast<int32_t>(blocks)));
+  return static_cast<int32_t>(blocks);
+}
+
+absl::StatusOr<std::unique_ptr<CudaKvPool>> CudaKvPool::Create(const KvGeometry& g,
+                                                               int64_t budget_bytes) {
+  KVGRID_ASSIGN_OR_RETURN(const int32_t blocks, BlocksFor(g, budget_bytes));
+  std::unique_ptr<CudaKvPool> pool(new CudaKvPool(g, blocks));
   const kernels::KvRowLayout kr = kernels::KvRowLayoutFor(g.k_dtype, g.head_dim);
   const kernels::KvRowLayout vr = kernels::KvRowLayoutFor(g.v_dtype, g.head_dim);
-  const int64_t rows = blocks * g.num_kv_heads * g.block_size;
+  const int64_t rows = int64_t{blocks} * g.num_kv_heads * g.block_size;
   const auto plane = [&](int64_t row_bytes, std::vector<DeviceBuffer>& out) -> absl::Status {
     DeviceBuffer b;
     if (row_bytes > 0) {

@@ -84,9 +84,10 @@ class CudaKvPool {
   // budget below one block; RESOURCE_EXHAUSTED when the device cannot hold it.
   static absl::StatusOr<std::unique_ptr<CudaKvPool>> Create(const KvGeometry& geometry,
                                                             int64_t budget_bytes);
-  // INVALID_ARGUMENT unless the geometry is one the pool and the kernels take (block size 8,
-  // 16 or 32, an even head_dim, positive counts).
-  static absl::Status CheckGeometry(const KvGeometry& geometry);
+  // The blocks `budget_bytes` holds, as Create counts them. Errors: INVALID_ARGUMENT for a
+  // geometry the pool and the kernels do not take (block size 8, 16 or 32, an even head_dim,
+  // positive counts), or a budget below one block or above 2^31 blocks.
+  static absl::StatusOr<int32_t> BlocksFor(const KvGeometry& geometry, int64_t budget_bytes);
 
   [[nodiscard]] const KvGeometry& geometry() const { return geometry_; }
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
