@@ -65,16 +65,18 @@ absl::Status LaunchFillRandom(const FillRandomParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(wanted < 65536 ? wanted : 65536);  // grid-stride
   switch (p.dtype) {
     case model::DType::kF32:
-      FillRandomKernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(p.output),
-                                                        p.num_elements, p.amplitude, p.seed);
+      FillRandomKernel<float><<<blocks, kThreads, 0, stream>>>(static_cast<float*>(p.output),
+                                                               p.num_elements, p.amplitude,
+                                                               p.seed);
       break;
     case model::DType::kF16:
-      FillRandomKernel<<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(p.output),
-                                                        p.num_elements, p.amplitude, p.seed);
+      FillRandomKernel<__half><<<blocks, kThreads, 0, stream>>>(static_cast<__half*>(p.output),
+                                                                p.num_elements, p.amplitude,
+                                                                p.seed);
       break;
     default:
-      FillRandomKernel<<<blocks, kThreads, 0, stream>>>(static_cast<__nv_bfloat16*>(p.output),
-                                                        p.num_elements, p.amplitude, p.seed);
+      FillRandomKernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(p.output), p.num_elements, p.amplitude, p.seed);
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();

@@ -1,0 +1,34 @@
+// The emulator's side of the CUDA runtime that cublas.cc shares: streams, and work enqueued on
+// them. The runtime functions themselves (cudaMalloc, cudaMemcpyAsync, cudaStreamBeginCapture,
+// ...) are defined in runtime.cc with the toolkit's own declarations, so programs link them in
+// place of libcudart.
+//
+// Streams run their work when it is enqueued, on the enqueuing thread, except while they are
+// being captured: then the work is recorded into the graph. Device memory is host memory from
+// mmap, poisoned with all-ones bytes (NaN in every float format) and fenced by unmapped pages,
+// so that reading memory nothing wrote shows in the results and running off an allocation
+// faults. Copies are checked against the allocations (direction and bounds), and calls that
+// CUDA forbids during a capture fail as they do there.
+#ifndef KVGRID_TESTS_CUDA_EMU_RUNTIME_H_
+#define KVGRID_TESTS_CUDA_EMU_RUNTIME_H_
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+
+namespace kvgrid::cuda_emu {
+
+// Runs `work` now, or records it when `stream` is capturing. Returns the error CUDA would:
+// work for the legacy stream while this thread captures invalidates the capture.
+cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);
+
+// True when [p, p + bytes) lies inside one device allocation (cudaMalloc).
+bool IsDeviceRange(const void* p, size_t bytes);
+
+// Records a fault of enqueued work: printed, and sticky, as CUDA's are (every later call that
+// returns an error status returns cudaErrorLaunchFailure).
+void StickyFault(const char* what);
+
+}  // namespace kvgrid::cuda_emu
+
+#endif  // KVGRID_TESTS_CUDA_EMU_RUNTIME_H_
