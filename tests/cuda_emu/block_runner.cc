@@ -131,27 +131,25 @@ bool Release(Block& b) {
   for (int w = 0; w * kWarp < b.count; ++w) {
     const int first = w * kWarp;
     const int last = std::min(b.count, first + kWarp);
-    unsigned arrived = 0;
+    const unsigned exists = last - first == kWarp ? ~0u : (1u << (last - first)) - 1;
+    unsigned arrived = 0, done = 0;
     for (int i = first; i < last; ++i) {
-      if (b.threads[i].state == State::kAtWarpBarrier) arrived |= LaneBit(i);
+      const State s = b.threads[i].state;
+      if (s == State::kAtWarpBarrier) arrived |= LaneBit(i);
+      if (s == State::kDone) done |= LaneBit(i);
     }
+    if (arrived == 0) continue;
     unsigned ready = 0;
     for (int i = first; i < last; ++i) {
       const EmuThread& t = b.threads[i];
       if (t.state != State::kAtWarpBarrier) continue;
-      for (int lane = 0; lane < kWarp; ++lane) {
-        if (!(t.warp_mask & (1u << lane))) continue;
-        const int j = first + lane;
-        if (j >= last) {
-          b.fault = Where(t) + ": warp-synchronous call names lane " + std::to_string(lane) +
-                    ", which the block does not have";
-          return false;
-        }
-        if (b.threads[j].state == State::kDone) {
-          b.fault = Where(t) + ": warp-synchronous call names lane " + std::to_string(lane) +
-                    ", which has exited";
-          return false;
-        }
+      const unsigned missing = t.warp_mask & ~exists;
+      const unsigned exited = t.warp_mask & done;
+      if (missing != 0 || exited != 0) {
+        const int lane = __builtin_ctz(missing != 0 ? missing : exited);
+        b.fault = Where(t) + ": warp-synchronous call names lane " + std::to_string(lane) +
+                  (missing != 0 ? ", which the block does not have" : ", which has exited");
+        return false;
       }
       if ((t.warp_mask & arrived) == t.warp_mask) ready |= LaneBit(i);
     }

@@ -259,6 +259,11 @@ void StickyFault(const char* what) {
   sticky.store(true);
 }
 
+void ResetStickyFaultForTest() {
+  sticky.store(false);
+  last_error = cudaSuccess;
+}
+
 void SubmitKernel(const LaunchConfig& config, std::function<void()> body) {
   if (const cudaError_t e = CheckLaunch(config); e != cudaSuccess) {
     std::fprintf(stderr, "cuda_emu: launch at %s refused (%s): grid (%u,%u,%u) block (%u,%u,%u) "

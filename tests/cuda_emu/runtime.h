@@ -29,6 +29,9 @@ bool IsDeviceRange(const void* p, size_t bytes);
 // returns an error status returns cudaErrorLaunchFailure).
 void StickyFault(const char* what);
 
+// Clears a sticky fault, so that one test program can check several (CUDA cannot do this).
+void ResetStickyFaultForTest();
+
 }  // namespace kvgrid::cuda_emu
 
 #endif  // KVGRID_TESTS_CUDA_EMU_RUNTIME_H_

@@ -134,7 +134,11 @@ TEST(CudaLlamaModelTest, TrainedModelGreedyEqualsTheCpuModel) {
   ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
   Compare((*cpu_model)->config(), **cpu_model, model::DType::kF32, KvDType::kF32, 1e-4, true,
           "kjv-tiny fp32");
-  Compare((*cpu_model)->config(), **cpu_model, model::DType::kF32, KvDType::kInt8, 1e-4, true,
+  // int8 rounds each K/V value to one of 255 levels per row. The device's fp32 sums run in
+  // another order than the CPU's, so a value within an ulp of a rounding boundary can land on
+  // the neighbouring level: one level of one channel moves this model's logits by up to ~3e-3
+  // of the largest after six steps (measured on the CUDA emulator). The tokens stay equal.
+  Compare((*cpu_model)->config(), **cpu_model, model::DType::kF32, KvDType::kInt8, 1e-2, true,
           "kjv-tiny fp32, int8 KV");
 }
 
