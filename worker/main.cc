@@ -130,11 +130,7 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> ExecutorFor(
                    .device = cuda.device,
                    .device_slot = cuda.device_slot,
                    .collective_timeout_s = cuda.collective_timeout_s}));
-  std::fprintf(stderr, "kvgrid-worker: on the GPU, %lld KV blocks of %lld tokens, %s\n",
-               static_cast<long long>(executor->num_blocks()),
-               static_cast<long long>(options.block_size),
-               cuda.graphs ? "decode steps from CUDA graphs" : "no CUDA graphs");
-  return executor;
+  return executor;  // the plugin said where it runs, its blocks and its graphs
 }
 
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what

@@ -108,6 +108,11 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
       const int device,
       ChooseDevice(options.device, options.device_slot >= 0 ? options.device_slot : tp.rank));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  std::fprintf(stderr, "kvgrid-worker: rank %d on CUDA device %d (%s, sm_%d%d, %.1f GiB)\n",
+               tp.rank, device, prop.name, prop.major, prop.minor,
+               static_cast<double>(prop.totalGlobalMem) / (1 << 30));
   std::unique_ptr<DeviceCommunicator> collectives;
   CudaPoolOptions pool = options.pool;
   if (tp.size > 1) {
@@ -123,6 +128,13 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaExecutor> executor,
       CudaExecutor::Create(std::move(gpu_model), pool, tp, std::move(collectives)));
+  const std::string& off = executor->model().decode_graph_stats().disabled_by;
+  std::fprintf(stderr, "kvgrid-worker: rank %d: %lld KV blocks of %lld tokens on the GPU, %s%s\n",
+               tp.rank, static_cast<long long>(executor->num_blocks()),
+               static_cast<long long>(pool.block_size),
+               pool.cuda_graphs && off.empty() ? "decode steps from CUDA graphs"
+                                               : "no CUDA graphs",
+               off.empty() ? "" : absl::StrCat(" (", off, ")").c_str());
   return std::unique_ptr<Executor>(std::move(executor));
 }
 

@@ -1,0 +1,55 @@
+"""The CUDA serving path on the CUDA emulator (tests/cuda_emu): `kvgrid-worker --device cuda`
+loads the plugin built against the emulator, registers, and streams. Its greedy tokens must be
+those `kvgrid run` gives on the CPU, for one worker (decode steps replayed from CUDA graphs)
+and for a two-rank group on one card (collectives staged through host memory)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .conftest import MODEL_DIR, bin_dir
+from .test_tensor_parallel import run_json, start_group
+
+PROMPT_IDS = [258, 900, 44, 267, 309]
+CUDA_FLAGS = ["--device", "cuda", "--dtype", "fp32", "--kv-cache-dtype", "fp32",
+              "--kv-cache-memory", "64MiB"]
+
+
+@pytest.fixture(autouse=True)
+def emulated_plugin(monkeypatch):
+    plugin = bin_dir() / "libkvgrid_cuda_plugin_emu.so"
+    if not plugin.exists():
+        pytest.skip(f"{plugin} not built (the CUDA toolkit's headers were not found)")
+    # Workers started by the test inherit it.
+    monkeypatch.setenv("KVGRID_CUDA_PLUGIN", str(plugin))
+
+
+def cpu_tokens():
+    return run_json(MODEL_DIR, "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--temperature",
+                    0, "--max-new-tokens", 24, "--ignore-eos")["token_ids"]
+
+
+def generate(c):
+    got = c.client.generate_text(prompt_token_ids=PROMPT_IDS, max_new_tokens=24, temperature=0,
+                                 ignore_eos=True)
+    return list(got.token_ids)
+
+
+def test_one_worker_serves_the_cpu_tokens(cluster):
+    c = cluster(workers=0)
+    w = c.add_worker(CUDA_FLAGS)
+    c.wait_serving(1)
+    assert generate(c) == cpu_tokens()
+    log = w.log()
+    assert "kvgrid CUDA emulator" in log, w.describe()  # it ran on the emulated card
+    assert "decode steps from CUDA graphs" in log, w.describe()
+
+
+def test_two_ranks_on_one_card_serve_the_cpu_tokens(cluster):
+    c = cluster(workers=0)
+    procs = start_group(c, 2, "emu2", CUDA_FLAGS)
+    c.wait_serving(1)
+    assert generate(c) == cpu_tokens()
+    for p in procs:  # NCCL refuses ranks sharing a card: host-staged collectives, no graphs
+        assert "no CUDA graphs (the group's collectives cannot be captured" in p.log(), p.describe()
