@@ -49,7 +49,10 @@ cublasStatus_t Gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
                     const void* b, cudaDataType bt, int ldb, const void* beta_p, void* c,
                     cudaDataType ct, int ldc) {
   if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
-  if (!Supported(at) || !Supported(bt) || !Supported(ct)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  // cublasGemmEx with 32-bit compute takes A and B of one type, C of that type or fp32.
+  if (!Supported(at) || at != bt || (ct != at && ct != CUDA_R_32F)) {
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
   const bool a_t = ta != CUBLAS_OP_N;
   const bool b_t = tb != CUBLAS_OP_N;
   const int a_rows = a_t ? k : m;  // A as stored: a_rows x (a_t ? m : k)
@@ -70,6 +73,12 @@ cublasStatus_t Gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
     return CUBLAS_STATUS_INVALID_VALUE;
   }
   const bool host_scalars = h->pointer_mode == CUBLAS_POINTER_MODE_HOST;
+  // Scalars where the pointer mode says: a device address read on the host (or a host one on
+  // the device) crashes on a GPU.
+  for (const void* scalar : {alpha_p, beta_p}) {
+    const bool on_device = IsDeviceRange(scalar, sizeof(float));
+    if (host_scalars == on_device) return CUBLAS_STATUS_INVALID_VALUE;
+  }
   // Host scalars are read at the call (and so at capture), device ones when the work runs.
   const float alpha_now = host_scalars ? *static_cast<const float*>(alpha_p) : 0.f;
   const float beta_now = host_scalars ? *static_cast<const float*>(beta_p) : 0.f;

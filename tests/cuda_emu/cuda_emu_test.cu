@@ -137,7 +137,7 @@ TEST(CudaEmuTest, CapturedWorkRunsOnlyWhenTheGraphIsLaunched) {
   ASSERT_EQ(cudaMalloc(&d, 4 * sizeof(int)), cudaSuccess);
   ASSERT_EQ(cudaMemset(d, 0, 4 * sizeof(int)), cudaSuccess);
   cudaStream_t s = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);  // blocking: the legacy stream waits for it
   ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   AddOneKernel<<<1, 4, 0, s>>>(d);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -167,15 +167,59 @@ TEST(CudaEmuTest, CapturedWorkRunsOnlyWhenTheGraphIsLaunched) {
   EXPECT_EQ(cudaGetLastError(), cudaErrorStreamCaptureImplicit);
   EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaErrorStreamCaptureInvalidated);
   (void)cudaGetLastError();
+  // Waiting on the capturing stream is invalid, whatever the capture mode.
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaErrorStreamCaptureUnsupported);
+  EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaErrorStreamCaptureInvalidated);
+  (void)cudaGetLastError();
+
+  // A non-blocking stream does not synchronize with the legacy stream: work there is fine
+  // while it captures.
+  cudaStream_t nb = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&nb, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(nb, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  AddOneKernel<<<1, 4>>>(d);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaStreamEndCapture(nb, &graph), cudaSuccess);
+  EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(nb), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
   EXPECT_EQ(cudaFree(d), cudaSuccess);
 }
 
-// Lanes 0..15 shuffle with the whole warp while lanes 16..31 have returned: undefined on a
-// GPU, a fault here.
-__global__ void HalfWarpShuffleKernel(float* out) {
+TEST(CudaEmuTest, StreamWorkIsThereOnlyAfterAWait) {
+  int* d = nullptr;
+  int* pinned = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 4 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(reinterpret_cast<void**>(&pinned), 4 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d, 0, 4 * sizeof(int)), cudaSuccess);
+  pinned[0] = -7;
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  AddOneKernel<<<1, 4, 0, s>>>(d);
+  ASSERT_EQ(cudaMemcpyAsync(pinned, d, 4 * sizeof(int), cudaMemcpyDeviceToHost, s), cudaSuccess);
+  EXPECT_EQ(pinned[0], -7);  // a host reading here, without a wait, would see stale data
+  EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
+  EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  EXPECT_EQ(pinned[0], 1);
+  EXPECT_EQ(cudaStreamQuery(s), cudaSuccess);
+
+  // A copy to pageable memory is complete when the call returns.
+  std::vector<int> pageable(4, -7);
+  AddOneKernel<<<1, 4, 0, s>>>(d);
+  ASSERT_EQ(cudaMemcpyAsync(pageable.data(), d, 4 * sizeof(int), cudaMemcpyDeviceToHost, s),
+            cudaSuccess);
+  EXPECT_EQ(pageable[3], 2);
+  EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
+  EXPECT_EQ(cudaFree(d), cudaSuccess);
+}
+
+// Lanes 16..31 return; lanes 0..15 shuffle with the whole warp's mask. Exited lanes of the
+// mask are allowed; reading one (xor 16) is undefined on a GPU and a fault here.
+__global__ void HalfWarpShuffleKernel(float* out, int lane_mask) {
   if (threadIdx.x >= 16) return;
-  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<float>(threadIdx.x), lane_mask);
 }
 
 // Warp 0 waits at __syncthreads while warp 1 shuffles among itself first: barriers of
@@ -192,7 +236,12 @@ __global__ void SplitWarpsKernel(float* out) {
 TEST(CudaEmuTest, UndefinedWarpUseIsAStickyFault) {
   float* d = nullptr;
   ASSERT_EQ(cudaMalloc(&d, 64 * sizeof(float)), cudaSuccess);
-  HalfWarpShuffleKernel<<<1, 32>>>(d);
+  HalfWarpShuffleKernel<<<1, 32>>>(d, 1);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> h(16);
+  ASSERT_EQ(cudaMemcpy(h.data(), d, 16 * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int lane = 0; lane < 16; ++lane) EXPECT_EQ(h[lane], lane ^ 1);
+  HalfWarpShuffleKernel<<<1, 32>>>(d, 16);
   EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorLaunchFailure);  // sticky, as on a GPU
   ResetStickyFaultForTest();
@@ -203,22 +252,41 @@ TEST(CudaEmuTest, UndefinedWarpUseIsAStickyFault) {
   EXPECT_EQ(cudaFree(d), cudaSuccess);
 }
 
-__global__ void MismatchedBarrierKernel(float* out) {
-  // Lanes 0..15 at a warp barrier naming lanes 16..31, which wait at __syncthreads.
-  if (threadIdx.x < 16) {
-    __syncwarp(0xffffffffu);
+__global__ void MismatchedBarrierKernel(float* out, int variant) {
+  if (variant == 0) {
+    // Lanes 0..15 at a warp barrier naming lanes 16..31, which wait at __syncthreads.
+    if (threadIdx.x < 16) {
+      __syncwarp(0xffffffffu);
+    } else {
+      __syncthreads();
+    }
   } else {
-    __syncthreads();
+    // Half the warp at __syncwarp, the other half in a shuffle: different calls.
+    if (threadIdx.x < 16) {
+      __syncwarp(0xffffffffu);
+    } else {
+      out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+    }
   }
 }
 
-TEST(CudaEmuTest, BarriersThatCannotCompleteAreReported) {
+TEST(CudaEmuTest, BarriersThatCannotCompleteOrDoNotMatchAreReported) {
   float* d = nullptr;
   ASSERT_EQ(cudaMalloc(&d, 64 * sizeof(float)), cudaSuccess);
-  MismatchedBarrierKernel<<<1, 32>>>(d);
+  for (int variant : {0, 1}) {
+    MismatchedBarrierKernel<<<1, 32>>>(d, variant);
+    EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure) << variant;
+    ResetStickyFaultForTest();
+  }
+  EXPECT_EQ(cudaFree(d), cudaSuccess);
+}
+
+TEST(CudaEmuTest, AHostPointerArgumentIsAFault) {
+  std::vector<int> host(4, 0);
+  AddOneKernel<<<1, 4>>>(host.data());
   EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
   ResetStickyFaultForTest();
-  EXPECT_EQ(cudaFree(d), cudaSuccess);
+  EXPECT_EQ(host[0], 0);  // not run
 }
 
 }  // namespace

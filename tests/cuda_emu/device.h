@@ -5,8 +5,9 @@
 #ifndef KVGRID_TESTS_CUDA_EMU_DEVICE_H_
 #define KVGRID_TESTS_CUDA_EMU_DEVICE_H_
 
-// Blocks run one at a time, so a function-local static is one block's shared memory. Defined
-// before the CUDA headers, which keep a definition they find.
+// Blocks run one at a time, so a function-local static is one block's shared memory
+// (transform.cmake has each block poison it first). Defined before the CUDA headers, which keep
+// a definition they find.
 #define __shared__ static
 #define __launch_bounds__(...)
 
@@ -96,11 +97,20 @@ inline unsigned int __float_as_uint(float f) {
   return x;
 }
 
-// The _rn arithmetic intrinsics are never contracted into an FMA; the emulator build compiles
-// with -ffp-contract=off, so the plain operations match.
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
+// The _rn arithmetic intrinsics are never contracted into an FMA, although the emulator, like
+// nvcc, contracts other products and sums: the volatile keeps the rounded product apart.
+inline float __fmul_rn(float a, float b) {
+  volatile float r = a * b;
+  return r;
+}
+inline float __fadd_rn(float a, float b) {
+  volatile float r = a + b;
+  return r;
+}
+inline float __fsub_rn(float a, float b) {
+  volatile float r = a - b;
+  return r;
+}
 
 // cvt.rni.s32.f32: round half to even, saturating, NaN to 0.
 inline int __float2int_rn(float x) {

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace kvgrid::cuda_emu {
 
@@ -44,6 +45,9 @@ void WarpBarrier(unsigned mask);
 uint64_t WarpExchange(unsigned mask, uint64_t bits, int src_lane);
 // The block's `extern __shared__` memory (the launch's dynamic shared bytes).
 void* DynamicShared();
+// Fills a static __shared__ variable with all-ones bytes the first time the running block
+// reaches its declaration (later threads of the block find it done).
+void PoisonShared(void* p, size_t bytes);
 
 // Where a launch was written, for error messages.
 struct LaunchSite {
@@ -62,8 +66,15 @@ struct LaunchConfig {
 
 // Checks the configuration as the CUDA runtime would (the error is then what
 // cudaGetLastError returns) and runs `body` once per thread of every block, or records the
-// launch when the stream is capturing.
-void SubmitKernel(const LaunchConfig& config, std::function<void()> body);
+// launch when the stream is capturing. A pointer argument (`pointers`) that is neither null nor
+// in device or pinned memory is a sticky fault, as the GPU's illegal address would be.
+void SubmitKernel(const LaunchConfig& config, const std::vector<const void*>& pointers,
+                  std::function<void()> body);
+
+template <typename T>
+void CollectPointer(std::vector<const void*>& out, const T& value) {
+  if constexpr (std::is_pointer_v<T>) out.push_back(static_cast<const void*>(value));
+}
 
 template <typename... A>
 struct PendingLaunch {
@@ -99,7 +110,9 @@ void operator^(void (*kernel)(P...), PendingLaunch<A...>&& launch) {
   static_assert(sizeof...(P) == sizeof...(A), "kernel launched with the wrong argument count");
   launch.config.kernel = reinterpret_cast<const void*>(kernel);
   std::tuple<P...> params = std::make_from_tuple<std::tuple<P...>>(std::move(launch.args));
-  SubmitKernel(launch.config, [kernel, params]() { std::apply(kernel, params); });
+  std::vector<const void*> pointers;
+  std::apply([&pointers](const auto&... p) { (CollectPointer(pointers, p), ...); }, params);
+  SubmitKernel(launch.config, pointers, [kernel, params]() { std::apply(kernel, params); });
 }
 
 }  // namespace kvgrid::cuda_emu

@@ -26,11 +26,14 @@
 using Work = std::function<void()>;
 
 struct CUstream_st {
+  unsigned flags = cudaStreamDefault;  // cudaStreamNonBlocking: no implicit sync with legacy
   bool capturing = false;
   bool invalidated = false;
   cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
   std::thread::id owner;
-  std::vector<Work> nodes;
+  std::vector<Work> nodes;  // recorded by the capture
+  std::mutex mu;            // guards pending; held while it runs
+  std::vector<Work> pending;  // enqueued, not yet run (deferred streams)
 };
 
 struct CUgraph_st {
@@ -44,6 +47,8 @@ struct CUgraphExec_st {
 struct CUevent_st {
   std::chrono::steady_clock::time_point time;
   bool recorded = false;
+  bool captured = false;  // last recorded into a capturing stream: it cannot be waited on
+  cudaStream_t stream = nullptr;  // where it was last recorded
 };
 
 namespace kvgrid::cuda_emu {
@@ -71,9 +76,10 @@ std::mutex func_mu;
 std::unordered_map<const void*, int> max_dynamic_shared;  // guarded by func_mu
 
 std::atomic<bool> sticky{false};
-std::atomic<int> global_captures{0};
-thread_local int captures_here = 0;  // this thread's captures in global or thread-local mode
-thread_local std::vector<CUstream_st*> streams_captured_here;
+std::mutex streams_mu;  // guards live_streams; held while flushing others' streams
+std::vector<CUstream_st*> live_streams;
+std::mutex capture_mu;
+std::vector<CUstream_st*> capturing_streams;  // every stream being captured; guarded by capture_mu
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device = 0;
 
@@ -108,11 +114,96 @@ bool IsSpecialStream(cudaStream_t s) {
   return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
 }
 
-// CUDA forbids calls that may synchronize while this thread captures (thread-local or global
-// mode) or any thread captures in global mode; such a call fails and invalidates the capture.
-bool CaptureForbidsSync() {
-  if (captures_here == 0 && global_captures.load() == 0) return false;
-  for (CUstream_st* s : streams_captured_here) s->invalidated = true;
+// Work on created streams runs when something waits for it (a synchronization, a query, the
+// legacy stream, an implicitly synchronizing call), not when it is enqueued, so that a missing
+// wait shows as data not yet there. KVGRID_CUDA_EMU_STREAMS=eager runs it at once instead.
+bool DeferredStreams() {
+  static const bool deferred = [] {
+    const char* v = std::getenv("KVGRID_CUDA_EMU_STREAMS");
+    return v == nullptr || std::strcmp(v, "eager") != 0;
+  }();
+  return deferred;
+}
+
+// Runs a stream's pending work, in order (skipped after a sticky fault, as on a GPU). Returns
+// whether there was any.
+bool Flush(CUstream_st* s) {
+  std::lock_guard<std::mutex> lock(s->mu);
+  const bool had = !s->pending.empty();
+  std::vector<Work> work = std::move(s->pending);
+  s->pending.clear();
+  for (Work& w : work) {
+    if (!sticky.load()) w();
+  }
+  return had;
+}
+
+// Flushes every created stream (all: a device-wide synchronization), or only the blocking ones
+// (what the legacy stream waits for).
+void FlushStreams(bool blocking_only) {
+  std::lock_guard<std::mutex> lock(streams_mu);
+  for (CUstream_st* s : live_streams) {
+    if (!blocking_only || (s->flags & cudaStreamNonBlocking) == 0) Flush(s);
+  }
+}
+
+// Waits for `stream`: the legacy stream waits for the blocking streams too.
+void WaitFor(cudaStream_t stream) {
+  if (IsSpecialStream(stream)) {
+    FlushStreams(/*blocking_only=*/true);
+  } else {
+    Flush(stream);
+  }
+}
+
+// Invalidates (and counts) the captures `which` selects.
+template <typename Pred>
+int InvalidateCaptures(Pred which) {
+  std::lock_guard<std::mutex> lock(capture_mu);
+  int n = 0;
+  for (CUstream_st* s : capturing_streams) {
+    if (which(*s)) {
+      s->invalidated = true;
+      ++n;
+    }
+  }
+  return n;
+}
+
+// "Potentially unsafe" calls (allocation, synchronous copies, synchronization) fail while this
+// thread captures in global or thread-local mode, or any thread captures in global mode, and
+// invalidate those captures.
+bool CaptureForbidsUnsafeCall() {
+  const std::thread::id me = std::this_thread::get_id();
+  return InvalidateCaptures([me](const CUstream_st& s) {
+           return s.mode == cudaStreamCaptureModeGlobal ||
+                  (s.mode == cudaStreamCaptureModeThreadLocal && s.owner == me);
+         }) > 0;
+}
+
+// The legacy stream synchronizes with every blocking stream, so using it while any blocking
+// stream (of any thread) is being captured would join the capture: CUDA refuses it.
+bool CaptureForbidsLegacyStream() {
+  return InvalidateCaptures([](const CUstream_st& s) {
+           return (s.flags & cudaStreamNonBlocking) == 0;
+         }) > 0;
+}
+
+// Synchronizing the whole device is invalid while any stream is being captured.
+bool CaptureForbidsDeviceSync() {
+  return InvalidateCaptures([](const CUstream_st&) { return true; }) > 0;
+}
+
+// Waiting on, or querying, a stream that is being captured is invalid and spoils the capture;
+// so is the legacy stream while a blocking stream is captured.
+bool CaptureForbidsWaitingOn(cudaStream_t stream) {
+  if (stream == nullptr || stream == cudaStreamLegacy) {
+    return CaptureForbidsLegacyStream();
+  }
+  if (IsSpecialStream(stream)) return false;
+  std::lock_guard<std::mutex> lock(capture_mu);
+  if (!stream->capturing) return false;
+  stream->invalidated = true;
   return true;
 }
 
@@ -183,7 +274,10 @@ cudaError_t Release(void* p, bool device) {
     allocations.erase(it);
     if (device) device_bytes_in_use -= RoundUp(a.bytes, kAlign);
   }
-  munmap(a.mapping, a.mapping_bytes);
+  // Quarantined, not unmapped: a later allocation never reuses the range, so a stale pointer
+  // (a freed buffer still named by a captured graph, say) faults instead of reading new data.
+  mprotect(a.mapping, a.mapping_bytes, PROT_NONE);
+  madvise(a.mapping, a.mapping_bytes, MADV_DONTNEED);
   return cudaSuccess;
 }
 
@@ -208,6 +302,11 @@ bool CopyOk(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
       return true;
   }
   return false;
+}
+
+// True when a host side of the copy is ordinary (pageable) memory, not cudaMallocHost's.
+bool Pageable(const void* dst, const void* src, size_t bytes) {
+  return Classify(dst, bytes) == Range::kUnknownHost || Classify(src, bytes) == Range::kUnknownHost;
 }
 
 std::string Site(const LaunchConfig& c) {
@@ -243,12 +342,18 @@ cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work) {
     stream->nodes.push_back(std::move(work));
     return cudaSuccess;
   }
-  // The legacy stream synchronizes with every other stream, so work on it while this thread
-  // captures would join the capture implicitly: CUDA refuses it.
   if (stream == nullptr || stream == cudaStreamLegacy) {
-    if (CaptureForbidsSync()) return Result(cudaErrorStreamCaptureImplicit);
+    if (CaptureForbidsLegacyStream()) return Result(cudaErrorStreamCaptureImplicit);
   }
-  work();
+  if (IsSpecialStream(stream)) {
+    FlushStreams(/*blocking_only=*/true);  // the legacy stream waits for the blocking streams
+    work();
+  } else if (DeferredStreams()) {
+    std::lock_guard<std::mutex> lock(stream->mu);
+    stream->pending.push_back(std::move(work));
+  } else {
+    work();
+  }
   return Result(cudaSuccess);
 }
 
@@ -264,7 +369,18 @@ void ResetStickyFaultForTest() {
   last_error = cudaSuccess;
 }
 
-void SubmitKernel(const LaunchConfig& config, std::function<void()> body) {
+void SubmitKernel(const LaunchConfig& config, const std::vector<const void*>& pointers,
+                  std::function<void()> body) {
+  for (size_t i = 0; i < pointers.size(); ++i) {
+    if (pointers[i] != nullptr && Classify(pointers[i], 1) == Range::kUnknownHost) {
+      // A GPU faults (an illegal address, sticky) when the kernel dereferences it.
+      StickyFault(("kernel launched at " + Site(config) + ": pointer argument " +
+                   std::to_string(i) + " is host memory, which the device cannot read")
+                      .c_str());
+      Result(cudaErrorLaunchFailure);
+      return;
+    }
+  }
   if (const cudaError_t e = CheckLaunch(config); e != cudaSuccess) {
     std::fprintf(stderr, "cuda_emu: launch at %s refused (%s): grid (%u,%u,%u) block (%u,%u,%u) "
                  "dynamic shared %zu bytes\n",
@@ -319,6 +435,8 @@ const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
     case cudaErrorStreamCaptureWrongThread: return "cudaErrorStreamCaptureWrongThread";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidPitchValue: return "cudaErrorInvalidPitchValue";
+    case cudaErrorInvalidDeviceFunction: return "cudaErrorInvalidDeviceFunction";
     default: return "cudaErrorUnknown";
   }
 }
@@ -407,7 +525,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
 }
 
 cudaError_t cudaDeviceSynchronize() {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsDeviceSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  emu::FlushStreams(/*blocking_only=*/false);
   return emu::Result(cudaSuccess);
 }
 
@@ -425,22 +544,24 @@ cudaError_t cudaFuncSetAttribute(const void* func, cudaFuncAttribute attr, int v
 // Memory.
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
   return emu::Result(emu::Allocate(p, bytes, /*device=*/true));
 }
 
 cudaError_t cudaFree(void* p) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  emu::FlushStreams(/*blocking_only=*/false);  // cudaFree synchronizes the device
   return emu::Result(emu::Release(p, /*device=*/true));
 }
 
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
   return emu::Result(emu::Allocate(p, bytes, /*device=*/false));
 }
 
 cudaError_t cudaFreeHost(void* p) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  emu::FlushStreams(/*blocking_only=*/false);
   return emu::Result(emu::Release(p, /*device=*/false));
 }
 
@@ -456,11 +577,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t stream) {
   if (!emu::CopyOk(dst, src, bytes, kind)) return emu::Result(cudaErrorInvalidValue);
   if (bytes == 0) return emu::Result(cudaSuccess);
+  // With pageable host memory the copy is done (or staged) when the call returns.
+  if (emu::Pageable(dst, src, bytes) && !emu::IsSpecialStream(stream) && !stream->capturing) {
+    emu::Flush(stream);
+    std::memcpy(dst, src, bytes);
+    return emu::Result(cudaSuccess);
+  }
   return Enqueue(stream, [=]() { std::memcpy(dst, src, bytes); });
 }
 
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
   return cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
 }
 
@@ -474,6 +601,14 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
                      static_cast<const char*>(src) + r * spitch, width, kind)) {
       return emu::Result(cudaErrorInvalidValue);
     }
+  }
+  if (emu::Pageable(dst, src, width) && !emu::IsSpecialStream(stream) && !stream->capturing) {
+    emu::Flush(stream);
+    for (size_t r = 0; r < height; ++r) {
+      std::memcpy(static_cast<char*>(dst) + r * dpitch,
+                  static_cast<const char*>(src) + r * spitch, width);
+    }
+    return emu::Result(cudaSuccess);
   }
   return Enqueue(stream, [=]() {
     for (size_t r = 0; r < height; ++r) {
@@ -490,7 +625,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t strea
 }
 
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
   return cudaMemsetAsync(p, value, bytes, nullptr);
 }
 
@@ -500,6 +635,9 @@ cudaError_t cudaMemset(void* p, int value, size_t bytes) {
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) {
   if (stream == nullptr) return emu::Result(cudaErrorInvalidValue);
   *stream = new CUstream_st();
+  (*stream)->flags = flags;
+  std::lock_guard<std::mutex> lock(emu::streams_mu);
+  emu::live_streams.push_back(*stream);
   return emu::Result(cudaSuccess);
 }
 
@@ -510,56 +648,62 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   if (emu::IsSpecialStream(stream)) return emu::Result(cudaErrorInvalidResourceHandle);
   if (stream->capturing) return emu::Result(cudaErrorIllegalState);
+  {
+    // Work already enqueued still completes.
+    std::lock_guard<std::mutex> lock(emu::streams_mu);
+    auto& all = emu::live_streams;
+    all.erase(std::remove(all.begin(), all.end(), stream), all.end());
+  }
+  emu::Flush(stream);
   delete stream;
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (emu::CaptureForbidsWaitingOn(stream) || emu::CaptureForbidsUnsafeCall()) {
+    return emu::Result(cudaErrorStreamCaptureUnsupported);
+  }
+  emu::WaitFor(stream);
   return emu::Result(cudaSuccess);
 }
 
+// Work still pending is "not ready"; the query lets it run, as a GPU gets on with it anyway.
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-  if (!emu::IsSpecialStream(stream) && stream->capturing) {
-    stream->invalidated = true;
-    return emu::Result(cudaErrorStreamCaptureUnsupported);
-  }
+  if (emu::CaptureForbidsWaitingOn(stream)) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (!emu::IsSpecialStream(stream) && emu::Flush(stream)) return cudaErrorNotReady;
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t stream, cudaStreamCaptureMode mode) {
   if (emu::IsSpecialStream(stream)) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  std::lock_guard<std::mutex> lock(emu::capture_mu);
   if (stream->capturing) return emu::Result(cudaErrorIllegalState);
   stream->capturing = true;
   stream->invalidated = false;
   stream->mode = mode;
   stream->owner = std::this_thread::get_id();
   stream->nodes.clear();
-  if (mode == cudaStreamCaptureModeGlobal) ++emu::global_captures;
-  if (mode != cudaStreamCaptureModeRelaxed) {
-    ++emu::captures_here;
-    emu::streams_captured_here.push_back(stream);
-  }
+  emu::capturing_streams.push_back(stream);
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
   if (graph == nullptr || emu::IsSpecialStream(stream)) return emu::Result(cudaErrorInvalidValue);
   *graph = nullptr;
-  if (!stream->capturing) return emu::Result(cudaErrorIllegalState);
-  if (stream->mode != cudaStreamCaptureModeRelaxed &&
-      stream->owner != std::this_thread::get_id()) {
-    return emu::Result(cudaErrorStreamCaptureWrongThread);
+  std::vector<Work> nodes;
+  {
+    std::lock_guard<std::mutex> lock(emu::capture_mu);
+    if (!stream->capturing) return emu::Result(cudaErrorIllegalState);
+    if (stream->mode != cudaStreamCaptureModeRelaxed &&
+        stream->owner != std::this_thread::get_id()) {
+      return emu::Result(cudaErrorStreamCaptureWrongThread);
+    }
+    stream->capturing = false;
+    auto& all = emu::capturing_streams;
+    all.erase(std::remove(all.begin(), all.end(), stream), all.end());
+    nodes = std::move(stream->nodes);
+    stream->nodes.clear();
   }
-  stream->capturing = false;
-  if (stream->mode == cudaStreamCaptureModeGlobal) --emu::global_captures;
-  if (stream->mode != cudaStreamCaptureModeRelaxed) {
-    --emu::captures_here;
-    auto& here = emu::streams_captured_here;
-    here.erase(std::remove(here.begin(), here.end(), stream), here.end());
-  }
-  std::vector<Work> nodes = std::move(stream->nodes);
-  stream->nodes.clear();
   if (stream->invalidated) return emu::Result(cudaErrorStreamCaptureInvalidated);
   *graph = new CUgraph_st{std::move(nodes)};
   return emu::Result(cudaSuccess);
@@ -616,6 +760,8 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
+  event->captured = !emu::IsSpecialStream(stream) && stream->capturing;
+  event->stream = stream;
   return Enqueue(stream, [event]() {
     event->time = std::chrono::steady_clock::now();
     event->recorded = true;
@@ -624,12 +770,17 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
-  if (emu::CaptureForbidsSync()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (event->captured || emu::CaptureForbidsUnsafeCall()) {
+    return emu::Result(cudaErrorStreamCaptureUnsupported);
+  }
+  emu::WaitFor(event->stream);
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
+  if (event->captured) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  if (!emu::IsSpecialStream(event->stream) && emu::Flush(event->stream)) return cudaErrorNotReady;
   return emu::Result(cudaSuccess);
 }
 
@@ -637,7 +788,7 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   if (ms == nullptr || start == nullptr || end == nullptr) {
     return emu::Result(cudaErrorInvalidValue);
   }
-  if (!start->recorded || !end->recorded) return emu::Result(cudaErrorInvalidResourceHandle);
+  if (!start->recorded || !end->recorded) return emu::Result(cudaErrorNotReady);
   *ms = std::chrono::duration<float, std::milli>(end->time - start->time).count();
   return emu::Result(cudaSuccess);
 }

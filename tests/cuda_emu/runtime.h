@@ -3,8 +3,10 @@
 // ...) are defined in runtime.cc with the toolkit's own declarations, so programs link them in
 // place of libcudart.
 //
-// Streams run their work when it is enqueued, on the enqueuing thread, except while they are
-// being captured: then the work is recorded into the graph. Device memory is host memory from
+// Work on a created stream is queued and runs, on the thread that waits, when something waits
+// for it (cudaStreamSynchronize, a query, an event, the legacy stream, cudaFree,
+// cudaDeviceSynchronize), so a missing wait shows as results not yet there; the legacy stream
+// runs its work at once. While a stream is captured its work is recorded into the graph. Device memory is host memory from
 // mmap, poisoned with all-ones bytes (NaN in every float format) and fenced by unmapped pages,
 // so that reading memory nothing wrote shows in the results and running off an allocation
 // faults. Copies are checked against the allocations (direction and bounds), and calls that
@@ -18,8 +20,9 @@
 
 namespace kvgrid::cuda_emu {
 
-// Runs `work` now, or records it when `stream` is capturing. Returns the error CUDA would:
-// work for the legacy stream while this thread captures invalidates the capture.
+// Queues `work` on `stream` (runs it now on the legacy stream), or records it when `stream` is
+// capturing. Returns the error CUDA would: work for the legacy stream while a blocking stream is
+// captured invalidates the capture.
 cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);
 
 // True when [p, p + bytes) lies inside one device allocation (cudaMalloc).
