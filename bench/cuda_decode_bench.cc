@@ -9,7 +9,10 @@
 // exits 0 with a message where no GPU is visible.
 //
 //   build/bin/cuda_decode_bench [--json] [--context 8192] [--steps 20] [--warmup 3]
-//                               [--batches 1,32] [--graphs on|off|both]
+//                               [--batches 1,32] [--graphs on|off|both] [--shape 8b|tiny]
+//
+// --shape tiny (bench_models.h's TinyLlama3Config) runs the program's own code at a size the
+// CUDA emulator (tests/cuda_emu) gets through in seconds; its figures mean nothing.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -40,6 +43,7 @@ int main(int argc, char** argv) {
   int64_t context = 8192, steps = 20, warmup = 3;
   std::vector<int64_t> batches = {1, 32};
   std::vector<bool> modes = {false, true};  // eager, then CUDA graphs
+  bool tiny = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json") {
@@ -56,13 +60,20 @@ int main(int argc, char** argv) {
       modes = v == "on" ? std::vector<bool>{true}
               : v == "off" ? std::vector<bool>{false}
                            : std::vector<bool>{false, true};
+    } else if (a == "--shape" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      if (v != "8b" && v != "tiny") {
+        std::fprintf(stderr, "cuda_decode_bench: --shape 8b|tiny, got '%s'\n", v.c_str());
+        return 2;
+      }
+      tiny = v == "tiny";
     } else if (a == "--batches" && i + 1 < argc) {
       batches.clear();
       std::stringstream ss(argv[++i]);
       for (std::string part; std::getline(ss, part, ',');) batches.push_back(std::atoll(part.c_str()));
     } else {
       std::fprintf(stderr, "usage: cuda_decode_bench [--json] [--context N] [--steps N] "
-                           "[--warmup N] [--batches 1,32] [--graphs on|off|both]\n");
+                           "[--warmup N] [--batches 1,32] [--graphs on|off|both] [--shape 8b|tiny]\n");
       return 2;
     }
   }
@@ -78,7 +89,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  const kvgrid::model::ModelConfig config = kvgrid::bench::Llama3_8BConfig();
+  const kvgrid::model::ModelConfig config =
+      tiny ? kvgrid::bench::TinyLlama3Config() : kvgrid::bench::Llama3_8BConfig();
   auto model = kvgrid::worker::CudaLlamaModel::Random(config, kvgrid::model::DType::kBF16, 1234);
   if (!model.ok()) return Fail("model", model.status());
   cudaStream_t stream = (*model)->stream();
@@ -106,7 +118,7 @@ int main(int argc, char** argv) {
       }
       const auto step = [&](int64_t pos) {
         std::vector<int32_t> next(batch);
-        for (int64_t s = 0; s < batch; ++s) next[s] = static_cast<int32_t>((pos * 7919 + s) % 128000);
+        for (int64_t s = 0; s < batch; ++s) next[s] = static_cast<int32_t>((pos * 7919 + s) % config.vocab_size);
         return (*model)->Forward(kvgrid::worker::DecodeBatch(blocks, seqs, pos, next), **pool,
                                  nullptr);
       };
@@ -151,7 +163,8 @@ int main(int argc, char** argv) {
       }
     }
   }
-  nlohmann::json j = {{"model", "llama-3-8b-shape (random bf16 weights)"},
+  nlohmann::json j = {{"model", tiny ? "tiny llama-3 shape (random bf16 weights)"
+                                      : "llama-3-8b-shape (random bf16 weights)"},
                       {"device", prop.name},
                       {"weight_bytes", (*model)->WeightBytes()},
                       {"steps", steps},
