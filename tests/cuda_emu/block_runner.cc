@@ -151,12 +151,17 @@ void OnFault(int sig) {
 }
 
 void InstallFaultHandler() {
-  static bool installed = [] {
-    static char alt[64 * 1024];
+  // The alternate stack is per thread (a fiber's overflowed stack cannot run the handler).
+  thread_local bool alt_stack = [] {
+    thread_local std::unique_ptr<char[]> alt(new char[64 * 1024]);
     stack_t ss{};
-    ss.ss_sp = alt;
-    ss.ss_size = sizeof alt;
+    ss.ss_sp = alt.get();
+    ss.ss_size = 64 * 1024;
     sigaltstack(&ss, nullptr);
+    return true;
+  }();
+  (void)alt_stack;
+  static bool installed = [] {
     struct sigaction sa {};
     sa.sa_handler = OnFault;
     sa.sa_flags = SA_ONSTACK | SA_RESETHAND;

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -27,8 +28,9 @@ using Work = std::function<void()>;
 
 struct CUstream_st {
   unsigned flags = cudaStreamDefault;  // cudaStreamNonBlocking: no implicit sync with legacy
-  bool capturing = false;
-  bool invalidated = false;
+  // Written under capture_mu; read without it by the stream's own calls.
+  std::atomic<bool> capturing{false};
+  std::atomic<bool> invalidated{false};
   cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
   std::thread::id owner;
   std::vector<Work> nodes;  // recorded by the capture
@@ -41,14 +43,19 @@ struct CUgraph_st {
 };
 
 struct CUgraphExec_st {
-  std::vector<Work> nodes;
+  // Shared with launches still queued: CUDA lets an exec be destroyed while they run.
+  std::shared_ptr<const std::vector<Work>> nodes;
+};
+
+struct EventTime {
+  std::chrono::steady_clock::time_point time;
+  bool recorded = false;
 };
 
 struct CUevent_st {
-  std::chrono::steady_clock::time_point time;
-  bool recorded = false;
+  std::shared_ptr<EventTime> time = std::make_shared<EventTime>();  // shared with queued records
   bool captured = false;  // last recorded into a capturing stream: it cannot be waited on
-  cudaStream_t stream = nullptr;  // where it was last recorded
+  cudaStream_t stream = nullptr;  // where it was last recorded (maybe destroyed since)
 };
 
 namespace kvgrid::cuda_emu {
@@ -154,6 +161,20 @@ void WaitFor(cudaStream_t stream) {
   } else {
     Flush(stream);
   }
+}
+
+// Runs what an event waits for: its stream's work, if that stream still exists. Returns whether
+// there was any.
+bool FlushForEvent(cudaStream_t stream) {
+  if (IsSpecialStream(stream)) {
+    FlushStreams(/*blocking_only=*/true);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(streams_mu);
+  if (std::find(live_streams.begin(), live_streams.end(), stream) == live_streams.end()) {
+    return false;
+  }
+  return Flush(stream);
 }
 
 // Invalidates (and counts) the captures `which` selects.
@@ -649,12 +670,12 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   if (emu::IsSpecialStream(stream)) return emu::Result(cudaErrorInvalidResourceHandle);
   if (stream->capturing) return emu::Result(cudaErrorIllegalState);
   {
-    // Work already enqueued still completes.
+    // Work already enqueued still completes, before anyone can miss it in live_streams.
     std::lock_guard<std::mutex> lock(emu::streams_mu);
+    emu::Flush(stream);
     auto& all = emu::live_streams;
     all.erase(std::remove(all.begin(), all.end(), stream), all.end());
   }
-  emu::Flush(stream);
   delete stream;
   return emu::Result(cudaSuccess);
 }
@@ -722,14 +743,14 @@ cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* 
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
                                  unsigned long long flags) {
   if (exec == nullptr || graph == nullptr) return emu::Result(cudaErrorInvalidValue);
-  *exec = new CUgraphExec_st{graph->nodes};
+  *exec = new CUgraphExec_st{std::make_shared<const std::vector<Work>>(graph->nodes)};
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t stream) {
   if (exec == nullptr) return emu::Result(cudaErrorInvalidValue);
-  return Enqueue(stream, [exec]() {
-    for (const Work& node : exec->nodes) node();
+  return Enqueue(stream, [nodes = exec->nodes]() {
+    for (const Work& node : *nodes) node();
   });
 }
 
@@ -762,9 +783,10 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
   event->captured = !emu::IsSpecialStream(stream) && stream->capturing;
   event->stream = stream;
-  return Enqueue(stream, [event]() {
-    event->time = std::chrono::steady_clock::now();
-    event->recorded = true;
+  if (!event->captured) event->time->recorded = false;  // until this record has run
+  return Enqueue(stream, [t = event->time]() {
+    t->time = std::chrono::steady_clock::now();
+    t->recorded = true;
   });
 }
 
@@ -773,14 +795,14 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (event->captured || emu::CaptureForbidsUnsafeCall()) {
     return emu::Result(cudaErrorStreamCaptureUnsupported);
   }
-  emu::WaitFor(event->stream);
+  emu::FlushForEvent(event->stream);
   return emu::Result(cudaSuccess);
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
   if (event->captured) return emu::Result(cudaErrorStreamCaptureUnsupported);
-  if (!emu::IsSpecialStream(event->stream) && emu::Flush(event->stream)) return cudaErrorNotReady;
+  if (emu::FlushForEvent(event->stream)) return cudaErrorNotReady;
   return emu::Result(cudaSuccess);
 }
 
@@ -788,8 +810,8 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) 
   if (ms == nullptr || start == nullptr || end == nullptr) {
     return emu::Result(cudaErrorInvalidValue);
   }
-  if (!start->recorded || !end->recorded) return emu::Result(cudaErrorNotReady);
-  *ms = std::chrono::duration<float, std::milli>(end->time - start->time).count();
+  if (!start->time->recorded || !end->time->recorded) return emu::Result(cudaErrorNotReady);
+  *ms = std::chrono::duration<float, std::milli>(end->time->time - start->time->time).count();
   return emu::Result(cudaSuccess);
 }
 

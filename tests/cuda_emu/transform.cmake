@@ -10,9 +10,9 @@ string(REPLACE ">>>" ")" text "${text}")
 string(REGEX REPLACE "extern __shared__ ([A-Za-z0-9_:]+) ([A-Za-z0-9_]+)\\[\\];"
        "\\1* const \\2 = static_cast<\\1*>(::kvgrid::cuda_emu::DynamicShared());"
        text "${text}")
-# `__shared__ T name[n]...;` stays a static array, filled with all-ones bytes the first time each
-# block reaches it (a GPU's shared memory starts as garbage).
-string(REGEX REPLACE "__shared__ ([^;]*[ ]([A-Za-z_][A-Za-z0-9_]*)(\\[[^;]*\\])+);"
+# `__shared__ T name[n]...;` (one array, on one line) stays a static array, filled with all-ones
+# bytes the first time each block reaches it (a GPU's shared memory starts as garbage).
+string(REGEX REPLACE "__shared__ ([^;\n]*[ ]([A-Za-z_][A-Za-z0-9_]*)(\\[[^;\n]*\\])+);"
        "static \\1; ::kvgrid::cuda_emu::PoisonShared(\\2, sizeof(\\2));"
        text "${text}")
 file(WRITE "${OUT}.tmp" "#include \"tests/cuda_emu/device.h\"\n#line 1 \"${IN}\"\n${text}")
