@@ -210,6 +210,15 @@ TEST(CudaEmuTest, StreamWorkIsThereOnlyAfterAWait) {
   ASSERT_EQ(cudaMemcpyAsync(pageable.data(), d, 4 * sizeof(int), cudaMemcpyDeviceToHost, s),
             cudaSuccess);
   EXPECT_EQ(pageable[3], 2);
+  // One from pageable memory takes the source at the call: it may change right after.
+  std::vector<int> source(4, 40);
+  ASSERT_EQ(cudaMemcpyAsync(d, source.data(), 4 * sizeof(int), cudaMemcpyHostToDevice, s),
+            cudaSuccess);
+  source.assign(4, -1);
+  AddOneKernel<<<1, 4, 0, s>>>(d);
+  ASSERT_EQ(cudaMemcpyAsync(pageable.data(), d, 4 * sizeof(int), cudaMemcpyDeviceToHost, s),
+            cudaSuccess);
+  EXPECT_EQ(pageable[0], 41);
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);
   EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
   EXPECT_EQ(cudaFree(d), cudaSuccess);

@@ -325,9 +325,12 @@ bool CopyOk(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   return false;
 }
 
-// True when a host side of the copy is ordinary (pageable) memory, not cudaMallocHost's.
+// True when `p` is ordinary (pageable) host memory: neither device nor cudaMallocHost's.
+bool IsPageable(const void* p, size_t bytes) { return Classify(p, bytes) == Range::kUnknownHost; }
+
+// True when a host side of the copy is pageable.
 bool Pageable(const void* dst, const void* src, size_t bytes) {
-  return Classify(dst, bytes) == Range::kUnknownHost || Classify(src, bytes) == Range::kUnknownHost;
+  return IsPageable(dst, bytes) || IsPageable(src, bytes);
 }
 
 std::string Site(const LaunchConfig& c) {
@@ -598,11 +601,19 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
                             cudaStream_t stream) {
   if (!emu::CopyOk(dst, src, bytes, kind)) return emu::Result(cudaErrorInvalidValue);
   if (bytes == 0) return emu::Result(cudaSuccess);
-  // With pageable host memory the copy is done (or staged) when the call returns.
-  if (emu::Pageable(dst, src, bytes) && !emu::IsSpecialStream(stream) && !stream->capturing) {
-    emu::Flush(stream);
-    std::memcpy(dst, src, bytes);
-    return emu::Result(cudaSuccess);
+  if (!emu::IsSpecialStream(stream) && !stream->capturing) {
+    // Into pageable host memory the copy is complete when the call returns; from it, the
+    // source is staged at the call and the stream writes the device later.
+    if (emu::IsPageable(dst, bytes)) {
+      emu::Flush(stream);
+      std::memcpy(dst, src, bytes);
+      return emu::Result(cudaSuccess);
+    }
+    if (emu::IsPageable(src, bytes)) {
+      auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                        static_cast<const char*>(src) + bytes);
+      return Enqueue(stream, [dst, staged]() { std::memcpy(dst, staged->data(), staged->size()); });
+    }
   }
   return Enqueue(stream, [=]() { std::memcpy(dst, src, bytes); });
 }
