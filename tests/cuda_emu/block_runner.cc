@@ -78,7 +78,7 @@ struct SlotStack {
 // `bytes` end there too and indexing past them faults.
 class DynamicSharedArena {
  public:
-  static constexpr size_t kMaxBytes = 227 * 1024;
+  static constexpr size_t kMaxBytes = kSharedMemoryOptinBytes;
   DynamicSharedArena() {
     const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
     const size_t usable = (kMaxBytes + page - 1) / page * page;

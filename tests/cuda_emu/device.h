@@ -27,7 +27,6 @@
 #define blockIdx (::kvgrid::cuda_emu::Place().block_idx)
 #define blockDim (::kvgrid::cuda_emu::Place().block_dim)
 #define gridDim (::kvgrid::cuda_emu::Place().grid_dim)
-#define warpSize 32
 
 // nvcc's cuda_runtime.h offers this for kernels; the host compiler sees only the C function.
 template <typename T>
@@ -135,22 +134,9 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
 }
 
 // Atomics: emulated threads switch only at barriers, so a plain read-modify-write is atomic.
-template <typename T>
-T atomicExch(T* p, T value) {
-  const T old = *p;
+inline int atomicExch(int* p, int value) {
+  const int old = *p;
   *p = value;
-  return old;
-}
-template <typename T>
-T atomicAdd(T* p, T value) {
-  const T old = *p;
-  *p = old + value;
-  return old;
-}
-template <typename T>
-T atomicMax(T* p, T value) {
-  const T old = *p;
-  *p = old < value ? value : old;
   return old;
 }
 

@@ -25,6 +25,9 @@
 
 namespace kvgrid::cuda_emu {
 
+// Dynamic shared memory a block may have with cudaFuncSetAttribute (an H100's or H200's).
+constexpr size_t kSharedMemoryOptinBytes = 227 * 1024;
+
 // The built-in variables of the emulated thread running now.
 struct ThreadPlace {
   uint3 thread_idx{0, 0, 0};

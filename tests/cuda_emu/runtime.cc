@@ -62,8 +62,8 @@ namespace kvgrid::cuda_emu {
 namespace {
 
 constexpr size_t kAlign = 256;                  // cudaMalloc's alignment
-constexpr int kSharedOptin = 227 * 1024;        // an H100/H200's opt-in shared memory per block
-constexpr int kSharedDefault = 48 * 1024;       // without cudaFuncSetAttribute
+constexpr int kSharedOptin = static_cast<int>(kSharedMemoryOptinBytes);
+constexpr int kSharedDefault = 48 * 1024;  // without cudaFuncSetAttribute
 constexpr size_t kDefaultMemory = size_t{2} << 30;
 
 struct Allocation {
@@ -163,18 +163,16 @@ void WaitFor(cudaStream_t stream) {
   }
 }
 
-// Runs what an event waits for: its stream's work, if that stream still exists. Returns whether
-// there was any.
-bool FlushForEvent(cudaStream_t stream) {
+// Runs what an event waits for: its stream's work, if that stream still exists.
+void FlushForEvent(cudaStream_t stream) {
   if (IsSpecialStream(stream)) {
     FlushStreams(/*blocking_only=*/true);
-    return false;
+    return;
   }
   std::lock_guard<std::mutex> lock(streams_mu);
-  if (std::find(live_streams.begin(), live_streams.end(), stream) == live_streams.end()) {
-    return false;
+  if (std::find(live_streams.begin(), live_streams.end(), stream) != live_streams.end()) {
+    Flush(stream);
   }
-  return Flush(stream);
 }
 
 // Invalidates (and counts) the captures `which` selects.
@@ -328,9 +326,13 @@ bool CopyOk(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
 // True when `p` is ordinary (pageable) host memory: neither device nor cudaMallocHost's.
 bool IsPageable(const void* p, size_t bytes) { return Classify(p, bytes) == Range::kUnknownHost; }
 
-// True when a host side of the copy is pageable.
-bool Pageable(const void* dst, const void* src, size_t bytes) {
-  return IsPageable(dst, bytes) || IsPageable(src, bytes);
+// `height` rows of `width` bytes.
+void CopyRows(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width,
+              size_t height) {
+  for (size_t r = 0; r < height; ++r) {
+    std::memcpy(static_cast<char*>(dst) + r * dpitch, static_cast<const char*>(src) + r * spitch,
+                width);
+  }
 }
 
 std::string Site(const LaunchConfig& c) {
@@ -439,10 +441,6 @@ cudaError_t cudaGetLastError() {
   return e;
 }
 
-cudaError_t cudaPeekAtLastError() {
-  return emu::sticky.load() ? cudaErrorLaunchFailure : emu::last_error;
-}
-
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "cudaSuccess";
@@ -537,12 +535,6 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   switch (attr) {
     case cudaDevAttrMemoryClockRate: *value = 1000000; break;  // kHz
     case cudaDevAttrGlobalMemoryBusWidth: *value = 64; break;
-    case cudaDevAttrMultiProcessorCount: *value = 4; break;
-    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = emu::kSharedOptin; break;
-    case cudaDevAttrMaxSharedMemoryPerBlock: *value = emu::kSharedDefault; break;
-    case cudaDevAttrWarpSize: *value = 32; break;
     default: return emu::Result(cudaErrorInvalidValue);
   }
   return emu::Result(cudaSuccess);
@@ -597,32 +589,6 @@ cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
   return emu::Result(cudaSuccess);
 }
 
-cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
-                            cudaStream_t stream) {
-  if (!emu::CopyOk(dst, src, bytes, kind)) return emu::Result(cudaErrorInvalidValue);
-  if (bytes == 0) return emu::Result(cudaSuccess);
-  if (!emu::IsSpecialStream(stream) && !stream->capturing) {
-    // Into pageable host memory the copy is complete when the call returns; from it, the
-    // source is staged at the call and the stream writes the device later.
-    if (emu::IsPageable(dst, bytes)) {
-      emu::Flush(stream);
-      std::memcpy(dst, src, bytes);
-      return emu::Result(cudaSuccess);
-    }
-    if (emu::IsPageable(src, bytes)) {
-      auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
-                                                        static_cast<const char*>(src) + bytes);
-      return Enqueue(stream, [dst, staged]() { std::memcpy(dst, staged->data(), staged->size()); });
-    }
-  }
-  return Enqueue(stream, [=]() { std::memcpy(dst, src, bytes); });
-}
-
-cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
-  return cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
-}
-
 cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
                               size_t width, size_t height, cudaMemcpyKind kind,
                               cudaStream_t stream) {
@@ -634,20 +600,33 @@ cudaError_t cudaMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t 
       return emu::Result(cudaErrorInvalidValue);
     }
   }
-  if (emu::Pageable(dst, src, width) && !emu::IsSpecialStream(stream) && !stream->capturing) {
-    emu::Flush(stream);
-    for (size_t r = 0; r < height; ++r) {
-      std::memcpy(static_cast<char*>(dst) + r * dpitch,
-                  static_cast<const char*>(src) + r * spitch, width);
+  if (!emu::IsSpecialStream(stream) && !stream->capturing) {
+    // Into pageable host memory the copy is complete when the call returns; from it, the
+    // source is staged at the call and the stream writes the device later.
+    if (emu::IsPageable(dst, width)) {
+      emu::Flush(stream);
+      emu::CopyRows(dst, dpitch, src, spitch, width, height);
+      return emu::Result(cudaSuccess);
     }
-    return emu::Result(cudaSuccess);
+    if (emu::IsPageable(src, width)) {
+      auto staged = std::make_shared<std::vector<char>>(width * height);
+      emu::CopyRows(staged->data(), width, src, spitch, width, height);
+      return Enqueue(stream, [=]() {
+        emu::CopyRows(dst, dpitch, staged->data(), width, width, height);
+      });
+    }
   }
-  return Enqueue(stream, [=]() {
-    for (size_t r = 0; r < height; ++r) {
-      std::memcpy(static_cast<char*>(dst) + r * dpitch,
-                  static_cast<const char*>(src) + r * spitch, width);
-    }
-  });
+  return Enqueue(stream, [=]() { emu::CopyRows(dst, dpitch, src, spitch, width, height); });
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+  return cudaMemcpy2DAsync(dst, bytes, src, bytes, bytes, 1, kind, stream);
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  if (emu::CaptureForbidsUnsafeCall()) return emu::Result(cudaErrorStreamCaptureUnsupported);
+  return cudaMemcpyAsync(dst, src, bytes, kind, nullptr);
 }
 
 cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t stream) {
@@ -741,16 +720,6 @@ cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t* graph) {
   return emu::Result(cudaSuccess);
 }
 
-cudaError_t cudaStreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) {
-  if (status == nullptr) return emu::Result(cudaErrorInvalidValue);
-  *status = cudaStreamCaptureStatusNone;
-  if (!emu::IsSpecialStream(stream) && stream->capturing) {
-    *status = stream->invalidated ? cudaStreamCaptureStatusInvalidated
-                                  : cudaStreamCaptureStatusActive;
-  }
-  return emu::Result(cudaSuccess);
-}
-
 cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
                                  unsigned long long flags) {
   if (exec == nullptr || graph == nullptr) return emu::Result(cudaErrorInvalidValue);
@@ -781,10 +750,6 @@ cudaError_t cudaEventCreate(cudaEvent_t* event) {
   return emu::Result(cudaSuccess);
 }
 
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
-  return cudaEventCreate(event);
-}
-
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
   delete event;
   return emu::Result(cudaSuccess);
@@ -807,13 +772,6 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     return emu::Result(cudaErrorStreamCaptureUnsupported);
   }
   emu::FlushForEvent(event->stream);
-  return emu::Result(cudaSuccess);
-}
-
-cudaError_t cudaEventQuery(cudaEvent_t event) {
-  if (event == nullptr) return emu::Result(cudaErrorInvalidResourceHandle);
-  if (event->captured) return emu::Result(cudaErrorStreamCaptureUnsupported);
-  if (emu::FlushForEvent(event->stream)) return cudaErrorNotReady;
   return emu::Result(cudaSuccess);
 }
 
