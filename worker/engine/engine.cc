@@ -302,8 +302,11 @@ absl::Status Engine::PreemptNewest() {
           : seconds_per_swap_byte_ * 2.0 *
                 static_cast<double>(blocks_.ExclusiveBlocks(victim->seq_id) *
                                     executor_->kv_geometry().BytesPerBlock());
-  const bool can_swap =
-      executor_->num_swap_blocks() > 0 && blocks_.CanSwapOut(victim->seq_id);
+  // A swap leaves the blocks the victim shares (n > 1 siblings, prefix hits) on the device;
+  // one that would move nothing frees nothing, and the asker would preempt itself in turn.
+  const bool can_swap = executor_->num_swap_blocks() > 0 &&
+                        blocks_.ExclusiveBlocks(victim->seq_id) > 0 &&
+                        blocks_.CanSwapOut(victim->seq_id);
   if (ChooseSwap(options_.preemption_mode, can_swap, recompute_s, swap_s)) {
     // Its own list: Schedule preempts while collecting copy-on-write copies in copies_.
     std::vector<BlockCopy> out;
@@ -313,10 +316,7 @@ absl::Status Engine::PreemptNewest() {
     swapped_.push_front(std::move(victim));
     ++num_swap_outs_;
   } else {
-    blocks_.Free(victim->seq_id);
-    victim->num_computed = 0;
-    waiting_.push_front(std::move(victim));
-    ++num_recomputes_;
+    Recompute(std::move(victim));
   }
   return absl::OkStatus();
 }
@@ -333,16 +333,40 @@ absl::Status Engine::SwapInReady() {
                               static_cast<int64_t>(seq->tokens.size()), &copies_)
              .ok()) {
       // Back in, but no room for its next token: out again, and it waits for the next step.
-      std::vector<BlockCopy> out;
-      KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(seq->seq_id, &out));
-      KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
+      // Blocks it shared when it went out may be its alone by now (its siblings finished), so
+      // going out again can need more slots than it gave back; then it is recomputed.
+      if (blocks_.CanSwapOut(seq->seq_id)) {
+        std::vector<BlockCopy> out;
+        KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(seq->seq_id, &out));
+        KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
+      } else {
+        std::unique_ptr<Sequence> stuck = std::move(swapped_.front());
+        swapped_.pop_front();
+        Recompute(std::move(stuck));
+      }
       break;
     }
     KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToDevice, copies_));
     running_.push_back(std::move(swapped_.front()));
     swapped_.pop_front();
   }
+  // Nothing running will ever free a block, and admissions wait for the swapped-out: if the
+  // swapped-out cannot come back now (the blocks they need are held by each other's shared
+  // blocks), they never will. Recompute them, in their order, so the engine moves on.
+  // From the back, so that the one that would have come back first is admitted first.
+  while (running_.empty() && !swapped_.empty()) {
+    std::unique_ptr<Sequence> stuck = std::move(swapped_.back());
+    swapped_.pop_back();
+    Recompute(std::move(stuck));
+  }
   return absl::OkStatus();
+}
+
+void Engine::Recompute(std::unique_ptr<Sequence> seq) {
+  blocks_.Free(seq->seq_id);
+  seq->num_computed = 0;
+  waiting_.push_front(std::move(seq));
+  ++num_recomputes_;
 }
 
 FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {

@@ -266,11 +266,16 @@ class Engine {
                                                       const EngineOptions& options);
 
   // Preempts the newest running sequence (`running_` must not be empty): swaps it out when the
-  // swap space has room and ChooseSwap agrees, else frees its blocks and requeues it for
-  // recompute.
+  // swap space has room, the swap would free a device block, and ChooseSwap agrees; else frees
+  // its blocks and requeues it for recompute.
   absl::Status PreemptNewest();
-  // Brings swapped-out sequences back, oldest first, while their blocks fit.
+  // Brings swapped-out sequences back, most recently preempted first, while their blocks fit.
+  // When none is running afterwards, the swapped-out can never come back (only they hold
+  // blocks), so they are all requeued for recompute.
   absl::Status SwapInReady();
+  // Frees `seq`'s blocks (and swap slots) and puts it at the front of the waiting queue, to be
+  // computed again from its tokens.
+  void Recompute(std::unique_ptr<Sequence> seq);
   // Gives running sequences not yet scheduled this step — decodes (one token left) or
   // prefills — writable slots for up to `*budget` tokens, oldest first, preempting when the
   // pool is dry; sets their num_scheduled and takes it from `*budget`.
