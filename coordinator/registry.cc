@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/placement.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
 
 namespace kvgrid::coordinator {
 namespace {
@@ -51,8 +52,20 @@ std::string WorkerRegistry::Register(const v1::RegisterWorkerRequest& request) {
   e.id = absl::StrCat("w", next_id_++);
   e.info = request;
   if (e.info.group_id().empty()) e.info.set_group_id(e.id);
-  e.stub = v1::Worker::NewStub(
-      grpc::CreateChannel(request.address(), grpc::InsecureChannelCredentials()));
+  // Streams to a worker that froze or dropped off the network while its TCP connection stays
+  // up would otherwise wait forever: the coordinator only reads on them. Keep-alive pings
+  // during calls break such a connection within twice the heartbeat timeout, and the relay
+  // fails its requests over. The worker's server accepts pings this frequent
+  // (kvgrid-worker sets no ping strikes).
+  grpc::ChannelArguments args;
+  const int keepalive_ms = static_cast<int>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout), 100, 60000));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms);
+  // A server stream's client sends no data after its request: allow pings regardless.
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  e.stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
+      request.address(), grpc::InsecureChannelCredentials(), args));
   e.usage.set_blocks_free(request.capacity().blocks_total());
   e.last_heartbeat = absl::Now();
   const std::string id = e.id;

@@ -1,6 +1,8 @@
 #include "coordinator/relay.h"
 
 #include <algorithm>
+#include <atomic>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +10,19 @@
 #include "proto/grpc_status.h"
 
 namespace kvgrid::coordinator {
+namespace {
+
+// Worker-side request ids are the client's id plus a number no other attempt of this
+// coordinator uses: two calls with the same client id (ids are the client's to choose, and a
+// retry after a deadline reuses one) must not meet on a worker, which refuses an id it is still
+// running and whose aborts go by id. The first number is random so that a restarted
+// coordinator does not reuse the ids of requests its predecessor left on the workers.
+std::string NextWorkerRequestId(const std::string& client_request_id) {
+  static std::atomic<uint64_t> next{std::random_device{}() & 0xffffffffu};
+  return absl::StrCat(client_request_id, "@", next.fetch_add(1));
+}
+
+}  // namespace
 
 // One worker stream, covering some continuations of the relay's request.
 class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::GenerateResponse> {
@@ -115,9 +130,9 @@ absl::Status GenerateRelay::PlaceLocked(v1::WorkerGenerateRequest request,
   if (!placed_s_) {
     placed_s_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - arrival_).count();
   }
-  // Worker-side ids are unique per attempt: a client may reuse its ids, and a resubmission
-  // may land on a worker that still knows the first attempt.
-  request.set_request_id(absl::StrCat(client_request_id_, "@", attempts_++));
+  // Every attempt has its own worker-side id: a resubmission may land on a worker that still
+  // knows the first attempt.
+  request.set_request_id(NextWorkerRequestId(client_request_id_));
   auto* up = new Upstream(this, *std::move(placement), std::move(request), std::move(indices),
                           context_->deadline(), options_.cluster_token);
   upstreams_.push_back(up);
@@ -132,7 +147,11 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
   {
     absl::MutexLock lock(&mu_);
     const uint32_t index = msg->index();
-    if (index >= n_ || finished_[index]) return true;  // nothing to forward; keep draining
+    // Nothing to forward: keep draining. Once the call is over nothing is buffered either, so
+    // a reader can no longer pause after the last chance to resume it (OnCancel, a failure).
+    if (index >= n_ || finished_[index] || cancelled_ || error_ || finish_called_) {
+      return true;
+    }
     const auto now = std::chrono::steady_clock::now();
     if (msg->token_ids_size() > 0 && metrics_ != nullptr) {
       if (!first_token_[index]) {

@@ -103,7 +103,6 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   std::vector<Upstream*> upstreams_ ABSL_GUARDED_BY(mu_);
   std::vector<Upstream*> paused_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> tried_ ABSL_GUARDED_BY(mu_);  // workers that failed it
-  int attempts_ ABSL_GUARDED_BY(mu_) = 0;   // worker requests made (ids)
   int failovers_ ABSL_GUARDED_BY(mu_) = 0;  // worker streams that failed it
   // Per continuation: tokens streamed so far, finished, and the time of its first token.
   std::vector<std::vector<int32_t>> tokens_ ABSL_GUARDED_BY(mu_);

@@ -336,6 +336,10 @@ absl::Status Serve(Args& args) {
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(64 << 20);
+  // The coordinator pings its streams to this worker about every heartbeat timeout to notice a
+  // frozen worker (coordinator/registry.cc); gRPC's default policy would answer pings that
+  // frequent on a quiet connection with GOAWAY.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));

@@ -3,6 +3,7 @@ the other worker and the client's stream goes on with no token lost or repeated.
 stops heartbeating is taken out, and registers again when it comes back."""
 
 import signal
+import time
 
 from .conftest import wait_until
 from kvgrid_client import Completion, pb
@@ -96,3 +97,50 @@ def test_a_worker_that_stops_heartbeating_is_taken_out(cluster):
     finally:
         frozen.popen.send_signal(signal.SIGCONT)
     assert wait_until(lambda: len(c.serving_workers()) == 2, timeout=10), c.status()
+
+
+def test_worker_frozen_mid_stream(cluster):
+    """A worker that freezes (SIGSTOP: its TCP connections stay up, nothing answers) in the
+    middle of a stream: the coordinator's keep-alive pings break the connection, and the
+    stream goes on on the other worker, no token lost or repeated, long before the call's own
+    deadline could end the wait."""
+    c = cluster(workers=2, worker_args=WORKER_ARGS,
+                coordinator_args=["--heartbeat-interval-ms", "100",
+                                  "--heartbeat-timeout-ms", "600"])
+    client = c.client
+    params = dict(temperature=0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    unfailed = client.generate_text(PROMPT, **params)
+    assert len(unfailed.token_ids) == MAX_NEW_TOKENS
+
+    for attempt in range(3):
+        procs = {w.worker_id: c.worker_proc(w.worker_id) for w in c.serving_workers()}
+        assert len(procs) == 2, c.status()
+        done = Completion()
+        frozen = frozen_id = None
+        frozen_at = 0.0
+        try:
+            for r in client.generate(PROMPT, timeout=120, **params):
+                done.add(r)
+                if frozen is None and len(done.token_ids) >= KILL_AFTER_TOKENS:
+                    frozen_id = r.worker_id
+                    frozen = procs[frozen_id]
+                    frozen.popen.send_signal(signal.SIGSTOP)
+                    frozen_at = time.monotonic()
+            resumed_after = time.monotonic() - frozen_at
+        finally:
+            if frozen is not None:
+                frozen.popen.send_signal(signal.SIGCONT)
+        assert frozen is not None, f"stream ended before {KILL_AFTER_TOKENS} tokens: {done}"
+        print(f"attempt {attempt}: froze {frozen_id}; tokens served by {done.worker_ids}")
+        if done.worker_ids != [frozen_id]:
+            break
+        # Too late: the frozen worker had already sent the whole sequence. Let it come back.
+        assert wait_until(lambda: len(c.serving_workers()) == 2, timeout=15), c.status()
+    else:
+        raise AssertionError(f"3 times the stream was done before the freeze: {done.worker_ids}")
+
+    assert done.worker_ids[0] == frozen_id and done.worker_ids[-1] != frozen_id, done.worker_ids
+    # Keep-alive pings every 0.6 s, 0.6 s to answer: the failover comes in seconds.
+    assert resumed_after < 30, resumed_after
+    assert done.token_ids == unfailed.token_ids
+    assert done.finish_reason == "length"
