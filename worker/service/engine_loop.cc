@@ -34,9 +34,9 @@ void EngineLoop::Submit(GenerationRequest request, std::shared_ptr<OutputSink> s
   sink->OnError(absl::UnavailableError("the worker is shutting down"));
 }
 
-void EngineLoop::Abort(const std::string& request_id) {
+void EngineLoop::Abort(const std::string& request_id, const OutputSink* owner) {
   absl::MutexLock lock(&mu_);
-  aborts_.push_back(request_id);
+  aborts_.push_back(PendingAbort{request_id, owner});
 }
 
 EngineStats EngineLoop::Stats() const {
@@ -59,7 +59,7 @@ void EngineLoop::Stop() {
 
 void EngineLoop::Drain(
     std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
-    std::vector<std::string>& aborts) {
+    std::vector<PendingAbort>& aborts) {
   int64_t ended = 0;
   for (auto& [request, sink] : submits) {
     const std::string id = request.id;
@@ -78,9 +78,18 @@ void EngineLoop::Drain(
     }
     active_[id] = Active{std::move(sink), n};
   }
-  for (const std::string& id : aborts) {
-    engine_->Abort(id);
-    if (active_.erase(id) > 0) ++ended;
+  for (const PendingAbort& abort : aborts) {
+    auto it = active_.find(abort.request_id);
+    if (it == active_.end()) continue;  // finished, refused or never seen: nothing to free
+    if (abort.owner != nullptr && it->second.sink.get() != abort.owner) continue;
+    engine_->Abort(abort.request_id);
+    std::shared_ptr<OutputSink> sink = std::move(it->second.sink);
+    active_.erase(it);
+    ++ended;
+    // Ends the sink's stream: without it, an abort from anywhere but the stream itself would
+    // leave that stream waiting for outputs that never come.
+    sink->OnError(absl::CancelledError(absl::StrCat("request ", abort.request_id,
+                                                    " was aborted")));
   }
   submits.clear();
   aborts.clear();
@@ -93,7 +102,7 @@ void EngineLoop::Drain(
 void EngineLoop::Run() {
   kernels::cpu::UseConfiguredThreads();
   std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> submits;
-  std::vector<std::string> aborts;
+  std::vector<PendingAbort> aborts;
   bool keep_alive = false;
   bool group_broken = false;  // a keep-alive failed: the other ranks are gone
   for (;;) {

@@ -47,9 +47,11 @@ class EngineLoop {
   // Queues a request for the next step. Refusals (AddRequest's INVALID_ARGUMENT) and
   // UNAVAILABLE after Stop reach the sink's OnError.
   void Submit(GenerationRequest request, std::shared_ptr<OutputSink> sink);
-  // Drops a request wherever it is and frees its blocks; its sink receives nothing more.
-  // Unknown or finished ids are fine.
-  void Abort(const std::string& request_id);
+  // Drops a request wherever it is and frees its blocks; its sink's OnError receives
+  // CANCELLED, and nothing after. With `owner`, only a request whose sink is `owner` is
+  // dropped: a stream's own cancel never reaches another stream's request that happens to
+  // carry the same id. Unknown or finished ids, and other sinks' requests, are fine.
+  void Abort(const std::string& request_id, const OutputSink* owner = nullptr);
   // Engine statistics as of the last step (or idle moment).
   [[nodiscard]] EngineStats Stats() const;
   // Requests submitted and not yet finished, refused or aborted.
@@ -62,15 +64,19 @@ class EngineLoop {
     std::shared_ptr<OutputSink> sink;
     int64_t unfinished = 1;  // continuations still running
   };
+  struct PendingAbort {
+    std::string request_id;
+    const OutputSink* owner;  // null: whichever sink the request has
+  };
   void Run();
-  // Applies queued submissions and aborts to the engine (loop thread only).
+  // Applies queued submissions, then aborts, to the engine (loop thread only).
   void Drain(std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
-             std::vector<std::string>& aborts);
+             std::vector<PendingAbort>& aborts);
 
   mutable absl::Mutex mu_;
   std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> inbox_
       ABSL_GUARDED_BY(mu_);
-  std::vector<std::string> aborts_ ABSL_GUARDED_BY(mu_);
+  std::vector<PendingAbort> aborts_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   int64_t num_active_ ABSL_GUARDED_BY(mu_) = 0;

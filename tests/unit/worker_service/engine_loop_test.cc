@@ -1,6 +1,7 @@
 // The engine loop: requests submitted from several threads get the outputs the engine gives
-// them alone; refusals and aborts reach (or silence) their sinks; Stop fails what is left
-// with UNAVAILABLE and frees every block.
+// them alone; refusals and aborts reach their sinks (an abort ends its sink with CANCELLED,
+// and one on behalf of another sink leaves the request alone); Stop fails what is left with
+// UNAVAILABLE and frees every block.
 #include "worker/service/engine_loop.h"
 
 #include <filesystem>
@@ -115,13 +116,27 @@ TEST(EngineLoopTest, RefusalsAbortsAndStop) {
   loop.Submit(Request(1, 100000), dup_b);  // same id while the first runs
   dup_b->Wait();
   EXPECT_EQ(dup_b->error().code(), absl::StatusCode::kInvalidArgument);
-  loop.Abort("r1");
+  // The refused duplicate's stream cancelling aborts on its own behalf: r1 belongs to dup_a
+  // and keeps running.
+  loop.Abort("r1", dup_b.get());
   loop.Abort("never-existed");
-  // After the abort the loop holds nothing for r1.
-  for (int i = 0; i < 200 && loop.NumActive() > 0; ++i) {
+  const size_t before = dup_a->tokens().size();
+  for (int i = 0; i < 500 && dup_a->tokens().size() < before + 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_GE(dup_a->tokens().size(), before + 3);
+  EXPECT_TRUE(dup_a->error().ok()) << dup_a->error();
+  EXPECT_EQ(loop.NumActive(), 1);
+  // An abort by id alone (Worker.Abort) ends r1's sink, which would otherwise wait forever.
+  loop.Abort("r1");
+  dup_a->Wait();
+  EXPECT_EQ(dup_a->error().code(), absl::StatusCode::kCancelled);
+  // After the abort the loop holds nothing for r1 (its statistics follow the abort's drain).
+  for (int i = 0; i < 200 && (loop.NumActive() > 0 || loop.Stats().blocks_used > 0); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(loop.NumActive(), 0);
+  EXPECT_EQ(loop.Stats().blocks_used, 0);
 
   auto running = std::make_shared<Collector>();
   GenerationRequest long_request = Request(2, 100000);
