@@ -30,7 +30,23 @@ absl::Status NcclStatus(ncclResult_t result, const char* call, const char* file,
 
 }  // namespace
 
+// Owns what Join creates, so that a Join failing halfway releases what it had made.
 struct NcclCommunicator::State {
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() {
+    if (comm != nullptr) {
+      if (aborted) {
+        (void)ncclCommAbort(comm);
+      } else {
+        (void)ncclCommDestroy(comm);
+      }
+    }
+    if (barrier_buffer != nullptr) (void)cudaFree(barrier_buffer);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   int device = 0;
@@ -105,17 +121,7 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<State> state, int rank, int s
                                    std::chrono::milliseconds timeout)
     : state_(std::move(state)), rank_(rank), size_(size), timeout_(timeout) {}
 
-NcclCommunicator::~NcclCommunicator() {
-  if (state_->comm != nullptr) {
-    if (state_->aborted) {
-      (void)ncclCommAbort(state_->comm);
-    } else {
-      (void)ncclCommDestroy(state_->comm);
-    }
-  }
-  if (state_->barrier_buffer != nullptr) (void)cudaFree(state_->barrier_buffer);
-  if (state_->stream != nullptr) (void)cudaStreamDestroy(state_->stream);
-}
+NcclCommunicator::~NcclCommunicator() = default;  // State releases the communicator
 
 absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");

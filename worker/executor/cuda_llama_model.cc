@@ -751,6 +751,12 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
   const bool copy = leader() && rows > 0;
   if (copy) logits->resize(static_cast<size_t>(rows * dims_.vocab));
   int32_t host_flags[2] = {0, 0};
+  if (comm_ != nullptr) {
+    // The step's collectives first, with the group's timeout: a copy into pageable memory
+    // returns only once the stream before it is done, so a collective whose peer is gone
+    // would hold the host inside cudaMemcpyAsync, where no timeout applies.
+    KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  }
   if (copy && vocab_parallel()) {
     // gathered_ is [size, step_rows, vocab_local]: rank r's slice is columns
     // [r * vocab_local, (r + 1) * vocab_local) of every row.
@@ -768,12 +774,7 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_flags, flags_.get(), sizeof(host_flags),
                                               cudaMemcpyDeviceToHost, stream_));
-  if (comm_ != nullptr) {
-    // Waits with the group's timeout: a collective whose peer is gone fails, not hangs.
-    KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
-  } else {
-    KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-  }
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   if (host_flags[0] != 0 || host_flags[1] != 0) {
     // Unlike the CPU model, which refuses the batch before writing anything, the valid tokens'
     // K/V are already in the pool by now; the caller frees the sequence.
@@ -849,9 +850,11 @@ absl::StatusOr<bool> CudaLlamaModel::AllRanksAgree(bool mine) {
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(agree_.get(), &vote, sizeof(vote),
                                               cudaMemcpyHostToDevice, stream_));
   KVGRID_RETURN_IF_ERROR(comm_->AllReduceSumOn(agree_.as<float>(), 1, stream_));
+  // Waited for before the copy back, which would block without a timeout (see FinishStep).
+  KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&votes, agree_.get(), sizeof(votes),
                                               cudaMemcpyDeviceToHost, stream_));
-  KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
   return votes == 0.f;
 }
 
