@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -22,6 +23,7 @@
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
 #include "coordinator/registry_service.h"
+#include "coordinator/relay.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "metrics/http_endpoint.h"
 #include "grpcpp/grpcpp.h"
@@ -234,6 +236,21 @@ absl::Status Serve(Args& args) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   if (worker_server) worker_server->Shutdown(std::chrono::system_clock::now());
+  // The shutdown cancelled the calls still open, and their relays cancelled their worker
+  // streams, whose last callbacks still use the registry and metrics on this stack: wait for
+  // them. Cancelling is local, so this takes moments; should it not, the process leaves
+  // without tearing down what they use.
+  const auto relays_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (kvgrid::coordinator::GenerateRelay::NumAlive() > 0 &&
+         std::chrono::steady_clock::now() < relays_deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (const int64_t left = kvgrid::coordinator::GenerateRelay::NumAlive(); left > 0) {
+    std::fprintf(stderr, "kvgrid-coordinator: %lld worker streams still open; exiting\n",
+                 static_cast<long long>(left));
+    std::fflush(stderr);
+    std::_Exit(0);
+  }
   std::fprintf(stderr, "kvgrid-coordinator: stopped\n");
   return absl::OkStatus();
 }

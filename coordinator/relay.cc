@@ -93,6 +93,7 @@ GenerateRelay::GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistr
       request_(std::move(request)),
       n_(std::max<uint32_t>(1, request_.n())),
       arrival_(std::chrono::steady_clock::now()) {
+  alive_.fetch_add(1);
   in_flight_->fetch_add(1);
   absl::MutexLock lock(&mu_);
   tokens_.resize(n_);
@@ -100,6 +101,10 @@ GenerateRelay::GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistr
   first_token_.resize(n_);
   last_token_.resize(n_);
 }
+
+std::atomic<int64_t> GenerateRelay::alive_{0};
+
+GenerateRelay::~GenerateRelay() { alive_.fetch_sub(1); }
 
 void GenerateRelay::Start() {
   std::vector<Upstream*> start;

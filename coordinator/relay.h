@@ -59,8 +59,15 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
                 std::atomic<int64_t>* in_flight, std::string model,
                 std::string client_request_id, v1::WorkerGenerateRequest request);
 
+  ~GenerateRelay() override;
+
   // Places the request and starts streaming; on a placement error the call finishes with it.
   void Start();
+
+  // Relays not yet deleted, in this process. A relay outlives its client call until its
+  // worker streams have ended, and uses the registry and metrics until then: whoever owns
+  // those waits for this to reach 0 after shutting the server down.
+  [[nodiscard]] static int64_t NumAlive() { return alive_.load(); }
 
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
@@ -86,6 +93,8 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   // Moves paused upstreams that may read again into `resume` (resumed after release).
   void TakeResumableLocked(std::vector<Upstream*>* resume) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unref();
+
+  static std::atomic<int64_t> alive_;
 
   grpc::CallbackServerContext* const context_;
   WorkerRegistry* const registry_;

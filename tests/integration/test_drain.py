@@ -84,3 +84,46 @@ def test_sigterm_drains_coordinator(cluster):
         assert elapsed <= DRAIN_TIMEOUT_S + 2, elapsed
     finally:
         watcher.close()
+
+
+def test_drain_timeout_cancels_what_is_left_and_exits(cluster):
+    """Streams still running when the drain timeout passes end with an error (none hangs),
+    their worker requests are cancelled, and the coordinator exits 0 at once."""
+    c = cluster(workers=1, worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "1"],
+                coordinator_args=["--drain-timeout-s", "0.5", "--max-queue-depth", "8"])
+    prompt_ids = c.client.tokenize("In the beginning")
+    started = threading.Barrier(5)
+    outcomes = []
+
+    def read():
+        done = Completion()
+        try:
+            stream = c.client.generate(prompt_token_ids=prompt_ids, temperature=0,
+                                       max_new_tokens=500, ignore_eos=True, timeout=60)
+            started.wait(timeout=30)
+            for r in stream:
+                done.add(r)
+            outcomes.append(("ok", len(done.token_ids)))
+        except grpc.RpcError as e:
+            outcomes.append((e.code(), len(done.token_ids)))
+
+    # Four requests of 500 tokens on one sequence slot: 2000 decode steps in a row, far more
+    # than the half second the drain allows.
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    for t in readers:
+        t.start()
+    started.wait(timeout=30)
+    time.sleep(0.2)
+    c.coordinator.popen.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    for t in readers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in readers), outcomes
+    rc = c.coordinator.popen.wait(timeout=15)
+    assert rc == 0, f"coordinator exit status {rc}\n{c.coordinator.describe()}"
+    assert time.monotonic() - sent < 10
+    assert len(outcomes) == 4, outcomes
+    errors = [code for code, _ in outcomes if code != "ok"]
+    assert errors, f"every stream finished inside the drain timeout: {outcomes}"
+    assert set(errors) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, outcomes
+    assert "worker streams still open" not in c.coordinator.log(), c.coordinator.log_tail()

@@ -311,10 +311,12 @@ absl::Status Engine::PreemptNewest() {
     // Its own list: Schedule preempts while collecting copy-on-write copies in copies_.
     std::vector<BlockCopy> out;
     KVGRID_RETURN_IF_ERROR(blocks_.SwapOut(victim->seq_id, &out));
-    // Copy now: the freed device blocks may be reallocated and written in this very step.
-    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
+    // Listed before the copy, so that if the copy fails, aborting the request still frees
+    // the slots it holds.
     swapped_.push_front(std::move(victim));
     ++num_swap_outs_;
+    // Copy now: the freed device blocks may be reallocated and written in this very step.
+    KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
   } else {
     Recompute(std::move(victim));
   }
