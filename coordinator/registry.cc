@@ -14,6 +14,8 @@ namespace {
 // Leading full prompt blocks remembered per placement, and entries kept per worker.
 constexpr int64_t kAffinityBlocks = 32;
 constexpr size_t kAffinityEntries = 8192;
+// The least time a keep-alive ping on a worker channel may take to be answered.
+constexpr int64_t kKeepAliveAckFloorMs = 5000;
 // Lost workers are listed in ClusterStatus for a while, then forgotten.
 constexpr absl::Duration kForgetLostAfter = absl::Minutes(5);
 
@@ -54,14 +56,17 @@ std::string WorkerRegistry::Register(const v1::RegisterWorkerRequest& request) {
   if (e.info.group_id().empty()) e.info.set_group_id(e.id);
   // Streams to a worker that froze or dropped off the network while its TCP connection stays
   // up would otherwise wait forever: the coordinator only reads on them. Keep-alive pings
-  // during calls break such a connection within twice the heartbeat timeout, and the relay
-  // fails its requests over. The worker's server accepts pings this frequent
-  // (kvgrid-worker sets no ping strikes).
+  // during calls, one per heartbeat timeout, break such a connection when a ping goes
+  // unanswered for as long again, and at least kKeepAliveAckFloorMs (a busy machine may answer
+  // late, and a broken connection fails every stream on it over); the relay then fails its
+  // requests over. The worker's server accepts pings this frequent (kvgrid-worker sets no ping
+  // strikes).
   grpc::ChannelArguments args;
-  const int keepalive_ms = static_cast<int>(
-      std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout), 100, 60000));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms);
+  const int64_t interval_ms =
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(options_.heartbeat_timeout), 100, 60000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, static_cast<int>(interval_ms));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+              static_cast<int>(std::max(interval_ms, kKeepAliveAckFloorMs)));
   // A server stream's client sends no data after its request: allow pings regardless.
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   e.stub = v1::Worker::NewStub(grpc::CreateCustomChannel(

@@ -34,11 +34,14 @@ class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::Generat
         placement_(std::move(placement)),
         request_(std::move(request)),
         indices_(std::move(indices)) {
+    alive_.fetch_add(1);
     auth::AttachBearer(&context_, token);
     if (deadline != std::chrono::system_clock::time_point::max()) {
       context_.set_deadline(deadline);
     }
   }
+
+  ~Upstream() override { alive_.fetch_sub(1); }
 
   void Start() {
     placement_.stub->async()->Generate(&context_, &request_, this);
@@ -238,10 +241,11 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
       const grpc::StatusCode code = status.error_code();
       const bool retry = code == grpc::StatusCode::OK || code == grpc::StatusCode::UNAVAILABLE ||
                          code == grpc::StatusCode::INTERNAL || code == grpc::StatusCode::UNKNOWN ||
-                         code == grpc::StatusCode::ABORTED ||
                          code == grpc::StatusCode::CANCELLED;
       if (!retry) {
-        FailLocked(status);  // the request itself is bad (or its deadline passed)
+        // The request itself is bad, its deadline passed, or it was aborted on the worker
+        // (Worker.Abort: ABORTED, meant to end it, not to move it).
+        FailLocked(status);
       } else {
         tried_.insert(up->worker_id());
         // A broken stream means the worker is likely gone; a draining one still heartbeats.

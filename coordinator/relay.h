@@ -7,7 +7,7 @@
 // stream instead of growing the coordinator's memory.
 //
 // Failover: when a worker stream ends before every continuation finished (the worker died,
-// its connection broke, or it failed the request with UNAVAILABLE/INTERNAL/UNKNOWN/ABORTED),
+// its connection broke, or it failed the request with UNAVAILABLE/INTERNAL/UNKNOWN/CANCELLED),
 // each unfinished continuation is resubmitted to another worker with its prompt and the
 // tokens it already streamed (WorkerGenerateRequest.resume_token_ids), so the client sees no
 // token lost or repeated; with greedy decoding the output equals an uninterrupted run.
@@ -64,9 +64,10 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   // Places the request and starts streaming; on a placement error the call finishes with it.
   void Start();
 
-  // Relays not yet deleted, in this process. A relay outlives its client call until its
-  // worker streams have ended, and uses the registry and metrics until then: whoever owns
-  // those waits for this to reach 0 after shutting the server down.
+  // Relays and worker streams not yet deleted, in this process. A relay outlives its client
+  // call until its worker streams have ended, and uses the registry and metrics until then; a
+  // worker stream holds a channel of the registry's until it is deleted. Whoever owns those
+  // waits for this to reach 0 after shutting the server down.
   [[nodiscard]] static int64_t NumAlive() { return alive_.load(); }
 
   void OnWriteDone(bool ok) override;

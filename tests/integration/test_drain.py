@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from .conftest import health_check, rpc_error
+from .conftest import health_check, rpc_error, wait_until
 from kvgrid_client import Client, Completion
 from grpc_health.v1 import health_pb2
 
@@ -90,9 +90,10 @@ def test_drain_timeout_cancels_what_is_left_and_exits(cluster):
     """Streams still running when the drain timeout passes end with an error (none hangs),
     their worker requests are cancelled, and the coordinator exits 0 at once."""
     c = cluster(workers=1, worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "1"],
-                coordinator_args=["--drain-timeout-s", "0.5", "--max-queue-depth", "8"])
+                coordinator_args=["--drain-timeout-s", "0.5", "--max-queue-depth", "64"])
     prompt_ids = c.client.tokenize("In the beginning")
-    started = threading.Barrier(5)
+    streams = 24
+    started = threading.Barrier(streams + 1)
     outcomes = []
 
     def read():
@@ -107,13 +108,15 @@ def test_drain_timeout_cancels_what_is_left_and_exits(cluster):
         except grpc.RpcError as e:
             outcomes.append((e.code(), len(done.token_ids)))
 
-    # Four requests of 500 tokens on one sequence slot: 2000 decode steps in a row, far more
-    # than the half second the drain allows.
-    readers = [threading.Thread(target=read) for _ in range(4)]
+    # 24 requests of 500 tokens on one sequence slot: 12000 decode steps in a row (seconds,
+    # at a fraction of a millisecond each), far more than the half second the drain allows
+    # plus the second the server's shutdown gives open calls.
+    readers = [threading.Thread(target=read) for _ in range(streams)]
     for t in readers:
         t.start()
     started.wait(timeout=30)
-    time.sleep(0.2)
+    # Every call placed before the drain starts (later ones would just be refused).
+    assert wait_until(lambda: c.status().in_flight == streams, timeout=30), c.status()
     c.coordinator.popen.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     for t in readers:
@@ -122,7 +125,7 @@ def test_drain_timeout_cancels_what_is_left_and_exits(cluster):
     rc = c.coordinator.popen.wait(timeout=15)
     assert rc == 0, f"coordinator exit status {rc}\n{c.coordinator.describe()}"
     assert time.monotonic() - sent < 10
-    assert len(outcomes) == 4, outcomes
+    assert len(outcomes) == streams, outcomes
     errors = [code for code, _ in outcomes if code != "ok"]
     assert errors, f"every stream finished inside the drain timeout: {outcomes}"
     assert set(errors) <= {grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}, outcomes

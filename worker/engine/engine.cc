@@ -319,6 +319,7 @@ absl::Status Engine::PreemptNewest() {
     KVGRID_RETURN_IF_ERROR(Copy(PlanKind::kCopyDeviceToSwap, out));
   } else {
     Recompute(std::move(victim));
+    ++num_recomputes_;
   }
   return absl::OkStatus();
 }
@@ -368,7 +369,6 @@ void Engine::Recompute(std::unique_ptr<Sequence> seq) {
   blocks_.Free(seq->seq_id);
   seq->num_computed = 0;
   waiting_.push_front(std::move(seq));
-  ++num_recomputes_;
 }
 
 FinishReason Engine::CheckStop(const Sequence& seq, int32_t token) const {

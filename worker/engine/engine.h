@@ -274,7 +274,8 @@ class Engine {
   // blocks), so they are all requeued for recompute.
   absl::Status SwapInReady();
   // Frees `seq`'s blocks (and swap slots) and puts it at the front of the waiting queue, to be
-  // computed again from its tokens.
+  // computed again from its tokens. Counts nothing: a swapped-out sequence turned into a
+  // recompute was one preemption, already counted.
   void Recompute(std::unique_ptr<Sequence> seq);
   // Gives running sequences not yet scheduled this step — decodes (one token left) or
   // prefills — writable slots for up to `*budget` tokens, oldest first, preempting when the
@@ -297,7 +298,7 @@ class Engine {
   int64_t max_model_len_;
   SeqList waiting_;
   SeqList running_;  // admission order: front is oldest
-  SeqList swapped_;  // preemption order: front is oldest
+  SeqList swapped_;  // front: the most recently preempted, the first to come back
   absl::flat_hash_map<std::string, int64_t> live_;  // request id -> live sequences
   SequenceId next_seq_id_ = 1;
   int64_t num_swap_outs_ = 0;

@@ -34,9 +34,9 @@ void EngineLoop::Submit(GenerationRequest request, std::shared_ptr<OutputSink> s
   sink->OnError(absl::UnavailableError("the worker is shutting down"));
 }
 
-void EngineLoop::Abort(const std::string& request_id, const OutputSink* owner) {
+void EngineLoop::Abort(const std::string& request_id, std::shared_ptr<const OutputSink> owner) {
   absl::MutexLock lock(&mu_);
-  aborts_.push_back(PendingAbort{request_id, owner});
+  aborts_.push_back(PendingAbort{request_id, std::move(owner)});
 }
 
 EngineStats EngineLoop::Stats() const {
@@ -81,15 +81,15 @@ void EngineLoop::Drain(
   for (const PendingAbort& abort : aborts) {
     auto it = active_.find(abort.request_id);
     if (it == active_.end()) continue;  // finished, refused or never seen: nothing to free
-    if (abort.owner != nullptr && it->second.sink.get() != abort.owner) continue;
+    if (abort.owner != nullptr && it->second.sink.get() != abort.owner.get()) continue;
     engine_->Abort(abort.request_id);
     std::shared_ptr<OutputSink> sink = std::move(it->second.sink);
     active_.erase(it);
     ++ended;
     // Ends the sink's stream: without it, an abort from anywhere but the stream itself would
     // leave that stream waiting for outputs that never come.
-    sink->OnError(absl::CancelledError(absl::StrCat("request ", abort.request_id,
-                                                    " was aborted")));
+    sink->OnError(absl::AbortedError(absl::StrCat("request ", abort.request_id,
+                                                  " was aborted")));
   }
   submits.clear();
   aborts.clear();

@@ -47,11 +47,12 @@ class EngineLoop {
   // Queues a request for the next step. Refusals (AddRequest's INVALID_ARGUMENT) and
   // UNAVAILABLE after Stop reach the sink's OnError.
   void Submit(GenerationRequest request, std::shared_ptr<OutputSink> sink);
-  // Drops a request wherever it is and frees its blocks; its sink's OnError receives
-  // CANCELLED, and nothing after. With `owner`, only a request whose sink is `owner` is
-  // dropped: a stream's own cancel never reaches another stream's request that happens to
-  // carry the same id. Unknown or finished ids, and other sinks' requests, are fine.
-  void Abort(const std::string& request_id, const OutputSink* owner = nullptr);
+  // Drops a request wherever it is and frees its blocks; its sink's OnError receives ABORTED,
+  // and nothing after. With `owner`, only a request whose sink is `owner` is dropped: a
+  // stream's own cancel never reaches another stream's request that happens to carry the same
+  // id (the loop holds `owner` until then, so no new sink can take its address). Unknown or
+  // finished ids, and other sinks' requests, are fine.
+  void Abort(const std::string& request_id, std::shared_ptr<const OutputSink> owner = nullptr);
   // Engine statistics as of the last step (or idle moment).
   [[nodiscard]] EngineStats Stats() const;
   // Requests submitted and not yet finished, refused or aborted.
@@ -66,7 +67,7 @@ class EngineLoop {
   };
   struct PendingAbort {
     std::string request_id;
-    const OutputSink* owner;  // null: whichever sink the request has
+    std::shared_ptr<const OutputSink> owner;  // null: whichever sink the request has
   };
   void Run();
   // Applies queued submissions, then aborts, to the engine (loop thread only).

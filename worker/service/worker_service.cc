@@ -65,7 +65,7 @@ class GenerateStream final : public grpc::ServerWriteReactor<v1::GenerateRespons
   void OnWriteDone(bool ok) override { channel_->OnWriteDone(ok); }
   void OnCancel() override {
     // The coordinator went away or cancelled: free the blocks now.
-    loop_->Abort(request_id_, channel_.get());
+    loop_->Abort(request_id_, channel_);
     channel_->OnError(absl::CancelledError("the call was cancelled"));
   }
   void OnDone() override {

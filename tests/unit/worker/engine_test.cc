@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -527,32 +528,27 @@ TEST_P(EngineFixtureTest, SharedBlocksNeverStallSwapPreemption) {
       int64_t swap_blocks;
     };
     std::vector<Case> cases;
-    {  // Two siblings whose 57-token prompt fills 8 blocks: the parent's copy-on-write has no
-       // free block, and swapping the child out frees none.
-      std::vector<int32_t> prompt;
-      for (int j = 0; j < 57; ++j) prompt.push_back(100 + j);
-      GenerationRequest r = Request("par", prompt, 7, 0.9, 5);
+    auto tokens = [](int32_t first, int count) {
+      std::vector<int32_t> t(count);
+      std::iota(t.begin(), t.end(), first);
+      return t;
+    };
+    auto siblings = [&](const std::string& id, int32_t first, int count, int64_t max_new,
+                        uint64_t seed) {
+      GenerationRequest r = Request(id, tokens(first, count), max_new, 0.9, seed);
       r.n = 2;
-      cases.push_back({{r}, 64});
-    }
-    {  // Siblings swapped out keep their two prompt blocks; the sequence left running then
-       // needs one of them.
-      std::vector<int32_t> solo, par;
-      for (int j = 0; j < 8; ++j) solo.push_back(200 + j);
-      for (int j = 0; j < 16; ++j) par.push_back(300 + j);
-      GenerationRequest p = Request("par", par, 20, 0.9, 7);
-      p.n = 2;
-      cases.push_back({{Request("solo", solo, 48, 0.0), p}, 64});
-    }
-    {  // One swap slot: a swapped-in sibling that cannot get its next block must not need
-       // more slots to go back out than the swap space has.
-      std::vector<int32_t> a, b;
-      for (int j = 0; j < 8; ++j) a.push_back(400 + j);
-      for (int j = 0; j < 24; ++j) b.push_back(500 + j);
-      GenerationRequest p = Request("b", b, 17, 0.9, 9);
-      p.n = 2;
-      cases.push_back({{Request("a", a, 24, 0.0), p}, 1});
-    }
+      return r;
+    };
+    // Two siblings whose 57-token prompt fills 8 blocks: the parent's copy-on-write has no
+    // free block, and swapping the child out frees none.
+    cases.push_back({{siblings("par", 100, 57, 7, 5)}, 64});
+    // Siblings swapped out keep their two prompt blocks; the sequence left running then needs
+    // one of them.
+    cases.push_back({{Request("solo", tokens(200, 8), 48, 0.0), siblings("par", 300, 16, 20, 7)},
+                     64});
+    // One swap slot: a swapped-in sibling that cannot get its next block must not need more
+    // slots to go back out than the swap space has.
+    cases.push_back({{Request("a", tokens(400, 8), 24, 0.0), siblings("b", 500, 24, 17, 9)}, 1});
     for (size_t c = 0; c < cases.size(); ++c) {
       SCOPED_TRACE(absl::StrCat("case ", c));
       EngineOptions options = Tight(GetParam(), {}, cases[c].swap_blocks);

@@ -1,5 +1,5 @@
 // The engine loop: requests submitted from several threads get the outputs the engine gives
-// them alone; refusals and aborts reach their sinks (an abort ends its sink with CANCELLED,
+// them alone; refusals and aborts reach their sinks (an abort ends its sink with ABORTED,
 // and one on behalf of another sink leaves the request alone); Stop fails what is left with
 // UNAVAILABLE and frees every block.
 #include "worker/service/engine_loop.h"
@@ -118,7 +118,7 @@ TEST(EngineLoopTest, RefusalsAbortsAndStop) {
   EXPECT_EQ(dup_b->error().code(), absl::StatusCode::kInvalidArgument);
   // The refused duplicate's stream cancelling aborts on its own behalf: r1 belongs to dup_a
   // and keeps running.
-  loop.Abort("r1", dup_b.get());
+  loop.Abort("r1", dup_b);
   loop.Abort("never-existed");
   const size_t before = dup_a->tokens().size();
   for (int i = 0; i < 500 && dup_a->tokens().size() < before + 3; ++i) {
@@ -130,7 +130,7 @@ TEST(EngineLoopTest, RefusalsAbortsAndStop) {
   // An abort by id alone (Worker.Abort) ends r1's sink, which would otherwise wait forever.
   loop.Abort("r1");
   dup_a->Wait();
-  EXPECT_EQ(dup_a->error().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(dup_a->error().code(), absl::StatusCode::kAborted);
   // After the abort the loop holds nothing for r1 (its statistics follow the abort's drain).
   for (int i = 0; i < 200 && (loop.NumActive() > 0 || loop.Stats().blocks_used > 0); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
