@@ -63,7 +63,7 @@ constexpr char kHelp[] =
     "                              one of N ranks sharing the model (Megatron sharding over\n"
     "                              Gloo on cpu, NCCL on cuda); rank 0 serves and registers the\n"
     "                              group, the others follow it. Needs --coordinator and --group\n"
-    "  --collective-timeout-s S    a group collective failing after S s breaks the group\n"
+    "  --collective-timeout-s S    a group collective failing after S s (>= 2) breaks the group\n"
     "                              (default 30)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
@@ -234,9 +234,12 @@ absl::Status Serve(Args& args) {
         absl::StrCat("--cuda-device-slot: must be in [0, 2^20], got ", *cuda_device_slot));
   }
   if (device == "cuda" && !kv_dtype_given) kv_dtypes.k = kv_dtypes.v = std::nullopt;  // auto
-  if (collective_timeout && !(*collective_timeout > 0.0 && *collective_timeout <= 86400.0)) {
+  // An idle group's leader sends a keep-alive every second (worker/service/engine_loop.cc): a
+  // shorter timeout would break every idle group.
+  if (collective_timeout && !(*collective_timeout >= 2.0 && *collective_timeout <= 86400.0)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--collective-timeout-s: must be in (0, 86400], got ", *collective_timeout));
+        "--collective-timeout-s: must be in [2, 86400] (idle groups exchange a keep-alive "
+        "every second), got ", *collective_timeout));
   }
   const int tp = static_cast<int>(tp_size.value_or(1));
   CudaFlags cuda{.dense_dtype = dense_dtype,

@@ -178,3 +178,4 @@ def test_worker_device_flags(model_copy):
     assert_clean_failure(run_worker("--device", "cuda", "--cuda-device-slot", "x"),
                          "--cuda-device-slot")
     assert_clean_failure(run_worker("--collective-timeout-s", "0"), "--collective-timeout-s")
+    assert_clean_failure(run_worker("--collective-timeout-s", "0.5"), "--collective-timeout-s")

@@ -410,18 +410,15 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
   }
   out.token_id = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
   if (!raw.empty()) {
-    const float max = *std::max_element(raw.begin(), raw.end());
-    double sum = 0.0;
-    for (float x : raw) sum += std::exp(static_cast<double>(x) - max);
-    const float log_z = max + static_cast<float>(std::log(sum));
-    out.logprob = raw[out.token_id] - log_z;
+    LogSoftmaxInPlace(raw);  // NaN and +inf logits included (a broken checkpoint or cache)
+    out.logprob = raw[out.token_id];
     const int64_t k = std::min<int64_t>(seq.request.sampling.logprobs, raw.size());
     std::vector<int32_t> ids(raw.size());
     std::iota(ids.begin(), ids.end(), 0);
     std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&raw](int32_t a, int32_t b) {
       return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
     });
-    for (int64_t i = 0; i < k; ++i) out.top_logprobs.push_back({ids[i], raw[ids[i]] - log_z});
+    for (int64_t i = 0; i < k; ++i) out.top_logprobs.push_back({ids[i], raw[ids[i]]});
   }
   const auto now = std::chrono::steady_clock::now();
   if (seq.first_token == std::chrono::steady_clock::time_point{}) seq.first_token = now;

@@ -133,4 +133,30 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
   return ids[keep - 1];
 }
 
+void LogSoftmaxInPlace(std::span<float> logits) {
+  if (logits.empty()) return;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  float max = -kInf;
+  int64_t num_inf = 0;
+  for (float& x : logits) {
+    if (std::isnan(x)) x = -kInf;
+    max = std::max(max, x);
+    if (x == kInf) ++num_inf;
+  }
+  if (max == kInf) {
+    const float share = -std::log(static_cast<float>(num_inf));
+    for (float& x : logits) x = x == kInf ? share : -kInf;
+    return;
+  }
+  if (max == -kInf) {
+    const float uniform = -std::log(static_cast<float>(logits.size()));
+    for (float& x : logits) x = uniform;
+    return;
+  }
+  double sum = 0.0;
+  for (float x : logits) sum += std::exp(static_cast<double>(x) - max);
+  const float log_z = max + static_cast<float>(std::log(sum));
+  for (float& x : logits) x -= log_z;
+}
+
 }  // namespace kvgrid::worker

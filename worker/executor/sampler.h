@@ -36,6 +36,12 @@ bool IsGreedy(const SamplingParams& params);
 int32_t SampleToken(std::span<float> logits, const SamplingParams& params,
                     std::span<const int32_t> context, std::mt19937_64& rng);
 
+// Turns raw logits ([vocab]) into log-probabilities in place, for the logprobs a response
+// reports: log_softmax, with NaN as -inf (as SampleToken treats it). Logits of +inf share all
+// the probability (log(1 / their count) each, -inf for the rest); a row with no finite or +inf
+// logit is uniform. Every result is a number, so callers may sort by it.
+void LogSoftmaxInPlace(std::span<float> logits);
+
 }  // namespace kvgrid::worker
 
 #endif  // KVGRID_WORKER_EXECUTOR_SAMPLER_H_

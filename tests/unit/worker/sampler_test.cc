@@ -1,5 +1,7 @@
 #include "worker/executor/sampler.h"
 
+#include <cmath>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -138,6 +140,37 @@ TEST(SamplerTest, SubnormalTemperatureIsGreedy) {
   p.temperature = 1e-310;
   std::vector<float> logits = {0.f, 5.f, 4.9f};
   EXPECT_EQ(SampleToken(logits, p, {}, rng), 1);
+}
+
+TEST(SamplerTest, LogSoftmaxIsNormalizedAndSurvivesNanAndInfinity) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  const float kNan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> row = {1.f, 2.f, 3.f};
+  LogSoftmaxInPlace(row);
+  double sum = 0;
+  for (float x : row) sum += std::exp(static_cast<double>(x));
+  EXPECT_NEAR(sum, 1.0, 1e-6);
+  EXPECT_NEAR(row[2] - row[1], 1.f, 1e-6);
+
+  // NaN counts as -inf: the others still sum to one.
+  row = {kNan, 0.f, 0.f};
+  LogSoftmaxInPlace(row);
+  EXPECT_EQ(row[0], -kInf);
+  EXPECT_NEAR(row[1], std::log(0.5f), 1e-6);
+  EXPECT_NEAR(row[2], std::log(0.5f), 1e-6);
+
+  // +inf logits take all the probability, shared.
+  row = {kInf, 5.f, kInf, kNan};
+  LogSoftmaxInPlace(row);
+  EXPECT_NEAR(row[0], std::log(0.5f), 1e-6);
+  EXPECT_NEAR(row[2], std::log(0.5f), 1e-6);
+  EXPECT_EQ(row[1], -kInf);
+  EXPECT_EQ(row[3], -kInf);
+
+  // Nothing finite: uniform, never NaN.
+  row = {-kInf, kNan, -kInf, -kInf};
+  LogSoftmaxInPlace(row);
+  for (float x : row) EXPECT_NEAR(x, std::log(0.25f), 1e-6);
 }
 
 }  // namespace
