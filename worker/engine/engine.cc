@@ -232,8 +232,8 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
     ++seq->num_generated;
     if (seq->detok) {
       const std::string delta = seq->detok->Push(token).value_or("");
-      if (seq->stops && seq->num_generated > seq->request.stopping.min_tokens) {
-        seq->stops->Push(delta);
+      if (seq->stops) {
+        seq->stops->Push(delta, seq->num_generated > seq->request.stopping.min_tokens);
       }
     }
   }
@@ -429,9 +429,11 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
     // Ids the tokenizer does not know (padded vocabularies) carry no text.
     std::string delta = seq.detok->Push(out.token_id).value_or("");
     if (out.finish != FinishReason::kNone) delta += seq.detok->Finish();
-    // Stop strings, like stop ids, count only once min_tokens are out.
-    if (seq.stops && seq.num_generated > stop.min_tokens) {
-      StopStringMatcher::Result r = seq.stops->Push(delta);
+    // Stop strings, like stop ids, count only once min_tokens are out; the text before goes
+    // through the matcher too, since a stop string may begin there.
+    if (seq.stops) {
+      StopStringMatcher::Result r =
+          seq.stops->Push(delta, /*can_stop=*/seq.num_generated > stop.min_tokens);
       out.text = std::move(r.emit);
       if (r.stopped) out.finish = FinishReason::kStop;
       if (out.finish != FinishReason::kNone) out.text += seq.stops->Flush();

@@ -8,16 +8,21 @@ namespace kvgrid::worker {
 StopStringMatcher::StopStringMatcher(std::vector<std::string> stops, bool include_stop)
     : stops_(std::move(stops)), include_stop_(include_stop) {}
 
-StopStringMatcher::Result StopStringMatcher::Push(std::string_view delta) {
+StopStringMatcher::Result StopStringMatcher::Push(std::string_view delta, bool can_stop) {
   Result r;
   if (stopped_) return r;
   std::string buf = pending_;
+  const size_t held = buf.size();
   buf.append(delta);
   pending_.clear();
-  // The earliest completed stop string wins (the longest among those starting there).
+  // The earliest completed stop string wins (the longest among those starting there). Only
+  // one completing in `delta` counts: one inside the held text completed while stopping was
+  // not allowed (or it would have stopped then).
   size_t best = std::string::npos, best_len = 0;
   for (const std::string& s : stops_) {
-    const size_t pos = buf.find(s);
+    if (!can_stop) break;
+    size_t pos = buf.find(s);
+    while (pos != std::string::npos && pos + s.size() <= held) pos = buf.find(s, pos + 1);
     if (pos != std::string::npos && (pos < best || (pos == best && s.size() > best_len))) {
       best = pos;
       best_len = s.size();

@@ -20,8 +20,11 @@ class StopStringMatcher {
     std::string emit;      // text safe to show now
     bool stopped = false;  // a stop string completed; nothing after it is emitted
   };
-  // Adds `delta` to the stream. After a stop, further calls emit nothing.
-  Result Push(std::string_view delta);
+  // Adds `delta` to the stream. After a stop, further calls emit nothing. With `can_stop`
+  // false (tokens inside min_tokens) the text is held back and released as usual but stops
+  // nothing; a stop string that starts there and completes in a later delta pushed with
+  // `can_stop` does stop (one that completed while it could not stop does not).
+  Result Push(std::string_view delta, bool can_stop = true);
   // The held-back text, for when the stream ends for another reason.
   std::string Flush();
 

@@ -31,6 +31,27 @@ TEST(StopStringsTest, StopSplitAcrossDeltasNeverLeaks) {
   EXPECT_EQ(seen, "the LORD.");
 }
 
+// Text inside min_tokens stops nothing but is still matched: a stop string that begins there
+// and completes afterwards ends the stream; one that completed inside it does not.
+TEST(StopStringsTest, StopStringsBeginningInsideMinTokensCount) {
+  StopStringMatcher m({"\nAnd"}, false);
+  std::string seen = m.Push("the LORD.\n", /*can_stop=*/false).emit;
+  EXPECT_EQ(seen, "the LORD.");  // the newline may begin the stop string: held back
+  auto r = m.Push("And God", /*can_stop=*/true);
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(seen + r.emit, "the LORD.");
+
+  StopStringMatcher early({"ab", "xaby"}, false);
+  // "ab" completes while stopping is not allowed; "xab" is held as a prefix of "xaby".
+  EXPECT_EQ(early.Push("xab", /*can_stop=*/false).emit, "");
+  r = early.Push("q", /*can_stop=*/true);
+  EXPECT_FALSE(r.stopped);
+  EXPECT_EQ(r.emit, "xabq");
+  r = early.Push("ab", /*can_stop=*/true);  // a new "ab" completes now
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(r.emit, "");
+}
+
 TEST(StopStringsTest, IncludeStopAndEarliestMatchWins) {
   StopStringMatcher m({"cd", "bcde"}, true);
   auto [out, stopped] = Feed(m, {"ab", "cdef"});
