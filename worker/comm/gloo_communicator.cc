@@ -1,6 +1,10 @@
 #include "worker/comm/gloo_communicator.h"
 
+#include <algorithm>
+#include <chrono>
 #include <exception>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +14,7 @@
 #include "gloo/broadcast.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
+#include "gloo/rendezvous/prefix_store.h"
 #include "gloo/rendezvous/store.h"
 #include "gloo/transport/tcp/device.h"
 
@@ -25,6 +30,49 @@ absl::Status Guard(const char* what, F&& f) {
     return absl::OkStatus();
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("gloo ", what, ": ", e.what()));
+  }
+}
+
+std::vector<char> Bytes(const std::string& s) { return std::vector<char>(s.begin(), s.end()); }
+
+// The name of this attempt to form the group, agreed by every rank. Rank 0 picks a fresh one
+// and publishes it as "attempt"; each follower acknowledges the one it reads
+// ("ack/<attempt>/<rank>"), and again whenever it changes (a new rank 0 after a failed
+// attempt); once all have acknowledged it, rank 0 announces "go/<attempt>". No key is ever
+// written twice but "attempt", so Gloo's write-once stores serve too. Throws (Gloo's
+// convention) when the peers do not show up within `timeout`.
+std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
+                           std::chrono::milliseconds timeout) {
+  if (rank == 0) {
+    std::random_device random;
+    const std::string attempt = absl::StrCat(absl::Hex(random(), absl::kZeroPad8),
+                                             absl::Hex(random(), absl::kZeroPad8));
+    store.set("attempt", Bytes(attempt));
+    std::vector<std::string> acks;
+    for (int r = 1; r < size; ++r) acks.push_back(absl::StrCat("ack/", attempt, "/", r));
+    store.wait(acks, timeout);
+    store.set(absl::StrCat("go/", attempt), Bytes("1"));
+    return attempt;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string acked;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    store.wait({"attempt"}, std::max(left, std::chrono::milliseconds(1)));
+    const std::vector<char> value = store.get("attempt");
+    const std::string attempt(value.begin(), value.end());
+    if (attempt != acked) {
+      store.set(absl::StrCat("ack/", attempt, "/", rank), Bytes("1"));
+      acked = attempt;
+    }
+    try {
+      // Short waits, so that an attempt replaced meanwhile is noticed.
+      store.wait({absl::StrCat("go/", acked)}, std::chrono::milliseconds(200));
+      return acked;
+    } catch (const std::exception&) {
+      if (std::chrono::steady_clock::now() > deadline) throw;
+    }
   }
 }
 
@@ -44,7 +92,13 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Connect(
     std::shared_ptr<gloo::transport::Device> device = gloo::transport::tcp::CreateDevice(attr);
     context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(timeout);
-    context->connectFullMesh(store, device);
+    if (size == 1) {
+      context->connectFullMesh(store, device);
+      return;
+    }
+    gloo::rendezvous::PrefixStore attempt_store(
+        absl::StrCat("attempt/", AgreeOnAttempt(rank, size, store, timeout)), store);
+    context->connectFullMesh(attempt_store, device);
   });
   if (!s.ok()) return s;
   return std::unique_ptr<GlooCommunicator>(

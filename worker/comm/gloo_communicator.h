@@ -23,7 +23,10 @@ namespace kvgrid::worker {
 class GlooCommunicator final : public Communicator {
  public:
   // Connects rank `rank` of `size` with its peers through `store`, listening on `hostname`
-  // (an address the peers can reach). Every collective fails after `timeout`.
+  // (an address the peers can reach). Every collective fails after `timeout`. The ranks first
+  // agree on a namespace for this attempt's keys (rank 0 picks it; within `timeout`), so keys
+  // that an earlier, failed attempt of the group left in the store are never read; then the
+  // mesh forms within `timeout`.
   // Errors: UNAVAILABLE when the mesh cannot be formed in time (naming the cause);
   // INVALID_ARGUMENT for rank/size.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Connect(

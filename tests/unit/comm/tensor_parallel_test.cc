@@ -1,15 +1,19 @@
 // Tensor parallelism in one process: Gloo collectives between threads, and a model sharded
 // over 2 and 4 ranks (KV heads split, then replicated) whose logits match the whole model's.
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
 #include "tests/unit/comm/gloo_group.h"
 #include "worker/comm/gloo_communicator.h"
@@ -44,6 +48,65 @@ TEST(GlooCommunicatorTest, Collectives) {
 
 // Setup exchanges: each rank's bytes (of different lengths, one empty) everywhere, and the
 // group's smallest value (a GPU group's pool size).
+// An in-memory store that overwrites keys, as the coordinator's does (Gloo's HashStore
+// refuses to).
+class OverwritingStore final : public gloo::rendezvous::Store {
+ public:
+  void set(const std::string& key, const std::vector<char>& data) override {
+    absl::MutexLock lock(&mu_);
+    values_[key] = data;
+  }
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    absl::MutexLock lock(&mu_);
+    return values_.at(key);
+  }
+  void wait(const std::vector<std::string>& keys) override {
+    wait(keys, std::chrono::seconds(30));
+  }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (std::all_of(keys.begin(), keys.end(),
+                        [&](const std::string& k) { return values_.contains(k); })) {
+          return;
+        }
+      }
+      if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("wait timed out");
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::vector<char>> values_ ABSL_GUARDED_BY(mu_);
+};
+
+// A rank whose group never formed (its peer came too late) leaves its keys in the store; the
+// next attempt, whose ranks start at different moments, must not be misled by them.
+TEST(GlooCommunicatorTest, AFailedAttemptDoesNotSpoilTheNext) {
+  OverwritingStore store;
+  auto alone = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::milliseconds(300));
+  ASSERT_FALSE(alone.ok());
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    SCOPED_TRACE(attempt);
+    absl::Status status[2];
+    std::thread late([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      auto c = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::seconds(3));
+      status[1] = c.status();
+    });
+    auto c = GlooCommunicator::Connect(0, 2, store, "127.0.0.1", std::chrono::seconds(3));
+    status[0] = c.status();
+    late.join();
+    EXPECT_TRUE(status[0].ok()) << status[0];
+    EXPECT_TRUE(status[1].ok()) << status[1];
+  }
+}
+
 TEST(GlooCommunicatorTest, GatherBytesAndMinAcrossGroup) {
   RunGroup(3, [](int rank, Communicator& comm) {
     auto all = GatherBytes(comm, std::string(static_cast<size_t>(rank), 'a' + rank));
