@@ -1,6 +1,7 @@
 #include "coordinator/registry_service.h"
 
 #include <cstdio>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +26,8 @@ grpc::ServerUnaryReactor* RegistryService::RegisterWorker(
     return reactor;
   }
   if (request->address().empty()) return fail("address: must be set");
+  // Placement matches names exactly: a worker without one could register but never serve.
+  if (request->model().empty()) return fail("model: must be set");
   absl::StatusOr<const ServedModel*> model = catalog_->Find(request->model());
   if (!model.ok()) return fail(std::string(model.status().message()));
   if (request->vocab_size() != (*model)->config.vocab_size) {
@@ -69,7 +72,16 @@ grpc::ServerUnaryReactor* RegistryService::StoreSet(grpc::CallbackServerContext*
     reactor->Finish(auth);
     return reactor;
   }
-  const absl::Status s = store_.Set(request->key(), request->value());
+  // A group's rank 0 starts each attempt to form it by publishing "group/<id>/attempt"
+  // (worker/comm/gloo_communicator.cc): what the group's earlier attempts left is spent, and
+  // would otherwise pile up while a group keeps failing to form.
+  const std::string& key = request->key();
+  constexpr std::string_view kAttempt = "/attempt";
+  if (key.starts_with("group/") && key.ends_with(kAttempt) &&
+      key.find('/', 6) == key.size() - kAttempt.size()) {
+    store_.ErasePrefix(key.substr(0, key.size() - kAttempt.size() + 1));
+  }
+  const absl::Status s = store_.Set(key, request->value());
   reactor->Finish(s.ok() ? grpc::Status::OK
                          : grpc::Status(static_cast<grpc::StatusCode>(s.code()),
                                         std::string(s.message())));

@@ -4,7 +4,9 @@
 #include <chrono>
 #include <exception>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -38,9 +40,12 @@ std::vector<char> Bytes(const std::string& s) { return std::vector<char>(s.begin
 // The name of this attempt to form the group, agreed by every rank. Rank 0 picks a fresh one
 // and publishes it as "attempt"; each follower acknowledges the one it reads
 // ("ack/<attempt>/<rank>"), and again whenever it changes (a new rank 0 after a failed
-// attempt); once all have acknowledged it, rank 0 announces "go/<attempt>". No key is ever
-// written twice but "attempt", so Gloo's write-once stores serve too. Throws (Gloo's
-// convention) when the peers do not show up within `timeout`.
+// attempt); once all have acknowledged it, rank 0 announces "go/<attempt>". An attempt already
+// announced when a follower first reads it is spent (its rank 0 announced without this
+// process's ack), so the follower waits for the next one. No key is ever written twice but
+// "attempt", so Gloo's write-once stores serve too. A follower waits for the first "attempt"
+// as long as the store waits by default (its rank 0 may start later, or the coordinator);
+// then the agreement takes at most `timeout`. Throws (Gloo's convention) when it fails.
 std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
                            std::chrono::milliseconds timeout) {
   if (rank == 0) {
@@ -54,24 +59,34 @@ std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
     store.set(absl::StrCat("go/", attempt), Bytes("1"));
     return attempt;
   }
+  auto announced = [&store](const std::string& attempt, std::chrono::milliseconds wait) {
+    try {
+      store.wait({absl::StrCat("go/", attempt)}, wait);
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
+  store.wait({"attempt"});
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::string acked;
+  std::string acked, spent;
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    store.wait({"attempt"}, std::max(left, std::chrono::milliseconds(1)));
     const std::vector<char> value = store.get("attempt");
     const std::string attempt(value.begin(), value.end());
-    if (attempt != acked) {
-      store.set(absl::StrCat("ack/", attempt, "/", rank), Bytes("1"));
-      acked = attempt;
+    if (attempt != acked && attempt != spent) {
+      if (announced(attempt, std::chrono::milliseconds(1))) {
+        spent = attempt;
+      } else {
+        store.set(absl::StrCat("ack/", attempt, "/", rank), Bytes("1"));
+        acked = attempt;
+      }
     }
-    try {
-      // Short waits, so that an attempt replaced meanwhile is noticed.
-      store.wait({absl::StrCat("go/", acked)}, std::chrono::milliseconds(200));
-      return acked;
-    } catch (const std::exception&) {
-      if (std::chrono::steady_clock::now() > deadline) throw;
+    // Short waits, so that an attempt replaced meanwhile is noticed.
+    if (!acked.empty() && announced(acked, std::chrono::milliseconds(200))) return acked;
+    if (acked.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error(absl::StrCat("rank ", rank, ": no attempt of rank 0 took this "
+                                            "rank within ", timeout.count(), " ms"));
     }
   }
 }

@@ -49,7 +49,7 @@ TEST(GlooCommunicatorTest, Collectives) {
 // Setup exchanges: each rank's bytes (of different lengths, one empty) everywhere, and the
 // group's smallest value (a GPU group's pool size).
 // An in-memory store that overwrites keys, as the coordinator's does (Gloo's HashStore
-// refuses to).
+// refuses to), and whose default wait (a follower's for its leader's first attempt) is short.
 class OverwritingStore final : public gloo::rendezvous::Store {
  public:
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -62,7 +62,7 @@ class OverwritingStore final : public gloo::rendezvous::Store {
     return values_.at(key);
   }
   void wait(const std::vector<std::string>& keys) override {
-    wait(keys, std::chrono::seconds(30));
+    wait(keys, std::chrono::seconds(1));
   }
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
@@ -85,22 +85,25 @@ class OverwritingStore final : public gloo::rendezvous::Store {
   std::map<std::string, std::vector<char>> values_ ABSL_GUARDED_BY(mu_);
 };
 
-// A rank whose group never formed (its peer came too late) leaves its keys in the store; the
-// next attempt, whose ranks start at different moments, must not be misled by them.
+// A rank whose group never formed (its peer came too late) leaves its keys in the store, and so
+// does a group that formed but died before its leader registered (nothing erased them); the
+// next attempt, whose ranks start at different moments (the follower first, or the leader),
+// must not be misled by them.
 TEST(GlooCommunicatorTest, AFailedAttemptDoesNotSpoilTheNext) {
   OverwritingStore store;
   auto alone = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::milliseconds(300));
   ASSERT_FALSE(alone.ok());
   for (int attempt = 0; attempt < 4; ++attempt) {
     SCOPED_TRACE(attempt);
+    const int first = attempt % 2;  // which rank starts first; the other 200 ms later
     absl::Status status[2];
     std::thread late([&] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      auto c = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::seconds(3));
-      status[1] = c.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      auto c = GlooCommunicator::Connect(1 - first, 2, store, "127.0.0.1", std::chrono::seconds(3));
+      status[1 - first] = c.status();
     });
-    auto c = GlooCommunicator::Connect(0, 2, store, "127.0.0.1", std::chrono::seconds(3));
-    status[0] = c.status();
+    auto c = GlooCommunicator::Connect(first, 2, store, "127.0.0.1", std::chrono::seconds(3));
+    status[first] = c.status();
     late.join();
     EXPECT_TRUE(status[0].ok()) << status[0];
     EXPECT_TRUE(status[1].ok()) << status[1];
