@@ -23,6 +23,7 @@ NVCC = "/usr/local/cuda/bin/nvcc"
 REGISTERS_PER_SM = 65536
 REGISTER_UNIT = 256
 MAX_THREADS_PER_SM = {"sm_80": 2048, "sm_90": 2048}
+MAX_BLOCKS_PER_SM = 32
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -33,7 +34,7 @@ def blocks_by_registers(registers: int, threads: int, arch: str) -> int:
     per_warp = -(-registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
     warps = -(-threads // 32)
     by_regs = REGISTERS_PER_SM // (per_warp * warps)
-    return min(by_regs, MAX_THREADS_PER_SM[arch] // threads)
+    return min(by_regs, MAX_THREADS_PER_SM[arch] // threads, MAX_BLOCKS_PER_SM)
 
 
 def main() -> int:

@@ -410,14 +410,19 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
   }
   out.token_id = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
   if (!raw.empty()) {
-    LogSoftmaxInPlace(raw);  // NaN and +inf logits included (a broken checkpoint or cache)
-    out.logprob = raw[out.token_id];
+    // Ranked on the raw logits (NaN as -inf, as the sampler sees them): normalizing first
+    // could round two close logits to one value and reorder them against the greedy pick.
+    for (float& x : raw) {
+      if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
+    }
     const int64_t k = std::min<int64_t>(seq.request.sampling.logprobs, raw.size());
     std::vector<int32_t> ids(raw.size());
     std::iota(ids.begin(), ids.end(), 0);
     std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&raw](int32_t a, int32_t b) {
       return raw[a] > raw[b] || (raw[a] == raw[b] && a < b);
     });
+    LogSoftmaxInPlace(raw);  // +inf logits included (a broken checkpoint or cache)
+    out.logprob = raw[out.token_id];
     for (int64_t i = 0; i < k; ++i) out.top_logprobs.push_back({ids[i], raw[ids[i]]});
   }
   const auto now = std::chrono::steady_clock::now();
