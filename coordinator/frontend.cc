@@ -109,7 +109,8 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
 grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
   if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    if (metrics_ != nullptr) metrics_->CountError(request->model(), auth.error_code());
+    // Labelled with no model: an unauthenticated caller's strings never become series.
+    if (metrics_ != nullptr) metrics_->CountError("", auth.error_code());
     return new FailedStream(auth);
   }
   if (draining_.load()) {
@@ -120,7 +121,12 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
   absl::StatusOr<v1::WorkerGenerateRequest> prepared = Prepare(*request, &model);
   if (!prepared.ok()) {
     const grpc::Status status = proto::ToGrpcStatus(prepared.status());
-    if (metrics_ != nullptr) metrics_->CountError(request->model(), status.error_code());
+    // The served model's name when the request named one (or the only one); otherwise no
+    // model, so that label values stay the catalog's.
+    if (metrics_ != nullptr) {
+      absl::StatusOr<const ServedModel*> named = catalog_->Find(request->model());
+      metrics_->CountError(named.ok() ? (*named)->name : "", status.error_code());
+    }
     return new FailedStream(status);
   }
   std::string id = request->request_id();

@@ -167,6 +167,9 @@ absl::Status Serve(Args& args) {
   // Workers register on the API port unless they have a port of their own.
   if (!worker_listen) builder.RegisterService(&registry_service);
   builder.SetMaxReceiveMessageSize(64 << 20);
+  // gRPC sets SO_REUSEPORT by default: a second coordinator on this port would then share it,
+  // the kernel splitting connections between the two, instead of failing to listen.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));
@@ -177,6 +180,7 @@ absl::Status Serve(Args& args) {
     grpc::ServerBuilder wb;
     int worker_port = 0;
     wb.AddListeningPort(*worker_listen, grpc::InsecureServerCredentials(), &worker_port);
+    wb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     wb.RegisterService(&registry_service);
     worker_server = wb.BuildAndStart();
     if (!worker_server || worker_port == 0) {
@@ -191,6 +195,7 @@ absl::Status Serve(Args& args) {
     // Plaintext, health only: for Kubernetes' gRPC probes when the API port uses TLS.
     grpc::ServerBuilder hb;
     hb.AddListeningPort(*health_listen, grpc::InsecureServerCredentials(), &health_port);
+    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_server = hb.BuildAndStart();
     if (!health_server || health_port == 0) {
       return absl::UnavailableError(absl::StrCat("--health-listen: cannot listen on ",

@@ -7,6 +7,7 @@
 #include "model/gguf.h"
 #include "model/gguf_config.h"
 #include "model/gguf_tokenizer.h"
+#include "model/model_config.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 
@@ -17,8 +18,7 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
   for (const std::filesystem::path& dir : dirs) {
     auto m = std::make_unique<ServedModel>();
     m->dir = dir;
-    m->name = std::filesystem::path(dir).lexically_normal().filename().string();
-    if (m->name.empty()) m->name = dir.lexically_normal().parent_path().filename().string();
+    m->name = model::ServedModelName(dir);
     // A .gguf file describes itself in its metadata; its optional generation_config.json
     // (and a tokenizer.json that overrides the embedded tokenizer) sit beside it.
     std::error_code ec;

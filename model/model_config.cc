@@ -479,4 +479,15 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
   return ParseModelConfig(*text, file.string());
 }
 
+std::string ServedModelName(const std::filesystem::path& path) {
+  // "models/kjv-tiny/" normalizes to an empty last component, and "." to one: the absolute
+  // path names them.
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(path, ec);
+  if (ec) p = path;
+  p = p.lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
 }  // namespace kvgrid::model

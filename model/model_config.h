@@ -78,6 +78,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
 // Errors: NOT_FOUND when the file is missing; otherwise as ParseModelConfig.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
 
+// The name a model directory or file is served under, the same for the coordinator and its
+// workers: the last component of `path`, trailing slashes and "." ignored
+// ("models/kjv-tiny/" -> "kjv-tiny"). Empty only for a path without a named component ("/").
+std::string ServedModelName(const std::filesystem::path& path);
+
 }  // namespace kvgrid::model
 
 #endif  // KVGRID_MODEL_MODEL_CONFIG_H_

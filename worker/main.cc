@@ -18,6 +18,7 @@
 #include "auth/bearer_auth.h"
 #include "kernels/cpu/gemm.h"
 #include "metrics/http_endpoint.h"
+#include "model/model_config.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/args.h"
@@ -322,7 +323,7 @@ absl::Status Serve(Args& args) {
       kvgrid::auth::BearerAuth::FromTokens({cluster_token});
   kvgrid::worker::WorkerService service(&loop, &cluster_auth, capacity,
                                         static_cast<int32_t>(options.max_num_seqs));
-  const std::string name = model_name.value_or(dir.filename().string());
+  const std::string name = model_name.value_or(kvgrid::model::ServedModelName(dir));
   kvgrid::metrics::Registry metrics;
   kvgrid::worker::AddEngineMetrics(&metrics, &loop, name);
   std::unique_ptr<kvgrid::metrics::HttpEndpoint> metrics_endpoint;
@@ -343,6 +344,8 @@ absl::Status Serve(Args& args) {
   // frozen worker (coordinator/registry.cc); gRPC's default policy would answer pings that
   // frequent on a quiet connection with GOAWAY.
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  // gRPC sets SO_REUSEPORT by default: a second process on a taken port would then share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));

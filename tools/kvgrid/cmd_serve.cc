@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "grpcpp/grpcpp.h"
 #include "kvgrid/v1/generation.grpc.pb.h"
+#include "model/model_config.h"
 #include "model/status_macros.h"
 #include "tools/kvgrid/commands.h"
 #include "tools/kvgrid/model_setup.h"
@@ -198,10 +200,19 @@ absl::Status Serve(Args& args) {
       int wstatus = 0;
       if (children[i] > 0 && waitpid(children[i], &wstatus, WNOHANG) == children[i]) {
         const std::string what = i == 0 ? "kvgrid-coordinator" : absl::StrCat("worker process ", i);
-        std::fprintf(stderr, "kvgrid serve: %s (pid %d) exited (status %d)\n", what.c_str(),
-                     children[i], wstatus);
+        const std::string how = WIFEXITED(wstatus)
+                                    ? absl::StrCat("exit code ", WEXITSTATUS(wstatus))
+                                    : absl::StrCat("signal ", WTERMSIG(wstatus));
+        std::fprintf(stderr, "kvgrid serve: %s (pid %d) exited (%s)\n", what.c_str(),
+                     children[i], how.c_str());
         children[i] = -children[i];  // reaped
         if (i == 0) failure = absl::InternalError("the coordinator exited");
+        // Before the cluster is up, a worker that exits (a bad flag, a pool that cannot be
+        // allocated) means it never will be: fail now, not at the ready timeout.
+        if (i > 0 && !ready) {
+          failure = absl::InternalError(absl::StrCat(what, " exited (", how, ") before the "
+                                                     "cluster was ready; its log is above"));
+        }
       }
     }
     if (!failure.ok()) break;
@@ -210,7 +221,8 @@ absl::Status Serve(Args& args) {
         ready = true;
         std::fprintf(stderr,
                      "kvgrid serve: ready: %lld worker group(s) serving %s; API on %s (Ctrl-C stops)\n",
-                     static_cast<long long>(workers), dir.filename().c_str(), addr.c_str());
+                     static_cast<long long>(workers), kvgrid::model::ServedModelName(dir).c_str(),
+                     addr.c_str());
         std::printf("%s\n", addr.c_str());
         std::fflush(stdout);
       } else if (std::chrono::steady_clock::now() > ready_deadline) {
@@ -225,7 +237,12 @@ absl::Status Serve(Args& args) {
   std::erase_if(children, [](pid_t pid) { return pid <= 0; });
   std::fprintf(stderr, "kvgrid serve: stopping\n");
   stop_all(SIGTERM);
-  wait_all(std::chrono::seconds(60));
+  // Running requests get the drain timeout the children were given, and the coordinator a few
+  // seconds more to close its streams, before anything is killed.
+  double drain_s = 30.0;
+  if (drain) (void)absl::SimpleAtod(*drain, &drain_s);
+  const auto drain_limit = static_cast<int64_t>(std::ceil(std::clamp(drain_s, 0.0, 86400.0)));
+  wait_all(std::chrono::seconds(drain_limit + 20));
   return failure;
 }
 

@@ -652,5 +652,14 @@ TEST(ModelConfigTest, LoadFromDirectoryAndFile) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(ModelConfigTest, ServedModelNameIgnoresTrailingSlashesAndDots) {
+  EXPECT_EQ(ServedModelName("models/kjv-tiny"), "kjv-tiny");
+  EXPECT_EQ(ServedModelName("models/kjv-tiny/"), "kjv-tiny");
+  EXPECT_EQ(ServedModelName("models/kjv-tiny//"), "kjv-tiny");
+  EXPECT_EQ(ServedModelName("models/kjv-tiny/."), "kjv-tiny");
+  EXPECT_EQ(ServedModelName("/srv/q/model.gguf"), "model.gguf");
+  EXPECT_EQ(ServedModelName("."), std::filesystem::current_path().filename().string());
+}
+
 }  // namespace
 }  // namespace kvgrid::model
