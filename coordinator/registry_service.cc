@@ -1,6 +1,8 @@
 #include "coordinator/registry_service.h"
 
 #include <cstdio>
+#include <optional>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -77,8 +79,10 @@ grpc::ServerUnaryReactor* RegistryService::StoreSet(grpc::CallbackServerContext*
   // would otherwise pile up while a group keeps failing to form.
   const std::string& key = request->key();
   constexpr std::string_view kAttempt = "/attempt";
+  // (A retried set of the same attempt erases nothing: acknowledgements may already be in.)
   if (key.starts_with("group/") && key.ends_with(kAttempt) &&
-      key.find('/', 6) == key.size() - kAttempt.size()) {
+      key.find('/', 6) == key.size() - kAttempt.size() &&
+      store_.Get(key) != std::optional<std::string>(request->value())) {
     store_.ErasePrefix(key.substr(0, key.size() - kAttempt.size() + 1));
   }
   const absl::Status s = store_.Set(key, request->value());

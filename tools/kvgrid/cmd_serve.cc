@@ -240,7 +240,7 @@ absl::Status Serve(Args& args) {
   // Running requests get the drain timeout the children were given, and the coordinator a few
   // seconds more to close its streams, before anything is killed.
   double drain_s = 30.0;
-  if (drain) (void)absl::SimpleAtod(*drain, &drain_s);
+  if (drain && (!absl::SimpleAtod(*drain, &drain_s) || !std::isfinite(drain_s))) drain_s = 30.0;
   const auto drain_limit = static_cast<int64_t>(std::ceil(std::clamp(drain_s, 0.0, 86400.0)));
   wait_all(std::chrono::seconds(drain_limit + 20));
   return failure;

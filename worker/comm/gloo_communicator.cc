@@ -43,11 +43,13 @@ std::vector<char> Bytes(const std::string& s) { return std::vector<char>(s.begin
 // attempt); once all have acknowledged it, rank 0 announces "go/<attempt>". An attempt already
 // announced when a follower first reads it is spent (its rank 0 announced without this
 // process's ack), so the follower waits for the next one. No key is ever written twice but
-// "attempt", so Gloo's write-once stores serve too. A follower waits for the first "attempt"
-// as long as the store waits by default (its rank 0 may start later, or the coordinator);
-// then the agreement takes at most `timeout`. Throws (Gloo's convention) when it fails.
+// "attempt", so Gloo's write-once stores serve too. A follower waits up to `join_timeout` for
+// an attempt it can take (its rank 0 may start later, or the coordinator); from its first
+// acknowledgement the agreement takes at most `timeout`. Throws (Gloo's convention) when it
+// fails.
 std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
-                           std::chrono::milliseconds timeout) {
+                           std::chrono::milliseconds timeout,
+                           std::chrono::milliseconds join_timeout) {
   if (rank == 0) {
     std::random_device random;
     const std::string attempt = absl::StrCat(absl::Hex(random(), absl::kZeroPad8),
@@ -67,8 +69,8 @@ std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
       return false;
     }
   };
-  store.wait({"attempt"});
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  store.wait({"attempt"}, join_timeout);
+  auto deadline = std::chrono::steady_clock::now() + std::max(join_timeout, timeout);
   std::string acked, spent;
   for (;;) {
     const std::vector<char> value = store.get("attempt");
@@ -79,6 +81,7 @@ std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
       } else {
         store.set(absl::StrCat("ack/", attempt, "/", rank), Bytes("1"));
         acked = attempt;
+        deadline = std::chrono::steady_clock::now() + timeout;
       }
     }
     // Short waits, so that an attempt replaced meanwhile is noticed.
@@ -95,7 +98,7 @@ std::string AgreeOnAttempt(int rank, int size, gloo::rendezvous::Store& store,
 
 absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Connect(
     int rank, int size, gloo::rendezvous::Store& store, const std::string& hostname,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, std::chrono::milliseconds join_timeout) {
   if (size < 1 || rank < 0 || rank >= size) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank: ", rank, " is not a rank of a group of ", size));
@@ -112,7 +115,8 @@ absl::StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Connect(
       return;
     }
     gloo::rendezvous::PrefixStore attempt_store(
-        absl::StrCat("attempt/", AgreeOnAttempt(rank, size, store, timeout)), store);
+        absl::StrCat("attempt/", AgreeOnAttempt(rank, size, store, timeout, join_timeout)),
+        store);
     context->connectFullMesh(attempt_store, device);
   });
   if (!s.ok()) return s;

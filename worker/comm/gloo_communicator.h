@@ -24,14 +24,16 @@ class GlooCommunicator final : public Communicator {
  public:
   // Connects rank `rank` of `size` with its peers through `store`, listening on `hostname`
   // (an address the peers can reach). Every collective fails after `timeout`. The ranks first
-  // agree on a namespace for this attempt's keys (rank 0 picks it; within `timeout`), so keys
-  // that an earlier, failed attempt of the group left in the store are never read; then the
-  // mesh forms within `timeout`.
+  // agree on a namespace for this attempt's keys (rank 0 picks it), so keys that an earlier,
+  // failed attempt of the group left in the store are never read: a follower waits up to
+  // `join_timeout` for its rank 0, then both sides agree within `timeout`; then the mesh forms
+  // within `timeout`.
   // Errors: UNAVAILABLE when the mesh cannot be formed in time (naming the cause);
   // INVALID_ARGUMENT for rank/size.
   static absl::StatusOr<std::unique_ptr<GlooCommunicator>> Connect(
       int rank, int size, gloo::rendezvous::Store& store, const std::string& hostname,
-      std::chrono::milliseconds timeout);
+      std::chrono::milliseconds timeout,
+      std::chrono::milliseconds join_timeout = std::chrono::seconds(120));
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }

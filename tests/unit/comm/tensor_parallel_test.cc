@@ -49,7 +49,7 @@ TEST(GlooCommunicatorTest, Collectives) {
 // Setup exchanges: each rank's bytes (of different lengths, one empty) everywhere, and the
 // group's smallest value (a GPU group's pool size).
 // An in-memory store that overwrites keys, as the coordinator's does (Gloo's HashStore
-// refuses to), and whose default wait (a follower's for its leader's first attempt) is short.
+// refuses to).
 class OverwritingStore final : public gloo::rendezvous::Store {
  public:
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -91,7 +91,8 @@ class OverwritingStore final : public gloo::rendezvous::Store {
 // must not be misled by them.
 TEST(GlooCommunicatorTest, AFailedAttemptDoesNotSpoilTheNext) {
   OverwritingStore store;
-  auto alone = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::milliseconds(300));
+  auto alone = GlooCommunicator::Connect(1, 2, store, "127.0.0.1", std::chrono::milliseconds(300),
+                                         /*join_timeout=*/std::chrono::milliseconds(300));
   ASSERT_FALSE(alone.ok());
   for (int attempt = 0; attempt < 4; ++attempt) {
     SCOPED_TRACE(attempt);
