@@ -98,13 +98,17 @@ TEST(GlooCommunicatorTest, AFailedAttemptDoesNotSpoilTheNext) {
     SCOPED_TRACE(attempt);
     const int first = attempt % 2;  // which rank starts first; the other 200 ms later
     absl::Status status[2];
+    // Both kept until both returned: a rank done connecting may otherwise close its side while
+    // the other still finishes its own.
+    absl::StatusOr<std::unique_ptr<GlooCommunicator>> comms[2];
     std::thread late([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      auto c = GlooCommunicator::Connect(1 - first, 2, store, "127.0.0.1", std::chrono::seconds(3));
-      status[1 - first] = c.status();
+      comms[1 - first] =
+          GlooCommunicator::Connect(1 - first, 2, store, "127.0.0.1", std::chrono::seconds(3));
+      status[1 - first] = comms[1 - first].status();
     });
-    auto c = GlooCommunicator::Connect(first, 2, store, "127.0.0.1", std::chrono::seconds(3));
-    status[first] = c.status();
+    comms[first] = GlooCommunicator::Connect(first, 2, store, "127.0.0.1", std::chrono::seconds(3));
+    status[first] = comms[first].status();
     late.join();
     EXPECT_TRUE(status[0].ok()) << status[0];
     EXPECT_TRUE(status[1].ok()) << status[1];
