@@ -1,0 +1,381 @@
+#include "model/jinja/value.h"
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+#include "model/jinja/unicode.h"
+#include "model/json_util.h"
+#include "nlohmann/json.hpp"
+
+namespace kvgrid::model::jinja {
+
+Value Value::Undefined(std::string name) {
+  Value v;
+  if (!name.empty()) v.ptr_ = std::make_shared<const std::string>(std::move(name));
+  return v;
+}
+
+Value::Value(std::string s) : kind_(Kind::kString) {
+  ptr_ = std::make_shared<const std::string>(std::move(s));
+}
+
+Value::Value(std::string_view s) : kind_(Kind::kString) {
+  ptr_ = std::make_shared<const std::string>(s);
+}
+
+Value::Value(List list) : kind_(Kind::kList) {
+  ptr_ = std::make_shared<const List>(std::move(list));
+}
+
+Value::Value(Dict dict) : kind_(Kind::kDict) {
+  ptr_ = std::make_shared<Dict>(std::move(dict));
+}
+
+Value Value::Tuple(List items) {
+  Value v(std::move(items));
+  v.tuple_ = true;
+  return v;
+}
+
+Value Value::Namespace(Dict initial) {
+  Value v(std::move(initial));
+  v.kind_ = Kind::kNamespace;
+  return v;
+}
+
+Value Value::Function(std::shared_ptr<const Callable> callable) {
+  Value v;
+  v.kind_ = Kind::kCallable;
+  v.ptr_ = std::move(callable);
+  return v;
+}
+
+const std::string& Value::undefined_name() const {
+  static const std::string* const kEmpty = new std::string;
+  if (kind_ != Kind::kUndefined || ptr_ == nullptr) return *kEmpty;
+  return as_string();
+}
+
+namespace {
+
+Value FromNlohmann(const nlohmann::ordered_json& j) {
+  switch (j.type()) {
+    case nlohmann::ordered_json::value_t::null:
+      return Value::None();
+    case nlohmann::ordered_json::value_t::boolean:
+      return Value(j.get<bool>());
+    case nlohmann::ordered_json::value_t::number_integer:
+      return Value(j.get<int64_t>());
+    case nlohmann::ordered_json::value_t::number_unsigned: {
+      const uint64_t u = j.get<uint64_t>();
+      if (u <= static_cast<uint64_t>(INT64_MAX)) return Value(static_cast<int64_t>(u));
+      return Value(static_cast<double>(u));
+    }
+    case nlohmann::ordered_json::value_t::number_float:
+      return Value(j.get<double>());
+    case nlohmann::ordered_json::value_t::string:
+      return Value(j.get_ref<const std::string&>());
+    case nlohmann::ordered_json::value_t::array: {
+      List list;
+      list.reserve(j.size());
+      for (const auto& e : j) list.push_back(FromNlohmann(e));
+      return Value(std::move(list));
+    }
+    case nlohmann::ordered_json::value_t::object: {
+      // A JSON object may repeat a key; the last one wins, as in Python's json.
+      DictBuilder b;
+      for (const auto& [k, v] : j.items()) b.Set(k, FromNlohmann(v));
+      return std::move(b).Build();
+    }
+    default:
+      return Value::None();
+  }
+}
+
+void AppendPyStringRepr(std::string_view s, std::string* out) {
+  const bool has_single = s.find('\'') != std::string_view::npos;
+  const bool has_double = s.find('"') != std::string_view::npos;
+  const char quote = has_single && !has_double ? '"' : '\'';
+  out->push_back(quote);
+  const std::u32string cps = DecodeUtf8(s);
+  for (char32_t c : cps) {
+    if (c == static_cast<char32_t>(quote) || c == '\\') {
+      out->push_back('\\');
+      out->push_back(static_cast<char>(c));
+    } else if (c == '\n') {
+      out->append("\\n");
+    } else if (c == '\r') {
+      out->append("\\r");
+    } else if (c == '\t') {
+      out->append("\\t");
+    } else if (IsPyPrintable(c)) {
+      AppendUtf8(c, out);
+    } else {
+      char buf[16];
+      if (c < 0x100) {
+        std::snprintf(buf, sizeof buf, "\\x%02x", static_cast<unsigned>(c));
+      } else if (c < 0x10000) {
+        std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
+      } else {
+        std::snprintf(buf, sizeof buf, "\\U%08x", static_cast<unsigned>(c));
+      }
+      out->append(buf);
+    }
+  }
+  out->push_back(quote);
+}
+
+void AppendRepr(const Value& v, std::string* out, int depth);
+
+void AppendStr(const Value& v, std::string* out, int depth) {
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+      return;
+    case Value::Kind::kString:
+      out->append(v.as_string());
+      return;
+    default:
+      AppendRepr(v, out, depth);
+  }
+}
+
+void AppendRepr(const Value& v, std::string* out, int depth) {
+  if (depth > 200) {
+    out->append("...");
+    return;
+  }
+  switch (v.kind()) {
+    case Value::Kind::kUndefined:
+      return;
+    case Value::Kind::kNone:
+      out->append("None");
+      return;
+    case Value::Kind::kBool:
+      out->append(v.as_bool() ? "True" : "False");
+      return;
+    case Value::Kind::kInt:
+      absl::StrAppend(out, v.as_int());
+      return;
+    case Value::Kind::kFloat:
+      out->append(FloatRepr(v.as_float()));
+      return;
+    case Value::Kind::kString:
+      AppendPyStringRepr(v.as_string(), out);
+      return;
+    case Value::Kind::kList: {
+      out->push_back(v.is_tuple() ? '(' : '[');
+      const List& l = v.as_list();
+      for (size_t i = 0; i < l.size(); ++i) {
+        if (i > 0) out->append(", ");
+        AppendRepr(l[i], out, depth + 1);
+      }
+      if (v.is_tuple() && l.size() == 1) out->push_back(',');
+      out->push_back(v.is_tuple() ? ')' : ']');
+      return;
+    }
+    case Value::Kind::kNamespace:
+    case Value::Kind::kDict: {
+      if (v.is_namespace()) out->append("<Namespace ");
+      out->push_back('{');
+      bool first = true;
+      for (const auto& [k, e] : v.as_dict()) {
+        if (!first) out->append(", ");
+        first = false;
+        AppendRepr(k, out, depth + 1);
+        out->append(": ");
+        AppendRepr(e, out, depth + 1);
+      }
+      out->push_back('}');
+      if (v.is_namespace()) out->push_back('>');
+      return;
+    }
+    case Value::Kind::kCallable:
+      out->append("<function>");
+      return;
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<Value> Value::FromJson(std::string_view json_text, std::string_view source) {
+  if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": malformed JSON: ", e.what()));
+  }
+  return FromNlohmann(j);
+}
+
+bool Value::Truthy() const {
+  switch (kind_) {
+    case Kind::kUndefined:
+    case Kind::kNone:
+      return false;
+    case Kind::kBool:
+    case Kind::kInt:
+      return int_ != 0;
+    case Kind::kFloat:
+      return float_ != 0;
+    case Kind::kString:
+      return !as_string().empty();
+    case Kind::kList:
+      return !as_list().empty();
+    case Kind::kDict:
+      return !as_dict().empty();
+    case Kind::kNamespace:
+    case Kind::kCallable:
+      return true;
+  }
+  return false;
+}
+
+bool Value::Equals(const Value& o) const {
+  if (is_number() && o.is_number()) {
+    if (is_float() || o.is_float()) return as_float() == o.as_float();
+    return int_ == o.int_;
+  }
+  if (kind_ != o.kind_) return false;
+  switch (kind_) {
+    case Kind::kUndefined:
+    case Kind::kNone:
+      return true;
+    case Kind::kString:
+      return as_string() == o.as_string();
+    case Kind::kList: {
+      if (is_tuple() != o.is_tuple()) return false;
+      const List& a = as_list();
+      const List& b = o.as_list();
+      if (a.size() != b.size()) return false;
+      for (size_t i = 0; i < a.size(); ++i) {
+        if (!a[i].Equals(b[i])) return false;
+      }
+      return true;
+    }
+    case Kind::kDict: {
+      const Dict& a = as_dict();
+      const Dict& b = o.as_dict();
+      if (a.size() != b.size()) return false;
+      for (const auto& [k, v] : a) {
+        const Value* other = o.Find(k);
+        if (other == nullptr || !v.Equals(*other)) return false;
+      }
+      return true;
+    }
+    default:
+      return ptr_ == o.ptr_;
+  }
+}
+
+const Value* Value::Find(const Value& key) const {
+  if (kind_ != Kind::kDict && kind_ != Kind::kNamespace) return nullptr;
+  for (const auto& [k, v] : as_dict()) {
+    if (k.Equals(key)) return &v;
+  }
+  return nullptr;
+}
+
+const Value* Value::Find(std::string_view key) const {
+  if (kind_ != Kind::kDict && kind_ != Kind::kNamespace) return nullptr;
+  for (const auto& [k, v] : as_dict()) {
+    if (k.is_string() && k.as_string() == key) return &v;
+  }
+  return nullptr;
+}
+
+std::string Value::Str() const {
+  if (kind_ == Kind::kString) return as_string();
+  std::string out;
+  AppendStr(*this, &out, 0);
+  return out;
+}
+
+std::string Value::Repr() const {
+  std::string out;
+  AppendRepr(*this, &out, 0);
+  return out;
+}
+
+const char* Value::TypeName() const {
+  switch (kind_) {
+    case Kind::kUndefined:
+      return "Undefined";
+    case Kind::kNone:
+      return "NoneType";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return "str";
+    case Kind::kList:
+      return is_tuple() ? "tuple" : "list";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kNamespace:
+      return "Namespace";
+    case Kind::kCallable:
+      return "function";
+  }
+  return "object";
+}
+
+DictBuilder& DictBuilder::Set(Value key, Value value) {
+  for (auto& [k, v] : dict_) {
+    if (k.Equals(key)) {
+      v = std::move(value);
+      return *this;
+    }
+  }
+  dict_.emplace_back(std::move(key), std::move(value));
+  return *this;
+}
+
+std::string FloatRepr(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  char buf[64];
+  // Shortest round-trip digits in scientific form: "d.ddde[+-]x".
+  const auto r = std::to_chars(buf, buf + sizeof buf, d, std::chars_format::scientific);
+  std::string_view sci(buf, static_cast<size_t>(r.ptr - buf));
+  const size_t e = sci.find('e');
+  std::string_view mant = sci.substr(0, e);
+  const int exp = std::atoi(std::string(sci.substr(e + 1)).c_str());
+  std::string sign;
+  if (!mant.empty() && mant[0] == '-') {
+    sign = "-";
+    mant.remove_prefix(1);
+  }
+  std::string digits;
+  for (char c : mant) {
+    if (c != '.') digits.push_back(c);
+  }
+  std::string out = sign;
+  if (exp >= -4 && exp < 16) {
+    if (exp >= 0) {
+      const size_t int_digits = static_cast<size_t>(exp) + 1;
+      if (digits.size() <= int_digits) {
+        out += digits + std::string(int_digits - digits.size(), '0') + ".0";
+      } else {
+        out += digits.substr(0, int_digits) + "." + digits.substr(int_digits);
+      }
+    } else {
+      out += "0." + std::string(static_cast<size_t>(-exp - 1), '0') + digits;
+    }
+    return out;
+  }
+  out += digits.substr(0, 1);
+  if (digits.size() > 1) out += "." + digits.substr(1);
+  char ebuf[16];
+  std::snprintf(ebuf, sizeof ebuf, "e%c%02d", exp < 0 ? '-' : '+', exp < 0 ? -exp : exp);
+  out += ebuf;
+  return out;
+}
+
+}  // namespace kvgrid::model::jinja

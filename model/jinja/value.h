@@ -1,0 +1,145 @@
+// The values a Jinja template computes with, with Python's semantics as jinja2 gives them:
+// undefined, None, booleans, 64-bit integers, floats, strings (UTF-8; length, indexing and
+// slicing count code points), lists, dicts (insertion-ordered), and the objects templates
+// call: namespaces (mutable through `{% set ns.x = ... %}`), macros and built-in functions.
+//
+// Lists and dicts are immutable once built (the sandbox forbids mutating methods), so copies
+// share them; only a namespace is shared and mutable, as in jinja2.
+//
+// Thread-safety: a Value may be read from several threads when no namespace in it is being
+// assigned.
+#ifndef KVGRID_MODEL_JINJA_VALUE_H_
+#define KVGRID_MODEL_JINJA_VALUE_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvgrid::model::jinja {
+
+class Value;
+using List = std::vector<Value>;
+using Dict = std::vector<std::pair<Value, Value>>;  // insertion order; keys unique
+
+struct Callable;  // a macro or a built-in function (template.cc)
+
+class Value {
+ public:
+  enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace,
+                    kCallable };
+
+  Value() = default;  // undefined
+  static Value None() { Value v; v.kind_ = Kind::kNone; return v; }
+  static Value Undefined(std::string name = {});  // `name` is what was looked up, for errors
+  Value(bool b) : kind_(Kind::kBool), int_(b) {}  // NOLINT: implicit like Python
+  Value(int i) : kind_(Kind::kInt), int_(i) {}    // NOLINT
+  Value(int64_t i) : kind_(Kind::kInt), int_(i) {}  // NOLINT
+  Value(double d) : kind_(Kind::kFloat), float_(d) {}  // NOLINT
+  Value(std::string s);       // NOLINT
+  Value(std::string_view s);  // NOLINT
+  Value(const char* s) : Value(std::string_view(s)) {}  // NOLINT
+  Value(List list);  // NOLINT
+  Value(Dict dict);  // NOLINT; keys must be unique (use DictBuilder otherwise)
+  static Value Tuple(List items);  // a list that prints as "(a, b)"
+  static Value Namespace(Dict initial);
+  static Value Function(std::shared_ptr<const Callable> callable);
+
+  // A dict or list from JSON text (objects keep their key order; integers that fit int64 stay
+  // integers, others are floats). Errors: INVALID_ARGUMENT naming `source` and the position.
+  static absl::StatusOr<Value> FromJson(std::string_view json_text, std::string_view source);
+
+  [[nodiscard]] Kind kind() const { return kind_; }
+  [[nodiscard]] bool is_undefined() const { return kind_ == Kind::kUndefined; }
+  [[nodiscard]] bool is_none() const { return kind_ == Kind::kNone; }
+  [[nodiscard]] bool is_bool() const { return kind_ == Kind::kBool; }
+  [[nodiscard]] bool is_int() const { return kind_ == Kind::kInt; }
+  [[nodiscard]] bool is_float() const { return kind_ == Kind::kFloat; }
+  [[nodiscard]] bool is_number() const { return is_int() || is_float() || is_bool(); }
+  [[nodiscard]] bool is_string() const { return kind_ == Kind::kString; }
+  [[nodiscard]] bool is_list() const { return kind_ == Kind::kList; }
+  [[nodiscard]] bool is_dict() const { return kind_ == Kind::kDict; }
+  [[nodiscard]] bool is_namespace() const { return kind_ == Kind::kNamespace; }
+  [[nodiscard]] bool is_callable() const { return kind_ == Kind::kCallable; }
+
+  [[nodiscard]] bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
+
+  [[nodiscard]] bool as_bool() const { return int_ != 0; }
+  [[nodiscard]] int64_t as_int() const { return int_; }  // bools are 0/1
+  [[nodiscard]] double as_float() const { return is_float() ? float_ : static_cast<double>(int_); }
+  [[nodiscard]] const std::string& as_string() const {
+    return *static_cast<const std::string*>(ptr_.get());
+  }
+  [[nodiscard]] const List& as_list() const { return *static_cast<const List*>(ptr_.get()); }
+  // Dicts and namespaces.
+  [[nodiscard]] const Dict& as_dict() const { return *static_cast<const Dict*>(ptr_.get()); }
+  // A namespace's attributes, which `{% set ns.x = ... %}` assigns.
+  [[nodiscard]] Dict& mutable_namespace() const {
+    return *static_cast<Dict*>(const_cast<void*>(ptr_.get()));
+  }
+  [[nodiscard]] const Callable& as_callable() const {
+    return *static_cast<const Callable*>(ptr_.get());
+  }
+  // For an undefined value: the name that was looked up ("" when unknown).
+  [[nodiscard]] const std::string& undefined_name() const;
+
+  // Python's truth value (undefined is false).
+  [[nodiscard]] bool Truthy() const;
+  // Python's ==: 1 == 1.0 == True; lists and dicts compare by element; undefined equals only
+  // undefined.
+  [[nodiscard]] bool Equals(const Value& other) const;
+  // The value stored under `key` in a dict or namespace, or null.
+  [[nodiscard]] const Value* Find(const Value& key) const;
+  [[nodiscard]] const Value* Find(std::string_view key) const;
+  [[nodiscard]] const Value* Find(const char* key) const { return Find(std::string_view(key)); }
+  [[nodiscard]] const Value* Find(const std::string& key) const {
+    return Find(std::string_view(key));
+  }
+
+  // str(x) in Python: None -> "None", True -> "True", 1.0 -> "1.0", lists and dicts as their
+  // repr ("['a', 1]"), undefined -> "".
+  [[nodiscard]] std::string Str() const;
+  // repr(x) in Python.
+  [[nodiscard]] std::string Repr() const;
+  // The name Python gives the type, for error messages ("str", "int", "dict", ...).
+  [[nodiscard]] const char* TypeName() const;
+
+ private:
+  Kind kind_ = Kind::kUndefined;
+  bool tuple_ = false;
+  union {
+    int64_t int_ = 0;
+    double float_;
+  };
+  // The string (also an undefined value's name), list, dict or callable, by kind.
+  std::shared_ptr<const void> ptr_;
+};
+
+// Builds a dict whose later Set of a key replaces the earlier value in place (as Python's
+// dict assignment does).
+class DictBuilder {
+ public:
+  DictBuilder& Set(Value key, Value value);
+  DictBuilder& Set(std::string_view key, Value value) { return Set(Value(key), std::move(value)); }
+  DictBuilder& Set(const char* key, Value value) { return Set(Value(key), std::move(value)); }
+  DictBuilder& Set(const std::string& key, Value value) {
+    return Set(Value(key), std::move(value));
+  }
+  [[nodiscard]] Value Build() && { return Value(std::move(dict_)); }
+
+ private:
+  Dict dict_;
+};
+
+// Python's repr of a float: the shortest text that reads back as the same double, "1.0",
+// "1e-05", "1e+16", "inf", "nan".
+std::string FloatRepr(double d);
+
+}  // namespace kvgrid::model::jinja
+
+#endif  // KVGRID_MODEL_JINJA_VALUE_H_
