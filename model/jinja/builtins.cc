@@ -25,7 +25,7 @@ std::string Q(std::string_view s) { return absl::StrCat("'", absl::string_view(s
 
 bool IsIntLike(const Value& v) { return v.is_int() || v.is_bool(); }
 
-const Value& Arg(CallArgs& a, size_t i, std::string_view name, const Value& dflt) {
+Value Arg(CallArgs& a, size_t i, std::string_view name, const Value& dflt) {
   const Value* v = a.Get(i, name);
   return v != nullptr ? *v : dflt;
 }
@@ -267,9 +267,10 @@ bool AllOf(const std::string& s, bool (*pred)(char32_t)) {
   return true;
 }
 
-std::string Pad(const std::string& s, int64_t width, char align, const std::string& fill) {
+std::string Pad(Interp& in, const std::string& s, int64_t width, char align, const std::string& fill) {
   const int64_t len = CodePointCount(s);
   if (width <= len) return s;
+  in.CheckSize(static_cast<size_t>(width - len) * std::max<size_t>(1, fill.size()) + s.size());
   const int64_t total = width - len;
   int64_t left = 0;
   if (align == '>') left = total;
@@ -279,6 +280,70 @@ std::string Pad(const std::string& s, int64_t width, char align, const std::stri
   out += s;
   for (int64_t i = 0; i < total - left; ++i) out += fill;
   return out;
+}
+
+// textwrap.wrap(line, width, expand_tabs=False, replace_whitespace=False) for one paragraph:
+// words and whitespace runs (words also split after a hyphen between letters) are filled
+// greedily; whitespace is dropped at the line breaks after the first line.
+std::vector<std::u32string> WrapLine(const std::u32string& text, int64_t width, bool break_long,
+                                     bool break_on_hyphens) {
+  std::vector<std::u32string> chunks;
+  size_t i = 0;
+  const auto letter = [](char32_t c) { return IsPyAlpha(c); };
+  while (i < text.size()) {
+    size_t j = i;
+    if (IsPySpace(text[i])) {
+      while (j < text.size() && IsPySpace(text[j])) ++j;
+      chunks.push_back(text.substr(i, j - i));
+      i = j;
+      continue;
+    }
+    while (j < text.size() && !IsPySpace(text[j])) {
+      const bool split_here = break_on_hyphens && text[j] == '-' && j >= i + 2 && letter(text[j - 1]) &&
+                              letter(text[j - 2]) && j + 2 < text.size() + 1 && j + 1 < text.size() &&
+                              letter(text[j + 1]) &&
+                              (j + 2 < text.size() && (letter(text[j + 2]) ||
+                                                       (text[j + 2] == '-' && j + 3 < text.size() && letter(text[j + 3]))));
+      ++j;
+      if (split_here) break;
+    }
+    chunks.push_back(text.substr(i, j - i));
+    i = j;
+  }
+  std::vector<std::u32string> lines;
+  std::reverse(chunks.begin(), chunks.end());
+  const auto blank = [](const std::u32string& c) {
+    return std::all_of(c.begin(), c.end(), [](char32_t x) { return IsPySpace(x); });
+  };
+  while (!chunks.empty()) {
+    std::vector<std::u32string> cur;
+    int64_t len = 0;
+    if (!lines.empty() && blank(chunks.back())) chunks.pop_back();
+    while (!chunks.empty()) {
+      const int64_t l = static_cast<int64_t>(chunks.back().size());
+      if (len + l > width) break;
+      cur.push_back(chunks.back());
+      chunks.pop_back();
+      len += l;
+    }
+    if (!chunks.empty() && static_cast<int64_t>(chunks.back().size()) > width) {
+      if (break_long) {
+        const int64_t space_left = std::max<int64_t>(width - len, 1);
+        cur.push_back(chunks.back().substr(0, static_cast<size_t>(space_left)));
+        chunks.back() = chunks.back().substr(static_cast<size_t>(space_left));
+      } else if (cur.empty()) {
+        cur.push_back(chunks.back());
+        chunks.pop_back();
+      }
+    }
+    if (!cur.empty() && blank(cur.back())) cur.pop_back();
+    if (!cur.empty()) {
+      std::u32string line;
+      for (const auto& c : cur) line += c;
+      lines.push_back(std::move(line));
+    }
+  }
+  return lines;
 }
 
 std::string HtmlEscape(const std::string& s) {
@@ -382,8 +447,9 @@ Value RoundValue(Interp& in, const Value& v, int64_t precision, const std::strin
     return Value(std::nearbyint(x / p) * p);
   }
   const double p = std::pow(10.0, static_cast<double>(precision));
-  if (method == "ceil") return Value(std::ceil(x * p) / p);
-  if (method == "floor") return Value(std::floor(x * p) / p);
+  // Python's math.ceil/floor return integers, so no negative zero survives.
+  if (method == "ceil") return Value(std::ceil(x * p) / p + 0.0);
+  if (method == "floor") return Value(std::floor(x * p) / p + 0.0);
   in.Fail("FilterArgumentError: method must be common, ceil or floor");
 }
 
@@ -532,6 +598,8 @@ void JsonValue(Interp& in, const Value& v, const JsonOptions& o, int level, std:
 
 }  // namespace
 
+std::string EscapeHtml(const std::string& s) { return HtmlEscape(s); }
+
 std::string ToJson(Interp& in, const Value& v, const Value& indent, const Value& separators,
                    bool sort_keys) {
   JsonOptions o;
@@ -651,7 +719,7 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
           const std::u32string cps = DecodeUtf8(piece);
           if (static_cast<size_t>(prec) < cps.size()) piece = EncodeUtf8(std::u32string_view(cps).substr(0, static_cast<size_t>(prec)));
         }
-        piece = Pad(piece, w, left ? '<' : '>', " ");
+        piece = Pad(in, piece, w, left ? '<' : '>', " ");
         break;
       }
       case 'd':
@@ -675,7 +743,7 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
           } else {
             TypeError(in, "%c requires int or char");
           }
-          piece = Pad(piece, w, left ? '<' : '>', " ");
+          piece = Pad(in, piece, w, left ? '<' : '>', " ");
           break;
         }
         if (!arg->is_number()) {
@@ -695,13 +763,28 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
           if (has_precision) spec += "." + precision;
           spec += "ll";
           spec.push_back(conv == 'i' || conv == 'u' ? 'd' : conv);
+          if ((conv == 'x' || conv == 'X' || conv == 'o') && v < 0) {
+            // Python prints the sign and the magnitude, C the two's complement.
+            std::string f2 = "%" + flags;
+            f2.erase(std::remove(f2.begin(), f2.end(), '-'), f2.end());
+            f2.erase(std::remove(f2.begin(), f2.end(), '0'), f2.end());
+            std::snprintf(buf, sizeof buf, (f2 + (has_precision ? "." + precision : "") + "ll" + std::string(1, conv)).c_str(), -v);
+            std::string digits = buf;
+            if (conv != 'o' && flags.find('#') != std::string::npos) {}
+            piece = "-" + digits;
+            if (flags.find('0') != std::string::npos && !left && static_cast<int64_t>(piece.size()) < w) {
+              piece = "-" + std::string(static_cast<size_t>(w) - piece.size(), '0') + digits;
+            }
+            piece = Pad(in, piece, w, left ? '<' : '>', " ");
+            break;
+          }
           if (conv == 'o' && flags.find('#') != std::string::npos) {
             // Python's alternate octal form is 0o17, C's is 017.
             std::string f2 = flags;
             f2.erase(std::remove(f2.begin(), f2.end(), '#'), f2.end());
             std::snprintf(buf, sizeof buf, ("%" + f2 + "llo").c_str(), v < 0 ? -v : v);
             piece = (v < 0 ? "-0o" : "0o") + std::string(buf);
-            piece = Pad(piece, w, left ? '<' : '>', " ");
+            piece = Pad(in, piece, w, left ? '<' : '>', " ");
             break;
           }
           std::snprintf(buf, sizeof buf, spec.c_str(), v);
@@ -843,7 +926,7 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
     }
     return body;
   }
-  return Pad(body, w, align, fill);
+  return Pad(in, body, w, align, fill);
 }
 
 std::string StrFormat(Interp& in, const std::string& fmt, CallArgs& args) {
@@ -931,9 +1014,13 @@ std::string StrFormat(Interp& in, const std::string& fmt, CallArgs& args) {
 // Attribute paths, sorting
 
 // jinja2's make_attrgetter: "a.b.0" walks attributes and indexes.
-Value GetPath(Interp& in, const Value& item, const Value& attribute) {
+Value GetPath(Interp& in, const Value& item, const Value& attribute, const Value* dflt = nullptr) {
   if (!attribute.is_string()) {
-    if (IsIntLike(attribute)) return in.GetItem(item, attribute);
+    if (IsIntLike(attribute)) {
+      Value v = in.GetItem(item, attribute);
+      if (dflt != nullptr && v.is_undefined()) v = *dflt;
+      return v;
+    }
     return item;
   }
   Value v = item;
@@ -944,10 +1031,21 @@ Value GetPath(Interp& in, const Value& item, const Value& attribute) {
     const std::string part = path.substr(p, dot == std::string::npos ? std::string::npos : dot - p);
     const auto idx = !part.empty() && std::all_of(part.begin(), part.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
     v = idx ? in.GetItem(v, Value(static_cast<int64_t>(std::atoll(part.c_str())))) : in.GetItem(v, Value(part));
+    if (dflt != nullptr && v.is_undefined()) v = *dflt;
     if (dot == std::string::npos) break;
     p = dot + 1;
   }
   return v;
+}
+
+// TypeError for what Python cannot hash (lists, dicts, and tuples holding them).
+void CheckHashable(Interp& in, const Value& v) {
+  if ((v.is_list() && !v.is_tuple()) || v.is_dict() || v.is_namespace()) {
+    TypeError(in, absl::StrCat("unhashable type: ", Q(v.TypeName())));
+  }
+  if (v.is_tuple()) {
+    for (const Value& e : v.as_list()) CheckHashable(in, e);
+  }
 }
 
 Value SortKey(const Value& v, bool case_sensitive) {
@@ -958,7 +1056,18 @@ Value SortKey(const Value& v, bool case_sensitive) {
 List SortList(Interp& in, List items, bool reverse, bool case_sensitive, const Value& attribute) {
   std::vector<std::pair<Value, Value>> keyed;
   keyed.reserve(items.size());
+  // "a,b" sorts by a, then b (jinja2's multi-attribute getter).
+  std::vector<Value> attrs;
+  if (attribute.is_string() && attribute.as_string().find(',') != std::string::npos) {
+    for (const Value& part : Split(attribute.as_string(), Value(","), -1, false)) attrs.push_back(part);
+  }
   for (auto& it : items) {
+    if (!attrs.empty()) {
+      List k;
+      for (const Value& a : attrs) k.push_back(SortKey(GetPath(in, it, a), case_sensitive));
+      keyed.emplace_back(Value(std::move(k)), std::move(it));
+      continue;
+    }
     Value k = attribute.is_none() || attribute.is_undefined() ? it : GetPath(in, it, attribute);
     keyed.emplace_back(SortKey(k, case_sensitive), std::move(it));
   }
@@ -1008,12 +1117,10 @@ const absl::flat_hash_map<std::string, TestFn>& Tests() {
          return Contains(in, Arg(a, 0, "seq", Value::Undefined()), v);
        }},
       {"odd", [](Interp& in, const Value& v, CallArgs&) {
-         if (!IsIntLike(v)) TypeError(in, "odd requires an integer");
-         return (v.as_int() & 1) != 0;
+         return BinaryOp(in, "%", v, Value(int64_t{2})).Equals(Value(int64_t{1}));
        }},
       {"even", [](Interp& in, const Value& v, CallArgs&) {
-         if (!IsIntLike(v)) TypeError(in, "even requires an integer");
-         return (v.as_int() & 1) == 0;
+         return BinaryOp(in, "%", v, Value(int64_t{2})).Equals(Value(int64_t{0}));
        }},
       {"divisibleby", [](Interp& in, const Value& v, CallArgs& a) {
          const Value m = BinaryOp(in, "%", v, Arg(a, 0, "num", Value::Undefined()));
@@ -1178,10 +1285,12 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          if (old.is_undefined() || repl.is_undefined()) TypeError(in, "replace() needs old and new");
          return Value(Replace(in, SoftStr(v), old.Str(), repl.Str(), count));
        }},
-      {"string", [](Interp&, const Value& v, CallArgs&) { return Value(v.Str()); }},
-      {"safe", [](Interp&, const Value& v, CallArgs&) { return Value(v.Str()); }},
-      {"escape", [](Interp&, const Value& v, CallArgs&) { return Value(HtmlEscape(v.Str())); }},
-      {"forceescape", [](Interp&, const Value& v, CallArgs&) { return Value(HtmlEscape(v.Str())); }},
+      {"string", [](Interp&, const Value& v, CallArgs&) { return v.is_markup() ? v : Value(v.Str()); }},
+      {"safe", [](Interp&, const Value& v, CallArgs&) { return v.is_markup() ? v : Value::Markup(v.Str()); }},
+      {"escape", [](Interp&, const Value& v, CallArgs&) {
+         return v.is_markup() ? v : Value::Markup(HtmlEscape(v.Str()));
+       }},
+      {"forceescape", [](Interp&, const Value& v, CallArgs&) { return Value::Markup(HtmlEscape(v.Str())); }},
       {"int", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& d = Arg(a, 0, "default", Value(int64_t{0}));
          const int64_t base = IntArg(in, a, 1, "base", 10);
@@ -1248,8 +1357,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            }
            for (const Value& item : in.Iterate(v)) {
              in.Step();
-             Value x = GetPath(in, item, *attribute);
-             if (x.is_undefined() && d != nullptr) x = *d;
+             Value x = GetPath(in, item, *attribute, d);
              out.push_back(std::move(x));
            }
            return Value(std::move(out));
@@ -1281,6 +1389,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          for (const Value& item : in.Iterate(v)) {
            in.Step();
            Value key = SortKey(attribute.is_none() ? item : GetPath(in, item, attribute), case_sensitive);
+           CheckHashable(in, key);
            bool dup = false;
            for (const Value& s : seen) {
              if (s.Equals(key)) {
@@ -1301,6 +1410,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const bool blank = BoolArg(a, 2, "blank", false);
          a.CheckAllUsed(in, "indent", 3);
          if (v.is_undefined()) in.FailUndefined(v);
+         if (!v.is_string()) {
+           TypeError(in, absl::StrCat("unsupported operand type(s) for +=: ", Q(v.TypeName()), " and 'str'"));
+         }
+         if (!width.is_string() && !IsIntLike(width)) TypeError(in, "indent width must be an int or a str");
+         if (!width.is_string()) in.CheckSize(static_cast<size_t>(std::max<int64_t>(0, width.as_int())));
          const std::string ind = width.is_string() ? width.as_string()
                                                    : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
          std::string s = v.Str() + "\n";
@@ -1424,7 +1538,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const int64_t width = IntArg(in, a, 0, "width", 80);
          a.CheckAllUsed(in, "center", 1);
          in.CheckSize(static_cast<size_t>(std::max<int64_t>(0, width)));
-         return Value(Pad(v.Str(), width, '^', " "));
+         return Value(Pad(in, v.Str(), width, '^', " "));
        }},
       {"truncate", [](Interp& in, const Value& v, CallArgs& a) {
          const int64_t length = IntArg(in, a, 0, "length", 255);
@@ -1497,6 +1611,29 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            List part(seq.begin() + start, seq.begin() + end);
            if (fill != nullptr && !fill->is_none() && i >= extra && extra > 0) part.push_back(*fill);
            out.push_back(Value(std::move(part)));
+         }
+         return Value(std::move(out));
+       }},
+      {"wordwrap", [](Interp& in, const Value& v, CallArgs& a) {
+         const int64_t width = IntArg(in, a, 0, "width", 79);
+         const bool break_long = BoolArg(a, 1, "break_long_words", true);
+         const Value wrap = Arg(a, 2, "wrapstring", kNone);
+         const bool hyphens = BoolArg(a, 3, "break_on_hyphens", true);
+         a.CheckAllUsed(in, "wordwrap", 4);
+         if (width <= 0) in.Fail(absl::StrCat("ValueError: invalid width ", width, " (must be > 0)"));
+         const std::string sep = wrap.is_none() ? "\n" : wrap.Str();
+         std::string out;
+         bool first_paragraph = true;
+         for (const Value& line : SplitLines(v.Str(), false)) {
+           if (!first_paragraph) out += sep;
+           first_paragraph = false;
+           bool first = true;
+           for (const auto& l : WrapLine(DecodeUtf8(line.as_string()), width, break_long, hyphens)) {
+             if (!first) out += sep;
+             first = false;
+             out += EncodeUtf8(l);
+           }
+           in.CheckSize(out.size());
          }
          return Value(std::move(out));
        }},
@@ -1626,7 +1763,8 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
     return Value(Split(s, sep, maxsplit, name == "rsplit"));
   }
   if (name == "upper") return Value(PyUpper(s));
-  if (name == "lower" || name == "casefold") return Value(PyLower(s));
+  if (name == "lower") return Value(PyLower(s));
+  if (name == "casefold") return Value(PyCaseFold(s));
   if (name == "title") return Value(StrTitle(s));
   if (name == "capitalize") return Value(Capitalize(s));
   if (name == "swapcase") {
@@ -1652,15 +1790,37 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
     for (const auto& [k, v] : a.positional[0].as_dict()) kw.keywords.emplace_back(k.Str(), v);
     return Value(StrFormat(in, s, kw));
   }
-  if (name == "find" || name == "rfind" || name == "index" || name == "rindex") {
+  if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
     if (a.positional.empty() || !a.positional[0].is_string()) TypeError(in, absl::StrCat(name, "() needs a str"));
-    const int64_t r = Find(s, a.positional[0].as_string(), name[0] == 'r');
+    // Optional start and end, as slice indices over code points.
+    std::string window = s;
+    int64_t offset = 0;
+    if (a.positional.size() > 1) {
+      const std::u32string cps = DecodeUtf8(s);
+      const int64_t n = static_cast<int64_t>(cps.size());
+      const auto norm = [n](const Value& v, int64_t dflt) {
+        if (v.is_none()) return dflt;
+        int64_t i = v.as_int();
+        if (i < 0) i = std::max<int64_t>(0, i + n);
+        return std::min(i, n);
+      };
+      for (size_t k = 1; k < a.positional.size() && k < 3; ++k) {
+        if (!a.positional[k].is_none() && !IsIntLike(a.positional[k])) TypeError(in, "slice indices must be integers or None");
+      }
+      const int64_t start = norm(a.positional[1], 0);
+      const int64_t end = a.positional.size() > 2 ? norm(a.positional[2], n) : n;
+      if (start > end) {
+        if (name == "count") return Value(int64_t{0});
+        if (name == "index" || name == "rindex") in.Fail("ValueError: substring not found");
+        return Value(int64_t{-1});
+      }
+      window = EncodeUtf8(std::u32string_view(cps).substr(static_cast<size_t>(start), static_cast<size_t>(end - start)));
+      offset = start;
+    }
+    if (name == "count") return Value(CountSub(window, a.positional[0].as_string()));
+    const int64_t r = Find(window, a.positional[0].as_string(), name[0] == 'r');
     if (r < 0 && (name == "index" || name == "rindex")) in.Fail("ValueError: substring not found");
-    return Value(r);
-  }
-  if (name == "count") {
-    if (a.positional.empty() || !a.positional[0].is_string()) TypeError(in, "count() needs a str");
-    return Value(CountSub(s, a.positional[0].as_string()));
+    return Value(r < 0 ? r : r + offset);
   }
   if (name == "join") {
     if (a.positional.size() != 1) TypeError(in, "join() takes exactly one argument");
@@ -1712,7 +1872,7 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
     const std::string fill = StrArg(in, a, 1, "fillchar", " ");
     if (CodePointCount(fill) != 1) TypeError(in, "The fill character must be exactly one character long");
     in.CheckSize(static_cast<size_t>(std::max<int64_t>(0, width)) * fill.size());
-    return Value(Pad(s, width, name == "center" ? '^' : name == "ljust" ? '<' : '>', fill));
+    return Value(Pad(in, s, width, name == "center" ? '^' : name == "ljust" ? '<' : '>', fill));
   }
   if (name == "partition" || name == "rpartition") {
     if (a.positional.empty() || !a.positional[0].is_string()) TypeError(in, "partition() needs a str");
@@ -1925,6 +2085,9 @@ const Value* BuiltinGlobal(const std::string& name) {
          out.resize(n);
          return Value(out);
        })},
+      {"lipsum", MakeFunction("lipsum", [](Interp& in, CallArgs&) -> Value {
+         in.Fail("lipsum() is not supported: it generates random text");
+       })},
       {"joiner", MakeFunction("joiner", [](Interp&, CallArgs& a) {
          const Value sep = a.positional.empty() ? Value(", ") : a.positional[0];
          auto used = std::make_shared<bool>(false);
@@ -1938,20 +2101,29 @@ const Value* BuiltinGlobal(const std::string& name) {
        })},
       {"cycler", MakeFunction("cycler", [](Interp& in, CallArgs& a) {
          if (a.positional.empty()) TypeError(in, "cycler needs items");
+         // A namespace whose `current` the methods keep up to date.
          auto items = std::make_shared<List>(a.positional);
          auto pos = std::make_shared<size_t>(0);
-         DictBuilder b;
-         b.Set("next", MakeFunction("next", [items, pos](Interp&, CallArgs&) {
+         Value ns = Value::Namespace(Dict{{Value("items"), Value(*items)},
+                                          {Value("current"), (*items)[0]}});
+         Dict* state = &ns.mutable_namespace();
+         const auto set_current = [state, items, pos]() {
+           for (auto& [k, v] : *state) {
+             if (k.as_string() == "current") v = (*items)[*pos];
+           }
+         };
+         state->emplace_back(Value("next"), MakeFunction("next", [items, pos, set_current](Interp&, CallArgs&) {
            const Value v = (*items)[*pos];
            *pos = (*pos + 1) % items->size();
+           set_current();
            return v;
          }));
-         b.Set("reset", MakeFunction("reset", [pos](Interp&, CallArgs&) {
+         state->emplace_back(Value("reset"), MakeFunction("reset", [pos, set_current](Interp&, CallArgs&) {
            *pos = 0;
+           set_current();
            return Value::None();
          }));
-         b.Set("items", Value(*items));
-         return std::move(b).Build();
+         return ns;
        })},
   };
   auto it = globals->find(name);

@@ -151,6 +151,11 @@ Value BinaryOp(Interp& in, std::string_view op, const Value& a, const Value& b) 
     if (nums) return Value(a.as_float() + b.as_float());
     if (a.is_string() && b.is_string()) {
       in.CheckSize(a.as_string().size() + b.as_string().size());
+      // Markup escapes what is added to it.
+      if (a.is_markup() || b.is_markup()) {
+        return Value::Markup((a.is_markup() ? a.as_string() : EscapeHtml(a.as_string())) +
+                             (b.is_markup() ? b.as_string() : EscapeHtml(b.as_string())));
+      }
       return Value(a.as_string() + b.as_string());
     }
     if (a.is_list() && b.is_list() && a.is_tuple() == b.is_tuple()) {
@@ -300,6 +305,14 @@ Value Interp::GetAttr(const Value& obj, const std::string& name) {
       return Value::Undefined(name);
     case Value::Kind::kNamespace:
       if (const Value* v = obj.Find(name)) return *v;
+      return Value::Undefined(name);
+    case Value::Kind::kInt:
+    case Value::Kind::kBool:
+    case Value::Kind::kFloat:
+      if (name == "real") return obj.is_float() ? obj : Value(obj.as_int());
+      if (name == "imag") return obj.is_float() ? Value(0.0) : Value(int64_t{0});
+      if (!obj.is_float() && name == "numerator") return Value(obj.as_int());
+      if (!obj.is_float() && name == "denominator") return Value(int64_t{1});
       return Value::Undefined(name);
     default:
       return Value::Undefined(name);
@@ -820,6 +833,9 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     Exec(n.else_body);
     return;
   }
+  // jinja2 runs the else block unless some iteration's body ran to its end (a break or a
+  // continue skips the marker).
+  bool completed = false;
   const int64_t len = static_cast<int64_t>(items.size());
   auto index_holder = std::make_shared<int64_t>(0);
   auto cycle = std::make_shared<Callable>();
@@ -829,6 +845,16 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     return args.positional[static_cast<size_t>(*index_holder) % args.positional.size()];
   };
   const Value cycle_value = Value::Function(cycle);
+  auto last_seen = std::make_shared<std::optional<List>>();
+  auto changed = std::make_shared<Callable>();
+  changed->name = "changed";
+  changed->fn = [last_seen](Interp&, CallArgs& args) -> Value {
+    const Value now = Value(args.positional);
+    if (last_seen->has_value() && Value(**last_seen).Equals(now)) return Value(false);
+    *last_seen = args.positional;
+    return Value(true);
+  };
+  const Value changed_value = Value::Function(changed);
   Value recurse;
   if (n.recursive) {
     auto r = std::make_shared<Callable>();
@@ -878,10 +904,16 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     loop.emplace_back(Value("previtem"), i > 0 ? items[static_cast<size_t>(i - 1)] : Value::Undefined("previtem"));
     loop.emplace_back(Value("nextitem"), i + 1 < len ? items[static_cast<size_t>(i + 1)] : Value::Undefined("nextitem"));
     loop.emplace_back(Value("cycle"), cycle_value);
+    loop.emplace_back(Value("changed"), changed_value);
     if (n.recursive) loop.emplace_back(Value("__call__"), recurse);
     s.vars.emplace_back("loop", Value(std::move(loop)));
     const Flow f = Exec(n.body);
     if (f == Flow::kBreak) break;
+    if (f == Flow::kNormal) completed = true;
+  }
+  if (!completed && !n.else_body.empty()) {
+    scope_ = s.parent;
+    Exec(n.else_body);
   }
 }
 

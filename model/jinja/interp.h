@@ -115,6 +115,8 @@ Value BinaryOp(Interp& in, std::string_view op, const Value& a, const Value& b);
 // a < b (and the others through it); TypeError for types Python cannot order.
 bool LessThan(Interp& in, const Value& a, const Value& b);
 bool Contains(Interp& in, const Value& container, const Value& item);
+// Markup's escaping (& < > " ').
+std::string EscapeHtml(const std::string& s);
 // `fmt % args` for strings.
 std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args);
 // json.dumps(v, ensure_ascii=False, indent, separators, sort_keys) as transformers' tojson.

@@ -560,14 +560,15 @@ class Parser {
     Next();
     if (word == "if") {
       n->kind = NodeKind::kIf;
-      n->conds.push_back(TupleExpr(true));
+      // jinja2 reads an if/elif test without a top-level conditional expression.
+      n->conds.push_back(TupleExpr(false));
       ExpectBlockEnd();
       while (true) {
         n->bodies.push_back(Statements({"elif", "else", "endif"}));
         const std::string tag = Cur().text;
         Next();
         if (tag == "elif") {
-          n->conds.push_back(TupleExpr(true));
+          n->conds.push_back(TupleExpr(false));
           ExpectBlockEnd();
         } else if (tag == "else") {
           ExpectBlockEnd();
@@ -703,38 +704,42 @@ class Parser {
     }
   }
 
-  Target AssignTarget(bool allow_attr, std::string_view end_name) {
-    Target t;
-    t.pos = PosOf(Cur());
-    const auto one = [&]() {
-      Target x;
-      x.pos = PosOf(Cur());
-      if (Cur().type != Tok::kName) Fail(Cur().offset, absl::StrCat("can't assign to ", Describe(Cur())));
-      x.name = Cur().text;
-      Next();
-      if (allow_attr && IsOp(".") && Peek().type == Tok::kName) {
-        Next();
-        x.attr = Cur().text;
-        Next();
+  // A name, `ns.attr`, or a parenthesized tuple of targets.
+  Target TargetItem(bool allow_attr) {
+    Target x;
+    x.pos = PosOf(Cur());
+    if (SkipOp("(")) {
+      x.is_tuple = true;
+      while (!SkipOp(")")) {
+        if (!x.items.empty()) {
+          ExpectOp(",");
+          if (SkipOp(")")) break;
+        }
+        x.items.push_back(TargetItem(allow_attr));
       }
       return x;
-    };
-    if (SkipOp("(")) {
-      t.is_tuple = true;
-      while (!SkipOp(")")) {
-        if (!t.items.empty()) ExpectOp(",");
-        if (SkipOp(")")) break;
-        t.items.push_back(one());
-      }
-      return t;
     }
-    Target first = one();
+    if (Cur().type != Tok::kName) Fail(Cur().offset, absl::StrCat("can't assign to ", Describe(Cur())));
+    x.name = Cur().text;
+    Next();
+    if (allow_attr && IsOp(".") && Peek().type == Tok::kName) {
+      Next();
+      x.attr = Cur().text;
+      Next();
+    }
+    return x;
+  }
+
+  Target AssignTarget(bool allow_attr, std::string_view end_name) {
+    Target first = TargetItem(allow_attr);
     if (!IsOp(",")) return first;
+    Target t;
+    t.pos = first.pos;
     t.is_tuple = true;
     t.items.push_back(std::move(first));
     while (SkipOp(",")) {
-      if (Cur().type != Tok::kName || (!end_name.empty() && IsName(end_name))) break;
-      t.items.push_back(one());
+      if (!(Cur().type == Tok::kName || IsOp("(")) || (!end_name.empty() && IsName(end_name))) break;
+      t.items.push_back(TargetItem(allow_attr));
     }
     return t;
   }

@@ -184,6 +184,13 @@ std::string CaseMap(std::string_view s, bool upper) {
 }  // namespace
 
 std::string PyUpper(std::string_view s) { return CaseMap(s, true); }
+
+std::string PyCaseFold(std::string_view s) {
+  icu::UnicodeString u =
+      icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
+  u.foldCase();
+  return ToUtf8(u);
+}
 std::string PyLower(std::string_view s) { return CaseMap(s, false); }
 
 std::string PyTitleCase(char32_t c) {

@@ -37,6 +37,7 @@ bool IsPyCased(char32_t c);
 // Full case mappings (ß -> SS), as str.upper() / lower() / title() do.
 std::string PyUpper(std::string_view s);
 std::string PyLower(std::string_view s);
+std::string PyCaseFold(std::string_view s);  // str.casefold()
 std::string PyTitleCase(char32_t c);  // the title-case mapping of one code point
 std::string PyLowerCase(char32_t c);
 // Whether `c` ends a line for str.splitlines().

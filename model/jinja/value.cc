@@ -40,6 +40,12 @@ Value Value::Tuple(List items) {
   return v;
 }
 
+Value Value::Markup(std::string s) {
+  Value v(std::move(s));
+  v.tuple_ = true;
+  return v;
+}
+
 Value Value::Namespace(Dict initial) {
   Value v(std::move(initial));
   v.kind_ = Kind::kNamespace;
@@ -149,6 +155,7 @@ void AppendRepr(const Value& v, std::string* out, int depth) {
   }
   switch (v.kind()) {
     case Value::Kind::kUndefined:
+      out->append("Undefined");
       return;
     case Value::Kind::kNone:
       out->append("None");
@@ -295,6 +302,7 @@ std::string Value::Str() const {
 }
 
 std::string Value::Repr() const {
+  if (kind_ == Kind::kUndefined) return "";
   std::string out;
   AppendRepr(*this, &out, 0);
   return out;

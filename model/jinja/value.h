@@ -47,6 +47,8 @@ class Value {
   Value(List list);  // NOLINT
   Value(Dict dict);  // NOLINT; keys must be unique (use DictBuilder otherwise)
   static Value Tuple(List items);  // a list that prints as "(a, b)"
+  // A string marked safe (jinja2's Markup, from |safe and |escape), which |escape leaves as is.
+  static Value Markup(std::string s);
   static Value Namespace(Dict initial);
   static Value Function(std::shared_ptr<const Callable> callable);
 
@@ -68,6 +70,7 @@ class Value {
   [[nodiscard]] bool is_callable() const { return kind_ == Kind::kCallable; }
 
   [[nodiscard]] bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
+  [[nodiscard]] bool is_markup() const { return kind_ == Kind::kString && tuple_; }
 
   [[nodiscard]] bool as_bool() const { return int_ != 0; }
   [[nodiscard]] int64_t as_int() const { return int_; }  // bools are 0/1
@@ -111,7 +114,7 @@ class Value {
 
  private:
   Kind kind_ = Kind::kUndefined;
-  bool tuple_ = false;
+  bool tuple_ = false;  // a tuple (lists), Markup (strings)
   union {
     int64_t int_ = 0;
     double float_;
