@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/chat_request.h"
 #include "model/status_macros.h"
 #include "proto/grpc_status.h"
 
@@ -53,11 +54,22 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
   v1::WorkerGenerateRequest out;
   const bool has_text = !request.prompt().empty();
   const bool has_ids = request.prompt_token_ids_size() > 0;
-  if (has_text && has_ids) {
-    return absl::InvalidArgumentError("prompt: give prompt or prompt_token_ids, not both");
+  const bool has_messages = IsChatRequest(request);
+  if (has_text + has_ids + has_messages > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        has_messages ? "messages" : "prompt",
+        ": give one of prompt, prompt_token_ids and messages, not several"));
   }
-  if (!has_text && !has_ids) {
-    return absl::InvalidArgumentError("prompt: must not be empty (set prompt or prompt_token_ids)");
+  if (!has_text && !has_ids && !has_messages) {
+    return absl::InvalidArgumentError(
+        "prompt: must not be empty (set prompt, prompt_token_ids or messages)");
+  }
+  if (has_messages) {
+    // A conversation becomes a prompt of token ids here; from then on it is one request path.
+    KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids, EncodeChat(m, request));
+    out.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
+  } else {
+    KVGRID_RETURN_IF_ERROR(CheckNoChatFields(request));
   }
   if (has_text) {
     if (!m.tokenizer) {
@@ -67,7 +79,7 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
     KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids,
                             EncodeText(m, request.prompt(), request.add_bos()));
     out.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
-  } else {
+  } else if (has_ids) {
     const int64_t vocab = m.config.vocab_size;
     for (int i = 0; i < request.prompt_token_ids_size(); ++i) {
       const int32_t id = request.prompt_token_ids(i);
@@ -89,6 +101,7 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
   *out.mutable_stopping() = request.stopping();
   ApplyGenerationDefaults(m.generation, out.mutable_sampling(), out.mutable_stopping());
   if (!out.stopping().has_max_new_tokens()) out.mutable_stopping()->set_max_new_tokens(16);
+  if (has_messages) AddEndOfTurn(m, out.mutable_stopping());
   if (out.stopping().max_new_tokens() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("stopping.max_new_tokens: must be >= 1, got ",
                                                    out.stopping().max_new_tokens()));

@@ -1,5 +1,6 @@
 // The public Generation service (proto/kvgrid/v1/generation.proto): validates and tokenizes
-// requests, hands Generate calls to relays, and answers the text and status calls.
+// requests (rendering conversations with the chat template first), hands Generate calls to
+// relays, and answers the text and status calls.
 //
 // Thread-safety: methods run concurrently on gRPC's threads.
 #ifndef KVGRID_COORDINATOR_FRONTEND_H_
@@ -47,9 +48,11 @@ class GenerationService final : public v1::Generation::CallbackService {
   // Generate calls still open.
   [[nodiscard]] int64_t InFlight() const { return in_flight_.load(); }
 
-  // The worker request for a public one: model resolved, prompt tokenized (BOS on request),
-  // generation defaults applied. Errors: INVALID_ARGUMENT naming the field; NOT_FOUND for an
-  // unknown model.
+  // The worker request for a public one: model resolved, prompt tokenized (BOS on request)
+  // or messages rendered with the model's chat template and tokenized (chat_request.h; the
+  // end-of-turn token then also stops), generation defaults applied. Errors:
+  // INVALID_ARGUMENT naming the field (also for a model without a chat template, and with
+  // the template's message when it raises); NOT_FOUND for an unknown model.
   absl::StatusOr<v1::WorkerGenerateRequest> Prepare(const v1::GenerateRequest& request,
                                                     const ServedModel** model) const;
 

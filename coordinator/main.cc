@@ -43,6 +43,10 @@ constexpr char kHelp[] =
     "                              no weights needed) or .gguf files (metadata and the\n"
     "                              embedded tokenizer); a model's name is its directory's\n"
     "                              (or file's) name\n"
+    "  --chat-template FILE        the chat template messages are rendered with, instead\n"
+    "                              of the model's own: a .jinja file (the model's special\n"
+    "                              tokens apply), a tokenizer_config.json or a .gguf; with\n"
+    "                              several models NAME=FILE[,NAME=FILE...]\n"
     "  --listen HOST:PORT          public and worker API (default 127.0.0.1:50051)\n"
     "  --heartbeat-interval-ms N   asked of workers (default 500)\n"
     "  --heartbeat-timeout-ms N    a worker silent this long is taken out (default 3000)\n"
@@ -66,6 +70,7 @@ constexpr char kHelp[] =
 
 absl::Status Serve(Args& args) {
   const std::optional<std::string> models = args.GetString("model");
+  const std::optional<std::string> chat_template = args.GetString("chat-template");
   const std::string listen = args.GetString("listen").value_or("127.0.0.1:50051");
   KVGRID_ASSIGN_OR_RETURN(auto interval_ms, args.GetInt("heartbeat-interval-ms"));
   KVGRID_ASSIGN_OR_RETURN(auto timeout_ms, args.GetInt("heartbeat-timeout-ms"));
@@ -116,8 +121,15 @@ absl::Status Serve(Args& args) {
     relay.max_failovers = static_cast<int>(*max_failovers);
   }
 
+  std::vector<std::string> chat_templates;
+  if (chat_template) {
+    for (absl::string_view t : absl::StrSplit(*chat_template, ',', absl::SkipEmpty())) {
+      chat_templates.emplace_back(t);
+    }
+    if (chat_templates.empty()) return absl::InvalidArgumentError("--chat-template: empty");
+  }
   KVGRID_ASSIGN_OR_RETURN(kvgrid::coordinator::ModelCatalog catalog,
-                          kvgrid::coordinator::ModelCatalog::Load(dirs));
+                          kvgrid::coordinator::ModelCatalog::Load(dirs, chat_templates));
   kvgrid::coordinator::WorkerRegistry registry(ro);
   kvgrid::metrics::Registry metrics_registry;
   kvgrid::coordinator::CoordinatorMetrics metrics(&metrics_registry);

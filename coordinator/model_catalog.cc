@@ -1,19 +1,135 @@
 #include "coordinator/model_catalog.h"
 
+#include <cstdio>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/gguf.h"
 #include "model/gguf_config.h"
 #include "model/gguf_tokenizer.h"
+#include "model/jinja/value.h"
+#include "model/json_util.h"
 #include "model/model_config.h"
 #include "model/special_tokens.h"
 #include "model/status_macros.h"
 
 namespace kvgrid::coordinator {
+namespace {
 
-absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesystem::path>& dirs) {
+namespace jinja = model::jinja;
+using std::string_view_literals::operator""sv;
+
+// The *_token strings of the tokenizer_config.json in `dir` (beside a .gguf file), given as
+// strings or as {"content": ...} objects, as transformers passes them to templates; empty
+// when there is no such file or it does not parse.
+std::vector<std::pair<std::string, std::string>> TokenizerConfigTokens(
+    const std::filesystem::path& model_path) {
+  std::vector<std::pair<std::string, std::string>> tokens;
+  std::error_code ec;
+  const std::filesystem::path dir = std::filesystem::is_regular_file(model_path, ec)
+                                        ? model_path.parent_path()
+                                        : model_path;
+  const std::filesystem::path file = dir / "tokenizer_config.json";
+  absl::StatusOr<std::string> text = model::ReadSmallFile(file, 64 << 20);
+  if (!text.ok()) return tokens;
+  absl::StatusOr<jinja::Value> config = jinja::Value::FromJson(*text, file.string());
+  if (!config.ok() || !config->is_dict()) return tokens;
+  for (const auto& [key, value] : config->as_dict()) {
+    if (!key.is_string() || !absl::EndsWith(key.as_string(), "_token")) continue;
+    if (value.is_string()) {
+      tokens.emplace_back(key.as_string(), value.as_string());
+    } else if (const jinja::Value* content = value.is_dict() ? value.Find("content"sv) : nullptr;
+               content != nullptr && content->is_string()) {
+      tokens.emplace_back(key.as_string(), content->as_string());
+    }
+  }
+  return tokens;
+}
+
+// The text of the special token `name` (e.g. "eos_token") that `m`'s template renders with,
+// "" when it has none.
+std::string TemplateToken(const ServedModel& m, std::string_view name) {
+  for (const auto& [key, text] : m.template_tokens) {
+    if (key == name) return text;
+  }
+  // The template's tokens are variables of its renders: a template that only prints one,
+  // given the same tokens, reads it.
+  absl::StatusOr<std::unique_ptr<model::ChatTemplate>> probe = model::ChatTemplate::FromSource(
+      absl::StrCat("{{ ", model::Sv(name), " if ", model::Sv(name), " is string else '' }}"),
+      name);
+  if (!probe.ok()) return "";
+  (*probe)->InheritSpecialTokens(*m.chat_template);
+  jinja::DictBuilder vars;
+  vars.Set("messages"sv, jinja::List{});
+  absl::StatusOr<std::string> text = (*probe)->Render(std::move(vars).Build());
+  return text.ok() ? *text : "";
+}
+
+// Applies one --chat-template entry ("FILE" or "NAME=FILE") to `models`.
+absl::Status ApplyChatTemplateFlag(const std::string& entry,
+                                   const std::vector<std::unique_ptr<ServedModel>>& models,
+                                   std::vector<const ServedModel*>* overridden) {
+  ServedModel* target = nullptr;
+  std::string file = entry;
+  if (const size_t eq = entry.find('='); eq != std::string::npos) {
+    for (const auto& m : models) {
+      if (m->name == entry.substr(0, eq)) {
+        target = m.get();
+        file = entry.substr(eq + 1);
+      }
+    }
+  }
+  std::error_code ec;
+  if (target == nullptr && entry.find('=') != std::string::npos &&
+      !std::filesystem::exists(entry, ec)) {
+    std::vector<std::string> names;
+    for (const auto& m : models) names.push_back(m->name);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--chat-template: '", entry.substr(0, entry.find('=')),
+        "' is not a model served here (served: ", absl::StrJoin(names, ", "), ")"));
+  }
+  if (target == nullptr) {
+    if (models.size() != 1) {
+      std::vector<std::string> names;
+      for (const auto& m : models) names.push_back(m->name);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--chat-template: '", entry, "' does not say which model it is for; this "
+          "coordinator serves several (", absl::StrJoin(names, ", "), "): give NAME=FILE, "
+          "e.g. --chat-template ", names.front(), "=chat_template.jinja"));
+    }
+    target = models.front().get();
+  }
+  for (const ServedModel* done : *overridden) {
+    if (done == target) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--chat-template: two templates for model '", target->name, "'"));
+    }
+  }
+  overridden->push_back(target);
+  absl::StatusOr<std::unique_ptr<model::ChatTemplate>> tpl = model::ChatTemplate::FromFile(file);
+  if (!tpl.ok()) {
+    return absl::Status(tpl.status().code(),
+                        absl::StrCat("--chat-template: ", tpl.status().message()));
+  }
+  // A bare template has no special tokens: it renders with the model's.
+  if (std::filesystem::path(file).extension() == ".jinja") {
+    if (target->chat_template) {
+      (*tpl)->InheritSpecialTokens(*target->chat_template);
+    } else {
+      target->template_tokens = TokenizerConfigTokens(target->dir);
+    }
+  }
+  target->chat_template = *std::move(tpl);
+  target->chat_template_error.clear();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesystem::path>& dirs,
+                                                const std::vector<std::string>& chat_templates) {
   ModelCatalog catalog;
   for (const std::filesystem::path& dir : dirs) {
     auto m = std::make_unique<ServedModel>();
@@ -32,6 +148,16 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
     }
     KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::LoadModelTokenizer(dir));
     m->bos_token_id = model::ResolveBosTokenId(m->tokenizer.get(), m->generation, m->config);
+    m->eos_token_ids = model::ResolveEosTokenIds(m->generation, m->config);
+    // A template the interpreter cannot load leaves the model serving prompts; chat requests
+    // are told why (and --chat-template can replace it).
+    if (absl::StatusOr<std::unique_ptr<model::ChatTemplate>> tpl =
+            model::ChatTemplate::ForModel(dir);
+        tpl.ok()) {
+      m->chat_template = *std::move(tpl);
+    } else {
+      m->chat_template_error = std::string(tpl.status().message());
+    }
     for (const auto& other : catalog.models_) {
       if (other->name == m->name) {
         return absl::InvalidArgumentError(absl::StrCat("--model: two models are named '",
@@ -40,6 +166,19 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
       }
     }
     catalog.models_.push_back(std::move(m));
+  }
+  std::vector<const ServedModel*> overridden;
+  for (const std::string& entry : chat_templates) {
+    KVGRID_RETURN_IF_ERROR(ApplyChatTemplateFlag(entry, catalog.models_, &overridden));
+  }
+  for (const auto& m : catalog.models_) {
+    if (!m->chat_template_error.empty()) {
+      std::fprintf(stderr, "kvgrid-coordinator: model '%s': its chat template is not used: %s\n",
+                   m->name.c_str(), m->chat_template_error.c_str());
+    }
+    if (!m->chat_template || !m->tokenizer) continue;
+    const std::string eos = TemplateToken(*m, "eos_token");
+    if (!eos.empty()) m->end_of_turn_token_id = m->tokenizer->TokenToId(eos);
   }
   return catalog;
 }

@@ -1,7 +1,7 @@
 // The models a coordinator serves: for each, what sizing, routing and the text API need —
-// config.json (context length, vocabulary), generation_config.json (default sampling) and the
-// tokenizer. No weights. A model is a Hugging Face directory or a .gguf file, whose metadata
-// stands in for config.json and carries the tokenizer.
+// config.json (context length, vocabulary), generation_config.json (default sampling), the
+// tokenizer and the chat template. No weights. A model is a Hugging Face directory or a .gguf
+// file, whose metadata stands in for config.json and carries the tokenizer.
 //
 // Thread-safety: immutable after Load; lookups may run concurrently.
 #ifndef KVGRID_COORDINATOR_MODEL_CATALOG_H_
@@ -12,10 +12,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvgrid/v1/generation.pb.h"
+#include "model/chat_template.h"
 #include "model/generation_config.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
@@ -29,14 +31,35 @@ struct ServedModel {
   model::GenerationConfig generation;
   std::unique_ptr<model::Tokenizer> tokenizer;  // null without one (ids only)
   std::optional<int32_t> bos_token_id;
+  // EOS ids as the workers resolve them (generation_config.json, then config.json).
+  std::vector<int32_t> eos_token_ids;
+  // What chat requests (messages) are rendered with: the --chat-template given for the model,
+  // else the model's own (model::ChatTemplate::ForModel); null when neither exists.
+  std::unique_ptr<model::ChatTemplate> chat_template;
+  // Why the model's own template is not used, when it has one that does not load (a parse
+  // error): said to chat requests, and on stderr at startup. Empty otherwise.
+  std::string chat_template_error;
+  // Template variables for special tokens (bos_token, eos_token, ...) read from the model's
+  // tokenizer_config.json, for a --chat-template .jinja when the model has no template of its
+  // own to inherit them from. Empty otherwise (the template carries its tokens).
+  std::vector<std::pair<std::string, std::string>> template_tokens;
+  // The template's eos_token as a token id, when the tokenizer knows it: what ends an
+  // assistant's turn (<|eot_id|>, <|im_end|>), which generation_config.json may not list.
+  std::optional<int32_t> end_of_turn_token_id;
 };
 
 class ModelCatalog {
  public:
   // Loads each directory or .gguf file; a model's name is its directory's (or file's) name, as
-  // the workers call it. Errors: as the model/ readers (naming the file), INVALID_ARGUMENT
-  // for two models with one name.
-  static absl::StatusOr<ModelCatalog> Load(const std::vector<std::filesystem::path>& dirs);
+  // the workers call it. `chat_templates` are the --chat-template entries: "FILE" (the
+  // template of the only model) or "NAME=FILE"; each replaces the model's own template, and
+  // a bare .jinja file keeps the model's special tokens. A model whose own template does not
+  // load is served without one (chat_template_error says why). Errors: as the model/ readers
+  // (naming the file), INVALID_ARGUMENT for two models with one name, and naming
+  // --chat-template for a bare FILE with several models, a NAME not served, two templates
+  // for one model, or a FILE that is missing or holds no usable template.
+  static absl::StatusOr<ModelCatalog> Load(const std::vector<std::filesystem::path>& dirs,
+                                           const std::vector<std::string>& chat_templates = {});
 
   // The model named `name`; an empty name means the only model when there is one.
   // Errors: NOT_FOUND naming the model and listing those served; INVALID_ARGUMENT for an
