@@ -44,6 +44,9 @@ constexpr char kHelp[] =
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
+    "  --chat-template FILE        the chat template for chat requests instead of the model's\n"
+    "                              (.jinja, tokenizer_config.json or .gguf), passed to the\n"
+    "                              coordinator\n"
     "  --drain-timeout-s S         on shutdown, how long running requests may take (default 30)\n"
     "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
@@ -79,6 +82,7 @@ absl::Status Serve(Args& args) {
   const std::optional<std::string> groups_flag = args.GetString("groups");
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
   const std::optional<std::string> drain = args.GetString("drain-timeout-s");
+  const std::optional<std::string> chat_template = args.GetString("chat-template");
   KVGRID_ASSIGN_OR_RETURN(auto ready_timeout, args.GetDouble("ready-timeout-s"));
   std::vector<std::string> forwarded;
   for (const char* flag : kWorkerFlags) {
@@ -155,6 +159,7 @@ absl::Status Serve(Args& args) {
   std::vector<std::string> coordinator = {(bin / "kvgrid-coordinator").string(), "--model",
                                           dir.string(), "--listen", addr};
   if (drain) coordinator.insert(coordinator.end(), {"--drain-timeout-s", *drain});
+  if (chat_template) coordinator.insert(coordinator.end(), {"--chat-template", *chat_template});
   KVGRID_ASSIGN_OR_RETURN(pid_t cpid, Spawn(coordinator));
   children.push_back(cpid);
   const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));

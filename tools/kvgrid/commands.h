@@ -17,8 +17,12 @@ int PerplexityCommand(Args& args);
 int TokenizeCommand(Args& args);
 // serve: a local cluster (coordinator + worker processes on loopback) until interrupted.
 int ServeCommand(Args& args);
-// generate: stream a continuation from a running cluster.
+// generate: stream a continuation (or a reply to one chat message) from a running cluster.
 int GenerateCommand(Args& args);
+// chat: a multi-turn conversation with a model on a running cluster, from stdin.
+int ChatCommand(Args& args);
+// chat-template: render a chat template file for a request, as the server does.
+int ChatTemplateCommand(Args& args);
 // gguf-info: the metadata and tensors of a GGUF file, or one tensor's values.
 int GgufInfoCommand(Args& args);
 // plan: KV bytes per token, max tokens and max sequences per dtype for a memory budget.

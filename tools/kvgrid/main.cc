@@ -14,6 +14,8 @@ constexpr char kUsage[] =
     "commands:\n"
     "  serve      start a local cluster: coordinator + worker processes on loopback\n"
     "  generate   stream a continuation from a running cluster\n"
+    "  chat       a conversation with a model on a running cluster (lines from stdin)\n"
+    "  chat-template  render a chat template for a request, as the server does\n"
     "  run        stream a continuation of a prompt in-process (default: the embedded model)\n"
     "  logits     print last-position logits as JSON (for reference checks)\n"
     "  perplexity held-out perplexity of a text file\n"
@@ -40,6 +42,8 @@ int main(int argc, char** argv) {
   }
   if (command == "serve") return kvgrid::cli::ServeCommand(*args);
   if (command == "generate") return kvgrid::cli::GenerateCommand(*args);
+  if (command == "chat") return kvgrid::cli::ChatCommand(*args);
+  if (command == "chat-template") return kvgrid::cli::ChatTemplateCommand(*args);
   if (command == "run") return kvgrid::cli::RunCommand(*args);
   if (command == "logits") return kvgrid::cli::LogitsCommand(*args);
   if (command == "perplexity") return kvgrid::cli::PerplexityCommand(*args);
