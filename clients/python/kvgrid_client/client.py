@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Iterable, Iterator, Sequence
+import json
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -64,9 +65,42 @@ class Completion:
             self.timings = r.timings
 
 
+def chat_message(message: Mapping[str, Any] | pb.ChatMessage) -> pb.ChatMessage:
+    """A ChatMessage from an OpenAI-style message dict: "role", "content" (a string, None, or a
+    list of {"type": "text", "text": ...} parts), "name", "tool_calls" ([{"id", "type",
+    "function": {"name", "arguments"}}], arguments as JSON text or as a dict, which is sent as
+    JSON), "tool_call_id", "reasoning_content". A ChatMessage is returned as it is."""
+    if isinstance(message, pb.ChatMessage):
+        return message
+    m = pb.ChatMessage(role=message.get("role") or "", name=message.get("name") or "",
+                       tool_call_id=message.get("tool_call_id") or "")
+    content = message.get("content")
+    if isinstance(content, str):
+        m.content = content
+    elif content is not None:
+        for part in content:
+            m.content_parts.add(type=part.get("type", ""), text=part.get("text") or "")
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        m.tool_calls.add(id=call.get("id") or "", type=call.get("type") or "",
+                         function=pb.FunctionCall(name=function.get("name") or "",
+                                                  arguments=arguments))
+    if message.get("reasoning_content") is not None:
+        m.reasoning_content = message["reasoning_content"]
+    return m
+
+
 def build_request(prompt: str | None = None,
                   prompt_token_ids: Sequence[int] | None = None,
                   *,
+                  messages: Sequence[Mapping[str, Any] | pb.ChatMessage] | None = None,
+                  tools: Sequence[Mapping[str, Any]] | None = None,
+                  documents: Sequence[Mapping[str, Any]] | None = None,
+                  add_generation_prompt: bool | None = None,
+                  chat_template_kwargs: Mapping[str, Any] | None = None,
                   model: str = "",
                   max_new_tokens: int | None = None,
                   temperature: float | None = None,
@@ -87,6 +121,12 @@ def build_request(prompt: str | None = None,
                   request_id: str = "") -> pb.GenerateRequest:
     """A GenerateRequest; None leaves an optional field unset (the server's default).
 
+    A chat request gives `messages` (OpenAI-style dicts, see chat_message) instead of a
+    prompt, and optionally `tools` and `documents` (lists, sent as JSON),
+    `add_generation_prompt` (the server's default: True) and `chat_template_kwargs` (extra
+    template variables, e.g. {"enable_thinking": False}); a string for tools, documents or
+    chat_template_kwargs is sent as the JSON text it is.
+
     No validation happens here: the server's answer to a bad request is the reference.
     """
     req = pb.GenerateRequest(model=model, add_bos=add_bos, priority=priority,
@@ -95,6 +135,20 @@ def build_request(prompt: str | None = None,
         req.prompt = prompt
     if prompt_token_ids is not None:
         req.prompt_token_ids.extend(prompt_token_ids)
+    if messages is not None:
+        req.messages.extend(chat_message(m) for m in messages)
+
+    def as_json(value):
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+    if tools is not None:
+        req.tools_json = as_json(tools)
+    if documents is not None:
+        req.documents_json = as_json(documents)
+    if add_generation_prompt is not None:
+        req.add_generation_prompt = add_generation_prompt
+    if chat_template_kwargs is not None:
+        req.chat_template_kwargs_json = as_json(chat_template_kwargs)
     if n is not None:
         req.n = n
     s = req.sampling
@@ -205,7 +259,8 @@ class Client:
         """Starts a Generate call; returns its stream of GenerateResponse messages.
 
         `params` are build_request()'s keyword arguments (max_new_tokens, temperature, top_p,
-        top_k, seed, stop, logprobs, n, ...). The returned object is an iterator that is also a
+        top_k, seed, stop, logprobs, n, ...; messages=[{"role": "user", "content": ...}]
+        instead of a prompt for a chat request). The returned object is an iterator that is also a
         grpc.Call: `.cancel()` ends the stream (the server frees the request's KV blocks), and
         iterating raises grpc.RpcError when the call fails.
         """
