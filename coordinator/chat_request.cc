@@ -117,9 +117,7 @@ absl::Status CheckNoChatFields(const v1::GenerateRequest& request) {
       absl::StrCat(field, ": only for chat requests (set messages instead of a prompt)"));
 }
 
-absl::StatusOr<jinja::Value> ChatTemplateVariables(
-    const v1::GenerateRequest& request,
-    const std::vector<std::pair<std::string, std::string>>& special_tokens) {
+absl::StatusOr<jinja::Value> ChatTemplateVariables(const v1::GenerateRequest& request) {
   if (request.messages_size() > kMaxChatMessages) {
     return absl::InvalidArgumentError(absl::StrCat("messages: at most ", kMaxChatMessages,
                                                    " messages, got ", request.messages_size()));
@@ -134,7 +132,6 @@ absl::StatusOr<jinja::Value> ChatTemplateVariables(
   if (!flat.ok()) return Naming("messages", flat.status());
 
   jinja::DictBuilder vars;
-  for (const auto& [name, text] : special_tokens) vars.Set(std::string_view(name), text);
   vars.Set("messages"sv, *std::move(flat));
   jinja::Value tools = jinja::Value::None();
   if (!request.tools_json().empty()) {
@@ -184,7 +181,7 @@ absl::StatusOr<std::string> RenderChat(const ServedModel& m, const v1::GenerateR
                      "); send a prompt, or start the coordinator with --chat-template FILE"));
   }
   KVGRID_ASSIGN_OR_RETURN(const jinja::Value vars,
-                          ChatTemplateVariables(request, m.template_tokens));
+                          ChatTemplateVariables(request));
   absl::StatusOr<std::string> text = m.chat_template->Render(vars);
   if (!text.ok()) return Naming("messages", text.status());
   return text;

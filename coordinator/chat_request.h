@@ -39,17 +39,14 @@ inline constexpr int kMaxChatMessages = 8192;
 // add_generation_prompt, chat_template_kwargs_json) set on a request without messages.
 absl::Status CheckNoChatFields(const v1::GenerateRequest& request);
 
-// The template variables of a chat request: `special_tokens` first (variables of templates
-// that carry none of their own), then "messages", "tools", "documents",
+// The template variables of a chat request: "messages", "tools", "documents",
 // "add_generation_prompt", then chat_template_kwargs, each replacing an earlier one of the
 // same name. Errors: INVALID_ARGUMENT naming the field — more than kMaxChatMessages messages,
 // messages[i].role unset, content and content_parts both set, a part that is not text,
 // a tool call without a function name, tools_json or documents_json that is not a JSON
 // array (of objects, for tools), chat_template_kwargs_json that is not a JSON object or sets
 // "messages".
-absl::StatusOr<model::jinja::Value> ChatTemplateVariables(
-    const v1::GenerateRequest& request,
-    const std::vector<std::pair<std::string, std::string>>& special_tokens = {});
+absl::StatusOr<model::jinja::Value> ChatTemplateVariables(const v1::GenerateRequest& request);
 
 // The prompt text `model`'s chat template renders for `request`. Errors: as
 // ChatTemplateVariables; INVALID_ARGUMENT naming messages when the model has no chat template

@@ -21,52 +21,6 @@ namespace {
 namespace jinja = model::jinja;
 using std::string_view_literals::operator""sv;
 
-// The *_token strings of the tokenizer_config.json in `dir` (beside a .gguf file), given as
-// strings or as {"content": ...} objects, as transformers passes them to templates; empty
-// when there is no such file or it does not parse.
-std::vector<std::pair<std::string, std::string>> TokenizerConfigTokens(
-    const std::filesystem::path& model_path) {
-  std::vector<std::pair<std::string, std::string>> tokens;
-  std::error_code ec;
-  const std::filesystem::path dir = std::filesystem::is_regular_file(model_path, ec)
-                                        ? model_path.parent_path()
-                                        : model_path;
-  const std::filesystem::path file = dir / "tokenizer_config.json";
-  absl::StatusOr<std::string> text = model::ReadSmallFile(file, 64 << 20);
-  if (!text.ok()) return tokens;
-  absl::StatusOr<jinja::Value> config = jinja::Value::FromJson(*text, file.string());
-  if (!config.ok() || !config->is_dict()) return tokens;
-  for (const auto& [key, value] : config->as_dict()) {
-    if (!key.is_string() || !absl::EndsWith(key.as_string(), "_token")) continue;
-    if (value.is_string()) {
-      tokens.emplace_back(key.as_string(), value.as_string());
-    } else if (const jinja::Value* content = value.is_dict() ? value.Find("content"sv) : nullptr;
-               content != nullptr && content->is_string()) {
-      tokens.emplace_back(key.as_string(), content->as_string());
-    }
-  }
-  return tokens;
-}
-
-// The text of the special token `name` (e.g. "eos_token") that `m`'s template renders with,
-// "" when it has none.
-std::string TemplateToken(const ServedModel& m, std::string_view name) {
-  for (const auto& [key, text] : m.template_tokens) {
-    if (key == name) return text;
-  }
-  // The template's tokens are variables of its renders: a template that only prints one,
-  // given the same tokens, reads it.
-  absl::StatusOr<std::unique_ptr<model::ChatTemplate>> probe = model::ChatTemplate::FromSource(
-      absl::StrCat("{{ ", model::Sv(name), " if ", model::Sv(name), " is string else '' }}"),
-      name);
-  if (!probe.ok()) return "";
-  (*probe)->InheritSpecialTokens(*m.chat_template);
-  jinja::DictBuilder vars;
-  vars.Set("messages"sv, jinja::List{});
-  absl::StatusOr<std::string> text = (*probe)->Render(std::move(vars).Build());
-  return text.ok() ? *text : "";
-}
-
 // Applies one --chat-template entry ("FILE" or "NAME=FILE") to `models`.
 absl::Status ApplyChatTemplateFlag(const std::string& entry,
                                    const std::vector<std::unique_ptr<ServedModel>>& models,
@@ -117,8 +71,8 @@ absl::Status ApplyChatTemplateFlag(const std::string& entry,
   if (std::filesystem::path(file).extension() == ".jinja") {
     if (target->chat_template) {
       (*tpl)->InheritSpecialTokens(*target->chat_template);
-    } else {
-      target->template_tokens = TokenizerConfigTokens(target->dir);
+    } else if (absl::Status s = (*tpl)->InheritSpecialTokens(target->dir); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("--chat-template: ", s.message()));
     }
   }
   target->chat_template = *std::move(tpl);
@@ -177,7 +131,7 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
                    m->name.c_str(), m->chat_template_error.c_str());
     }
     if (!m->chat_template || !m->tokenizer) continue;
-    const std::string eos = TemplateToken(*m, "eos_token");
+    const std::string& eos = m->chat_template->eos_token();
     if (!eos.empty()) m->end_of_turn_token_id = m->tokenizer->TokenToId(eos);
   }
   return catalog;

@@ -39,10 +39,6 @@ struct ServedModel {
   // Why the model's own template is not used, when it has one that does not load (a parse
   // error): said to chat requests, and on stderr at startup. Empty otherwise.
   std::string chat_template_error;
-  // Template variables for special tokens (bos_token, eos_token, ...) read from the model's
-  // tokenizer_config.json, for a --chat-template .jinja when the model has no template of its
-  // own to inherit them from. Empty otherwise (the template carries its tokens).
-  std::vector<std::pair<std::string, std::string>> template_tokens;
   // The template's eos_token as a token id, when the tokenizer knows it: what ends an
   // assistant's turn (<|eot_id|>, <|im_end|>), which generation_config.json may not list.
   std::optional<int32_t> end_of_turn_token_id;

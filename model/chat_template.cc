@@ -3,6 +3,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "model/gguf.h"
 #include "model/json_util.h"
 #include "model/status_macros.h"
@@ -80,7 +81,8 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::FromConfigJson(
   for (const char* name : kSpecialTokenNames) {
     auto t = j.find(name);
     if (t == j.end()) continue;
-    if (std::optional<std::string> text = TokenText(*t)) {
+    // As special_tokens_map: an empty or null token is not a variable.
+    if (std::optional<std::string> text = TokenText(*t); text && !text->empty()) {
       ct->special_tokens_.emplace_back(name, jinja::Value(*text));
       if (std::string_view(name) == "bos_token") ct->bos_token_ = *text;
       if (std::string_view(name) == "eos_token") ct->eos_token_ = *text;
@@ -158,6 +160,23 @@ void ChatTemplate::InheritSpecialTokens(const ChatTemplate& other) {
   eos_token_ = other.eos_token_;
 }
 
+absl::Status ChatTemplate::InheritSpecialTokens(const std::filesystem::path& model) {
+  std::error_code ec;
+  const bool is_gguf = model.extension() == ".gguf" && std::filesystem::is_regular_file(model, ec);
+  const std::filesystem::path dir = is_gguf ? model.parent_path() : model;
+  std::unique_ptr<ChatTemplate> tokens;
+  if (const auto p = dir / "tokenizer_config.json"; Exists(p)) {
+    KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
+    KVGRID_ASSIGN_OR_RETURN(tokens, FromConfigJson(text, p.string()));
+  } else if (is_gguf) {
+    KVGRID_ASSIGN_OR_RETURN(tokens, FromGguf(model));
+  } else {
+    return absl::OkStatus();
+  }
+  InheritSpecialTokens(*tokens);
+  return absl::OkStatus();
+}
+
 std::vector<std::string> ChatTemplate::names() const {
   std::vector<std::string> out;
   for (const auto& [n, t] : templates_) out.push_back(n);
@@ -182,12 +201,10 @@ absl::StatusOr<std::string> ChatTemplate::Render(const jinja::Value& variables,
     }
   }
   if (chosen == nullptr) {
-    if (templates_.size() == 1) {
-      chosen = &templates_.front().second;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chat template: ", source_, " has several named templates and none is \"default\""));
-    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chat template: ", source_, " has named templates (",
+        absl::StrJoin(names(), ", "), ") and none is \"default\"",
+        has_tools ? "" : " (\"tool_use\" is used only for requests with tools)"));
   }
   // As apply_chat_template: messages, tools, documents, add_generation_prompt, then the
   // special tokens, then the caller's other variables (which override them).

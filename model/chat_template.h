@@ -52,6 +52,9 @@ class ChatTemplate {
   // Replaces this template's special-token variables with those of `other` (a --chat-template
   // file given as a bare .jinja keeps the model's tokens).
   void InheritSpecialTokens(const ChatTemplate& other);
+  // Replaces them with those of `model` (its tokenizer_config.json, else a .gguf file's
+  // tokens), for a model that has no template of its own to inherit from. Errors: as ForModel.
+  absl::Status InheritSpecialTokens(const std::filesystem::path& model);
 
   // Renders a conversation. `variables` is a dict holding "messages" (a list), and optionally
   // "tools", "documents", "add_generation_prompt" and any other template variable

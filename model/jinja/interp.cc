@@ -14,6 +14,8 @@ namespace {
 
 // Eval recursion bound: expressions are bounded by the parser, but macro bodies re-enter.
 constexpr int kMaxEvalDepth = 3000;
+// Nesting of lists and dicts a template may build (JSON input is bounded before it arrives).
+constexpr int kMaxValueDepth = 512;
 
 struct DepthGuard {
   DepthGuard(Interp& in, int* depth, int max, const char* what) : depth(depth) {
@@ -119,6 +121,12 @@ void CallArgs::CheckAllUsed(Interp& in, std::string_view fn, size_t max_position
       TypeError(in, absl::StrCat(function, "() got an unexpected keyword argument ",
                                  Quoted(keywords[i].first)));
     }
+  }
+}
+
+void Interp::CheckDepth(const Value& v) const {
+  if (v.depth() > kMaxValueDepth) {
+    Fail(absl::StrCat("the template nested lists or dicts deeper than ", kMaxValueDepth));
   }
 }
 
@@ -435,6 +443,8 @@ void Interp::Assign(const Target& t, const Value& v) {
       pos_ = t.pos;
       Fail("TemplateRuntimeError: cannot assign attribute on non-namespace object");
     }
+    pos_ = t.pos;
+    CheckDepth(v);
     Dict& d = ns.mutable_namespace();
     for (auto& [k, old] : d) {
       if (k.is_string() && k.as_string() == t.attr) {
@@ -577,7 +587,10 @@ Value Interp::Eval(const Expr& e) {
       List items;
       items.reserve(e.items.size());
       for (const auto& i : e.items) items.push_back(Eval(*i));
-      return e.kind == ExprKind::kTuple ? Value::Tuple(std::move(items)) : Value(std::move(items));
+      Value v = e.kind == ExprKind::kTuple ? Value::Tuple(std::move(items)) : Value(std::move(items));
+      pos_ = e.pos;
+      CheckDepth(v);
+      return v;
     }
     case ExprKind::kDict: {
       DictBuilder b;
@@ -587,7 +600,10 @@ Value Interp::Eval(const Expr& e) {
         if (k.is_dict()) TypeError(*this, "unhashable type: 'dict'");
         b.Set(std::move(k), Eval(*e.items[i + 1]));
       }
-      return std::move(b).Build();
+      Value v = std::move(b).Build();
+      pos_ = e.pos;
+      CheckDepth(v);
+      return v;
     }
     case ExprKind::kGetAttr: {
       const Value obj = Eval(*e.items[0]);

@@ -67,6 +67,8 @@ class Interp {
     }
   }
   [[noreturn]] void Fail(std::string message) const { throw RenderError{pos_, std::move(message)}; }
+  // Throws when `v` nests lists and dicts deeper than the interpreter allows.
+  void CheckDepth(const Value& v) const;
   // UndefinedError for using an undefined value.
   [[noreturn]] void FailUndefined(const Value& v) const;
 

@@ -506,7 +506,11 @@ class Parser {
       const Token& t = Cur();
       if (t.type == Tok::kEof) {
         if (end.size() > 0) {
-          Fail(t.offset, absl::StrCat("unexpected end of template; expected '", Sv(*end.begin()), "'"));
+          std::string_view closing = *end.begin();
+          for (std::string_view e : end) {
+            if (e.substr(0, 3) == "end") closing = e;
+          }
+          Fail(t.offset, absl::StrCat("unexpected end of template; expected '", Sv(closing), "'"));
         }
         return body;
       }

@@ -1,5 +1,6 @@
 #include "model/jinja/value.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -27,10 +28,16 @@ Value::Value(std::string_view s) : kind_(Kind::kString) {
 }
 
 Value::Value(List list) : kind_(Kind::kList) {
+  int32_t d = 0;
+  for (const Value& v : list) d = std::max(d, v.depth_);
+  depth_ = d + 1;
   ptr_ = std::make_shared<const List>(std::move(list));
 }
 
 Value::Value(Dict dict) : kind_(Kind::kDict) {
+  int32_t d = 0;
+  for (const auto& [k, v] : dict) d = std::max({d, k.depth_, v.depth_});
+  depth_ = d + 1;
   ptr_ = std::make_shared<Dict>(std::move(dict));
 }
 

@@ -71,6 +71,9 @@ class Value {
 
   [[nodiscard]] bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
   [[nodiscard]] bool is_markup() const { return kind_ == Kind::kString && tuple_; }
+  // Levels of lists and dicts in this value (0 for a scalar), which the interpreter bounds so
+  // that printing, comparing and serializing never recurse without limit.
+  [[nodiscard]] int depth() const { return depth_; }
 
   [[nodiscard]] bool as_bool() const { return int_ != 0; }
   [[nodiscard]] int64_t as_int() const { return int_; }  // bools are 0/1
@@ -115,6 +118,7 @@ class Value {
  private:
   Kind kind_ = Kind::kUndefined;
   bool tuple_ = false;  // a tuple (lists), Markup (strings)
+  int32_t depth_ = 0;
   union {
     int64_t int_ = 0;
     double float_;

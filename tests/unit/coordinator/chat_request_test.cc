@@ -226,7 +226,7 @@ TEST(ChatTemplateVariablesTest, ToolsDocumentsAndKwargsAreTopLevel) {
   r.set_add_generation_prompt(true);
   r.set_chat_template_kwargs_json(R"({"enable_thinking": false, "add_generation_prompt": false,
                                       "bos_token": "<B>"})");
-  absl::StatusOr<jinja::Value> vars = ChatTemplateVariables(r, {{"bos_token", "<s>"}});
+  absl::StatusOr<jinja::Value> vars = ChatTemplateVariables(r);
   ASSERT_TRUE(vars.ok()) << vars.status();
   ASSERT_TRUE(At(*vars, "tools").is_list());
   EXPECT_EQ(At(At(At(*vars, "tools").as_list()[0], "function"), "name").as_string(), "f");
@@ -234,7 +234,7 @@ TEST(ChatTemplateVariablesTest, ToolsDocumentsAndKwargsAreTopLevel) {
   EXPECT_FALSE(At(*vars, "enable_thinking").as_bool());
   EXPECT_TRUE(At(*vars, "enable_thinking").is_bool());
   EXPECT_FALSE(At(*vars, "add_generation_prompt").as_bool()) << "kwargs are applied last";
-  EXPECT_EQ(At(*vars, "bos_token").as_string(), "<B>") << "kwargs replace special tokens";
+  EXPECT_EQ(At(*vars, "bos_token").as_string(), "<B>") << "kwargs are template variables";
 }
 
 TEST(ChatTemplateVariablesTest, MalformedFieldsAreNamed) {
