@@ -291,21 +291,54 @@ def test_shared_real_tokenizer_config(kvgrid_exe, tmp_path, folder, conversation
     _assert_cli_matches(kvgrid_exe, path, CONVERSATIONS[conversation], tmp_path)
 
 
-def test_gguf_chat_template(kvgrid_exe, tmp_path):
+def _write_gguf(path, chat_template, tokens=None, bos_id=None, eos_id=None):
     gguf = pytest.importorskip("gguf")
-    source = (TEMPLATES["qwen3_tokenizer_config.json"].templates)
-    path = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(path), arch="llama")
-    w.add_string("tokenizer.chat_template", source)
+    w.add_chat_template(chat_template)
+    if tokens is not None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([0.0] * len(tokens))
+        w.add_token_types([1] * len(tokens))
+        if bos_id is not None:
+            w.add_bos_token_id(bos_id)
+        if eos_id is not None:
+            w.add_eos_token_id(eos_id)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    for name in ["basic", "tools", "thinking", "unicode"]:
-        request = CONVERSATIONS[name]
-        ok, text = jr.render(source, jr.chat_variables(request))
-        rc, out, err = jr.run_chat(kvgrid_exe, path, request, tmp_path)
-        assert ok and (rc, out) == (0, text), (name, rc, err)
+    return path
+
+
+@pytest.mark.parametrize("conversation", ["basic", "tools", "thinking", "unicode"])
+def test_gguf_chat_template(kvgrid_exe, tmp_path, conversation):
+    source = TEMPLATES["qwen3_tokenizer_config.json"].templates
+    path = _write_gguf(tmp_path / "m.gguf", source)
+    request = CONVERSATIONS[conversation]
+    ok, text = jr.render(source, jr.chat_variables(request))
+    rc, out, err = jr.run_chat(kvgrid_exe, path, request, tmp_path)
+    assert ok and (rc, out) == (0, text), (rc, err)
+
+
+@pytest.mark.parametrize("request_name,expect", [("basic", "default"), ("tools", "tool_use")])
+def test_gguf_named_templates(kvgrid_exe, tmp_path, request_name, expect):
+    # llama.cpp's convention: tokenizer.chat_template (default), tokenizer.chat_templates (the
+    # other names) and tokenizer.chat_template.<name>; chosen as transformers chooses.
+    path = _write_gguf(tmp_path / "m.gguf", [
+        {"name": "default", "template": "default:{{ messages | length }}"},
+        {"name": "tool_use", "template": "tool_use:{{ tools | length }}"}])
+    rc, out, err = jr.run_chat(kvgrid_exe, path, CONVERSATIONS[request_name], tmp_path)
+    assert rc == 0 and out.startswith(expect + ":"), (rc, out, err)
+
+
+def test_gguf_special_tokens_from_vocabulary(kvgrid_exe, tmp_path):
+    # A GGUF has no tokenizer_config.json; its bos/eos token ids name the tokens that
+    # transformers (loading the GGUF) and llama.cpp give the template as bos_token/eos_token.
+    path = _write_gguf(tmp_path / "m.gguf", "[{{ bos_token }}][{{ eos_token }}]",
+                       tokens=["<unk>", "<s>", "</s>", "a"], bos_id=1, eos_id=2)
+    rc, out, err = jr.run_chat(kvgrid_exe, path, {"messages": []}, tmp_path)
+    assert (rc, out) == (0, "[<s>][</s>]"), err
 
 
 @pytest.mark.parametrize("make,needle", [
@@ -407,17 +440,6 @@ RUNAWAY = {
     "format_huge": "{{ '%9999999999s' % 'x' }}",
     "join_doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                      "{% set ns.s = [ns.s, ns.s] | join %}{% endfor %}{{ ns.s | length }}",
-    "deep_list_tojson": "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
-                        "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x | tojson }}",
-    "deep_list_print": "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
-                       "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
-    "deep_list_compare": "{% set ns = namespace(x=[], y=[]) %}{% for i in range(100000) %}"
-                         "{% set ns.x = [ns.x] %}{% set ns.y = [ns.y] %}{% endfor %}"
-                         "{{ ns.x == ns.y }}",
-    "deep_parens": "{{ " + "(" * 100000 + "1" + ")" * 100000 + " }}",
-    "deep_ifs": "{% if true %}" * 20000 + "x" + "{% endif %}" * 20000,
-    "deep_filters": "{{ 1" + " | string" * 100000 + " }}",
-    "long_chain": "{{ 1" + " + 1" * 200000 + " }}",
 }
 
 
@@ -430,6 +452,40 @@ def test_runaway_template_fails_in_bounded_time(kvgrid_exe, name):
         pytest.fail("kvgrid chat-template ran for more than 20 s")
     assert not got.get("crash"), got
     assert got.get("ok") is False and got.get("error"), got
+
+
+# Deep nesting that jinja2 rejects only because Python's recursion limit is reached: kvgrid may
+# render it (then exactly) or refuse it with an error, but must not crash or hang.
+_DEEP_LIST = "{% set ns = namespace(x=[], y=[]) %}{% for i in range(100000) %}" \
+             "{% set ns.x = [ns.x] %}{% set ns.y = [ns.y] %}{% endfor %}"
+DEEP = {
+    "deep_list_tojson": (_DEEP_LIST + "{{ ns.x | tojson }}", "[" * 100001 + "]" * 100001),
+    "deep_list_print": (_DEEP_LIST + "{{ ns.x }}", "[" * 100001 + "]" * 100001),
+    "deep_list_compare": (_DEEP_LIST + "{{ ns.x == ns.y }}", "True"),
+    "deep_list_length": (_DEEP_LIST + "{{ ns.x | string | length }}", "200002"),
+    "deep_parens": ("{{ " + "(" * 100000 + "1" + ")" * 100000 + " }}", "1"),
+    "deep_ifs": ("{% if true %}" * 20000 + "x" + "{% endif %}" * 20000, "x"),
+    "deep_filters": ("{{ 1" + " | string" * 100000 + " }}", "1"),
+    "deep_not": ("{{ " + "not " * 100001 + "true }}", "False"),
+    "deep_minus": ("{{ " + "-" * 100001 + "1 }}", "-1"),
+    "long_chain": ("{{ 1" + " + 1" * 200000 + " }}", "200001"),
+    "deep_macro_nesting": ("{% macro m(n) %}{% if n > 0 %}({{ m(n - 1) }}){% endif %}{% endmacro %}"
+                           "{{ m(5000) }}", "(" * 5000 + ")" * 5000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEP))
+def test_deep_nesting_renders_or_fails_cleanly(kvgrid_exe, name):
+    template, text = DEEP[name]
+    try:
+        got = _batch_one(kvgrid_exe, template, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("kvgrid chat-template ran for more than 20 s")
+    assert not got.get("crash"), got
+    if got.get("ok"):
+        assert got["text"] == text, jr.describe_first_difference(text, got["text"])
+    else:
+        assert got.get("error"), got
 
 
 def test_runaway_template_through_cli(kvgrid_exe, tmp_path):

@@ -50,7 +50,9 @@ BASE_CONTEXT = {
 
 
 def _paren(text, rng):
-    return f"({text})" if rng.random() < 0.85 else text
+    # Always around a product: `a * b | f` applies f to b, and a large int times a string
+    # would build a huge string.
+    return f"({text})" if rng.random() < 0.85 or "*" in text else text
 
 
 def _base(text):
