@@ -51,6 +51,7 @@ struct Expr {
   std::vector<std::string> kwnames;  // kCall, kFilter, kTest: names of the keyword arguments
   bool negated = false;           // kTest: `is not`
   int depth = 0;                  // of the tree below (bounded by the parser)
+  const void* builtin = nullptr;  // kFilter, kTest: ResolveFilter / ResolveTest of name
   std::vector<std::unique_ptr<Expr>> items;
 };
 
@@ -113,10 +114,10 @@ struct Node {
 // keep_trailing_newline=False). Errors: INVALID_ARGUMENT "<name>:<line>:<column>: <what>".
 absl::StatusOr<Body> ParseProgram(std::string_view source, std::string_view name);
 
-// Whether a filter or test of this name exists (builtins.cc); the parser refuses others, as
-// jinja2 does at compile time.
-bool IsKnownFilter(std::string_view name);
-bool IsKnownTest(std::string_view name);
+// The filter or test of this name (builtins.cc), or null; the parser refuses others, as jinja2
+// does at compile time, and keeps the handle so a render looks nothing up by name.
+const void* ResolveFilter(std::string_view name);
+const void* ResolveTest(std::string_view name);
 
 }  // namespace kvgrid::model::jinja
 

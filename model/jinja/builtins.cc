@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "model/jinja/interp.h"
 #include "model/jinja/unicode.h"
@@ -65,6 +66,13 @@ std::string Strip(const std::string& s, const std::string* chars, bool left, boo
     size_t b = 0, e = s.size();
     if (left) while (b < e && IsAsciiSpace(s[b])) ++b;
     if (right) while (e > b && IsAsciiSpace(s[e - 1])) --e;
+    return s.substr(b, e - b);
+  }
+  if (chars != nullptr && IsAscii(*chars)) {
+    // ASCII bytes never occur inside a multi-byte UTF-8 character, so bytes will do.
+    size_t b = 0, e = s.size();
+    if (left) while (b < e && chars->find(s[b]) != std::string::npos) ++b;
+    if (right) while (e > b && chars->find(s[e - 1]) != std::string::npos) --e;
     return s.substr(b, e - b);
   }
   const std::u32string cps = DecodeUtf8(s);
@@ -1656,12 +1664,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
 }
 
 const FilterFn* FindFilter(std::string_view name) {
-  static const auto* const aliases = new absl::flat_hash_map<std::string, std::string>{
-      {"d", "default"}, {"e", "escape"}, {"count", "length"}};
-  std::string n(name);
-  if (auto it = aliases->find(n); it != aliases->end()) n = it->second;
+  if (name == "d") name = "default";
+  if (name == "e") name = "escape";
+  if (name == "count") name = "length";
   const auto& f = Filters();
-  auto it = f.find(n);
+  auto it = f.find(std::string(name));
   return it == f.end() ? nullptr : &it->second;
 }
 
@@ -1679,9 +1686,8 @@ const std::vector<std::string_view>& StrMethods() {
   return *m;
 }
 
-bool Listed(const std::vector<std::string_view>& names, std::string_view n) {
-  return std::find(names.begin(), names.end(), n) != names.end();
-}
+// Sets of the same names, since every attribute of a dict (message.content) asks.
+using NameSet = absl::flat_hash_set<std::string_view>;
 
 const std::vector<std::string_view>& DictMethods() {
   static const auto* const m = new std::vector<std::string_view>{
@@ -1913,8 +1919,16 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
 
 }  // namespace
 
-bool IsKnownFilter(std::string_view name) { return FindFilter(name) != nullptr; }
-bool IsKnownTest(std::string_view name) { return FindTest(name) != nullptr; }
+const void* ResolveFilter(std::string_view name) { return FindFilter(name); }
+const void* ResolveTest(std::string_view name) { return FindTest(name); }
+
+Value ApplyResolvedFilter(Interp& in, const void* filter, const Value& v, CallArgs& args) {
+  return (*static_cast<const FilterFn*>(filter))(in, v, args);
+}
+
+bool ApplyResolvedTest(Interp& in, const void* test, const Value& v, CallArgs& args) {
+  return (*static_cast<const TestFn*>(test))(in, v, args);
+}
 
 Value ApplyFilter(Interp& in, const std::string& name, const Value& v, CallArgs& args) {
   const FilterFn* f = FindFilter(name);
@@ -1929,9 +1943,12 @@ bool ApplyTest(Interp& in, const std::string& name, const Value& v, CallArgs& ar
 }
 
 bool HasMethod(const Value& obj, const std::string& name) {
-  if (obj.is_string()) return Listed(StrMethods(), name);
-  if (obj.is_dict()) return Listed(DictMethods(), name);
-  if (obj.is_list()) return Listed(ListMethods(), name);
+  static const NameSet* const str = new NameSet(StrMethods().begin(), StrMethods().end());
+  static const NameSet* const dict = new NameSet(DictMethods().begin(), DictMethods().end());
+  static const NameSet* const list = new NameSet(ListMethods().begin(), ListMethods().end());
+  if (obj.is_string()) return str->contains(name);
+  if (obj.is_dict()) return dict->contains(name);
+  if (obj.is_list()) return list->contains(name);
   return false;
 }
 

@@ -513,7 +513,7 @@ Value Interp::EvalFilter(const Expr& e, const Value* operand) {
   EvalArgs(e, 1, &args);
   pos_ = e.pos;
   Step();
-  return ApplyFilter(*this, e.name, v, args);
+  return ApplyResolvedFilter(*this, e.builtin, v, args);
 }
 
 bool Interp::EvalTest(const Expr& e) {
@@ -525,7 +525,7 @@ bool Interp::EvalTest(const Expr& e) {
   EvalArgs(e, 1, &args);
   pos_ = e.pos;
   Step();
-  const bool r = ApplyTest(*this, e.name, v, args);
+  const bool r = ApplyResolvedTest(*this, e.builtin, v, args);
   return e.negated ? !r : r;
 }
 
@@ -906,22 +906,28 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     *index_holder = i;
     s.vars.clear();
     Assign(n.target, items[static_cast<size_t>(i)]);
+    // The keys are made once; a loop object is a dict of this iteration's values.
+    static const Value* const keys = new Value[15]{
+        Value("index"), Value("index0"), Value("revindex"), Value("revindex0"), Value("first"),
+        Value("last"), Value("length"), Value("depth"), Value("depth0"), Value("previtem"),
+        Value("nextitem"), Value("cycle"), Value("changed"), Value("__call__"),
+        Value::Undefined("loop item")};
     Dict loop;
     loop.reserve(14);
-    loop.emplace_back(Value("index"), Value(i + 1));
-    loop.emplace_back(Value("index0"), Value(i));
-    loop.emplace_back(Value("revindex"), Value(len - i));
-    loop.emplace_back(Value("revindex0"), Value(len - i - 1));
-    loop.emplace_back(Value("first"), Value(i == 0));
-    loop.emplace_back(Value("last"), Value(i == len - 1));
-    loop.emplace_back(Value("length"), Value(len));
-    loop.emplace_back(Value("depth"), Value(int64_t{depth}));
-    loop.emplace_back(Value("depth0"), Value(int64_t{depth - 1}));
-    loop.emplace_back(Value("previtem"), i > 0 ? items[static_cast<size_t>(i - 1)] : Value::Undefined("previtem"));
-    loop.emplace_back(Value("nextitem"), i + 1 < len ? items[static_cast<size_t>(i + 1)] : Value::Undefined("nextitem"));
-    loop.emplace_back(Value("cycle"), cycle_value);
-    loop.emplace_back(Value("changed"), changed_value);
-    if (n.recursive) loop.emplace_back(Value("__call__"), recurse);
+    loop.emplace_back(keys[0], Value(i + 1));
+    loop.emplace_back(keys[1], Value(i));
+    loop.emplace_back(keys[2], Value(len - i));
+    loop.emplace_back(keys[3], Value(len - i - 1));
+    loop.emplace_back(keys[4], Value(i == 0));
+    loop.emplace_back(keys[5], Value(i == len - 1));
+    loop.emplace_back(keys[6], Value(len));
+    loop.emplace_back(keys[7], Value(int64_t{depth}));
+    loop.emplace_back(keys[8], Value(int64_t{depth - 1}));
+    loop.emplace_back(keys[9], i > 0 ? items[static_cast<size_t>(i - 1)] : keys[14]);
+    loop.emplace_back(keys[10], i + 1 < len ? items[static_cast<size_t>(i + 1)] : keys[14]);
+    loop.emplace_back(keys[11], cycle_value);
+    loop.emplace_back(keys[12], changed_value);
+    if (n.recursive) loop.emplace_back(keys[13], recurse);
     s.vars.emplace_back("loop", Value(std::move(loop)));
     const Flow f = Exec(n.body);
     if (f == Flow::kBreak) break;

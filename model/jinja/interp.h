@@ -125,7 +125,9 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
 std::string ToJson(Interp& in, const Value& v, const Value& indent, const Value& separators,
                    bool sort_keys);
 
-// The built-ins (builtins.cc).
+// The built-ins (builtins.cc). `filter` and `test` are the parser's ResolveFilter/ResolveTest.
+Value ApplyResolvedFilter(Interp& in, const void* filter, const Value& v, CallArgs& args);
+bool ApplyResolvedTest(Interp& in, const void* test, const Value& v, CallArgs& args);
 Value ApplyFilter(Interp& in, const std::string& name, const Value& v, CallArgs& args);
 bool ApplyTest(Interp& in, const std::string& name, const Value& v, CallArgs& args);
 // A method of a str, list or dict (`"a".upper()`); false when there is none of that name.

@@ -1154,7 +1154,8 @@ class Parser {
       e->name += "." + Cur().text;
       Next();
     }
-    if (!IsKnownFilter(e->name)) Fail(offset, absl::StrCat("no filter named '", e->name, "'"));
+    e->builtin = ResolveFilter(e->name);
+    if (e->builtin == nullptr) Fail(offset, absl::StrCat("no filter named '", e->name, "'"));
     Push(e.get(), std::move(operand));
     if (IsOp("(")) CallArgs(e.get());
     return e;
@@ -1176,7 +1177,8 @@ class Parser {
           e->name += "." + Cur().text;
           Next();
         }
-        if (!IsKnownTest(e->name)) Fail(offset, absl::StrCat("no test named '", e->name, "'"));
+        e->builtin = ResolveTest(e->name);
+        if (e->builtin == nullptr) Fail(offset, absl::StrCat("no test named '", e->name, "'"));
         Push(e.get(), std::move(node));
         const Token& t = Cur();
         if (IsOp("(")) {
