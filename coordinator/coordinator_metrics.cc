@@ -8,27 +8,29 @@ namespace kvgrid::coordinator {
 
 CoordinatorMetrics::CoordinatorMetrics(metrics::Registry* registry) : registry_(registry) {}
 
-void CoordinatorMetrics::ObserveFirstToken(const std::string& model, double seconds) {
+void CoordinatorMetrics::ObserveFirstToken(const std::string& model, const std::string& api,
+                                           double seconds) {
   registry_
       ->GetHistogram("kvgrid:time_to_first_token_seconds",
                      "Time from arrival at the coordinator to the first token.",
-                     metrics::TtftBuckets(), {{"model_name", model}})
+                     metrics::TtftBuckets(), {{"model_name", model}, {"api", api}})
       ->Observe(seconds);
 }
 
-void CoordinatorMetrics::ObserveInterToken(const std::string& model, double seconds) {
+void CoordinatorMetrics::ObserveInterToken(const std::string& model, const std::string& api,
+                                           double seconds) {
   registry_
       ->GetHistogram("kvgrid:inter_token_latency_seconds",
                      "Time between consecutive tokens of a sequence, as relayed.",
-                     metrics::InterTokenBuckets(), {{"model_name", model}})
+                     metrics::InterTokenBuckets(), {{"model_name", model}, {"api", api}})
       ->Observe(seconds);
 }
 
-void CoordinatorMetrics::ObserveFinished(const std::string& model,
+void CoordinatorMetrics::ObserveFinished(const std::string& model, const std::string& api,
                                          const std::string& finish_reason, double e2e_seconds,
                                          double queue_seconds, int64_t prompt_tokens,
                                          int64_t generation_tokens) {
-  const metrics::Labels m = {{"model_name", model}};
+  const metrics::Labels m = {{"model_name", model}, {"api", api}};
   registry_
       ->GetHistogram("kvgrid:e2e_request_latency_seconds",
                      "Time from arrival at the coordinator to the last token.",
@@ -46,14 +48,17 @@ void CoordinatorMetrics::ObserveFinished(const std::string& model,
       ->Increment(static_cast<double>(generation_tokens));
   registry_
       ->GetCounter("kvgrid:request_success_total", "Requests finished, by finish reason.",
-                   {{"model_name", model}, {"finished_reason", finish_reason}})
+                   {{"model_name", model}, {"api", api}, {"finished_reason", finish_reason}})
       ->Increment();
 }
 
-void CoordinatorMetrics::CountError(const std::string& model, grpc::StatusCode code) {
+void CoordinatorMetrics::CountError(const std::string& model, const std::string& api,
+                                    grpc::StatusCode code) {
   registry_
       ->GetCounter("kvgrid:request_errors_total", "Requests that ended with an error, by code.",
-                   {{"model_name", model}, {"code", absl::StrCat(static_cast<int>(code))}})
+                   {{"model_name", model},
+                    {"api", api},
+                    {"code", absl::StrCat(static_cast<int>(code))}})
       ->Increment();
 }
 

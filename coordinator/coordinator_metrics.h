@@ -21,13 +21,14 @@ class CoordinatorMetrics {
  public:
   explicit CoordinatorMetrics(metrics::Registry* registry);
 
-  // Per-request observations, labelled by model.
-  void ObserveFirstToken(const std::string& model, double seconds);
-  void ObserveInterToken(const std::string& model, double seconds);
-  void ObserveFinished(const std::string& model, const std::string& finish_reason,
-                       double e2e_seconds, double queue_seconds, int64_t prompt_tokens,
-                       int64_t generation_tokens);
-  void CountError(const std::string& model, grpc::StatusCode code);
+  // Per-request observations, labelled by model and by the API the request came in on
+  // (`api`: "grpc" or "http").
+  void ObserveFirstToken(const std::string& model, const std::string& api, double seconds);
+  void ObserveInterToken(const std::string& model, const std::string& api, double seconds);
+  void ObserveFinished(const std::string& model, const std::string& api,
+                       const std::string& finish_reason, double e2e_seconds,
+                       double queue_seconds, int64_t prompt_tokens, int64_t generation_tokens);
+  void CountError(const std::string& model, const std::string& api, grpc::StatusCode code);
   void CountFailover(const std::string& model);
 
   // Gauges read from the registry and the frontend at each scrape.

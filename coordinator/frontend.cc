@@ -34,6 +34,32 @@ absl::StatusOr<const ServedModel*> WithTokenizer(const ModelCatalog& catalog,
   return m;
 }
 
+// The gRPC side of a relayed Generate call: the relay's sink, as a server write reactor.
+class GrpcGenerateStream final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+                                 public RelaySink {
+ public:
+  // A call that fails at once (credentials, validation, draining).
+  explicit GrpcGenerateStream(const grpc::Status& status) { Finish(status); }
+  GrpcGenerateStream() = default;
+  // Set before the relay starts, which is before gRPC calls anything.
+  void Attach(GenerateRelay* relay) { relay_ = relay; }
+
+  void Write(const v1::GenerateResponse& msg) override { StartWrite(&msg); }
+  void End(const grpc::Status& status) override { Finish(status); }
+
+  void OnWriteDone(bool ok) override { relay_->OnWriteDone(ok); }
+  void OnCancel() override {
+    if (relay_ != nullptr) relay_->OnCancel();
+  }
+  void OnDone() override {
+    if (relay_ != nullptr) relay_->OnDone();
+    delete this;
+  }
+
+ private:
+  GenerateRelay* relay_ = nullptr;
+};
+
 }  // namespace
 
 GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
@@ -119,36 +145,71 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
   return out;
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
-  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
-    // Labelled with no model: an unauthenticated caller's strings never become series.
-    if (metrics_ != nullptr) metrics_->CountError("", auth.error_code());
-    return new FailedStream(auth);
-  }
-  if (draining_.load()) {
-    return new FailedStream(
-        grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is draining"));
-  }
-  const ServedModel* model = nullptr;
-  absl::StatusOr<v1::WorkerGenerateRequest> prepared = Prepare(*request, &model);
-  if (!prepared.ok()) {
-    const grpc::Status status = proto::ToGrpcStatus(prepared.status());
+absl::StatusOr<GenerationService::Admitted> GenerationService::Admit(
+    const v1::GenerateRequest& request, const std::string& api,
+    const AdmitOptions& options) const {
+  auto refuse = [&](const absl::Status& s, const ServedModel* model) {
     // The served model's name when the request named one (or the only one); otherwise no
     // model, so that label values stay the catalog's.
     if (metrics_ != nullptr) {
-      absl::StatusOr<const ServedModel*> named = catalog_->Find(request->model());
-      metrics_->CountError(named.ok() ? (*named)->name : "", status.error_code());
+      metrics_->CountError(model != nullptr ? model->name : "", api,
+                           proto::ToGrpcStatus(s).error_code());
     }
-    return new FailedStream(status);
+    return s;
+  };
+  if (draining_.load()) {
+    return refuse(absl::UnavailableError("the coordinator is draining"), nullptr);
   }
-  std::string id = request->request_id();
-  if (id.empty()) id = absl::StrCat("req-", next_id_.fetch_add(1));
-  auto* relay = new GenerateRelay(context, registry_, metrics_, relay_options_, &in_flight_,
-                                  model->name,
-                                  std::move(id), *std::move(prepared));
+  Admitted out;
+  absl::StatusOr<v1::WorkerGenerateRequest> prepared = Prepare(request, &out.model);
+  if (!prepared.ok()) {
+    absl::StatusOr<const ServedModel*> named = catalog_->Find(request.model());
+    return refuse(prepared.status(), named.ok() ? *named : nullptr);
+  }
+  out.request = *std::move(prepared);
+  const int64_t max_len = out.model->config.max_position_embeddings;
+  const int64_t prompt_len = out.request.prompt_token_ids_size();
+  if (max_len > 0) {
+    if (options.max_new_tokens_fills_context && !request.stopping().has_max_new_tokens()) {
+      out.request.mutable_stopping()->set_max_new_tokens(static_cast<int32_t>(max_len - prompt_len));
+    } else if (options.refuse_beyond_context &&
+               prompt_len + out.request.stopping().max_new_tokens() > max_len) {
+      const int64_t max_new = out.request.stopping().max_new_tokens();
+      return refuse(
+          absl::InvalidArgumentError(absl::StrCat(
+              "max_tokens: this model's maximum context length is ", max_len,
+              " tokens. However, you requested ", prompt_len + max_new, " tokens (", prompt_len,
+              " in the prompt, ", max_new,
+              " in the completion). Please reduce the length of the prompt or completion.")),
+          out.model);
+    }
+  }
+  out.request_id = request.request_id();
+  if (out.request_id.empty()) out.request_id = absl::StrCat("req-", next_id_.fetch_add(1));
+  return out;
+}
+
+GenerateRelay* GenerationService::NewRelay(Admitted admitted, RelaySink* sink,
+                                           std::chrono::system_clock::time_point deadline,
+                                           const std::string& api) {
+  return new GenerateRelay(sink, deadline, registry_, metrics_, relay_options_, &in_flight_, api,
+                           admitted.model->name, std::move(admitted.request_id),
+                           std::move(admitted.request));
+}
+
+grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+  if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
+    CountRefused("grpc", auth.error_code());
+    return new GrpcGenerateStream(auth);
+  }
+  absl::StatusOr<Admitted> admitted = Admit(*request, "grpc");
+  if (!admitted.ok()) return new GrpcGenerateStream(proto::ToGrpcStatus(admitted.status()));
+  auto* stream = new GrpcGenerateStream();
+  GenerateRelay* relay = NewRelay(*std::move(admitted), stream, context->deadline(), "grpc");
+  stream->Attach(relay);
   relay->Start();
-  return relay;
+  return stream;
 }
 
 grpc::ServerUnaryReactor* GenerationService::RefuseUnauthenticated(

@@ -1,13 +1,17 @@
 // The public Generation service (proto/kvgrid/v1/generation.proto): validates and tokenizes
 // requests (rendering conversations with the chat template first), hands Generate calls to
-// relays, and answers the text and status calls.
+// relays, and answers the text and status calls. Admit and NewRelay are the one request path
+// behind every front door: the gRPC Generate call and the OpenAI HTTP API (http_api.h) both
+// go through them.
 //
 // Thread-safety: methods run concurrently on gRPC's threads.
 #ifndef KVGRID_COORDINATOR_FRONTEND_H_
 #define KVGRID_COORDINATOR_FRONTEND_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "auth/bearer_auth.h"
@@ -20,8 +24,27 @@
 
 namespace kvgrid::coordinator {
 
+// How a front door wants a request's length handled (the gRPC API's defaults are these
+// false: max_new_tokens defaults to 16, and a sequence that reaches the context ends there).
+struct AdmitOptions {
+  // An unset max_new_tokens becomes what the context has left after the prompt (as OpenAI's
+  // chat API and vLLM default max_tokens).
+  bool max_new_tokens_fills_context = false;
+  // A prompt plus max_new_tokens beyond the model's context is INVALID_ARGUMENT with the
+  // numbers (as vLLM refuses it), instead of ending at the context.
+  bool refuse_beyond_context = false;
+};
+
 class GenerationService final : public v1::Generation::CallbackService {
  public:
+  // A request that passed Admit: what its relay sends to workers, for which model, and the
+  // client's request id (assigned when the request had none).
+  struct Admitted {
+    v1::WorkerGenerateRequest request;
+    const ServedModel* model = nullptr;
+    std::string request_id;
+  };
+
   // Not owned; all must outlive the service. `metrics` may be null. Every method requires
   // one of `api_keys` (UNAUTHENTICATED otherwise) when it holds any.
   GenerationService(const ModelCatalog* catalog, WorkerRegistry* registry,
@@ -45,8 +68,27 @@ class GenerationService final : public v1::Generation::CallbackService {
 
   // Draining: new Generate calls get UNAVAILABLE; running ones go on.
   void SetDraining(bool draining) { draining_.store(draining); }
-  // Generate calls still open.
+  [[nodiscard]] bool draining() const { return draining_.load(); }
+  // Generate calls still open, on every front door.
   [[nodiscard]] int64_t InFlight() const { return in_flight_.load(); }
+
+  // A generate request from any front door (the caller has checked its credentials): refused
+  // while draining, else prepared (Prepare, then `options`). Errors, counted in the request
+  // error metrics under `api`: UNAVAILABLE while draining; as Prepare; INVALID_ARGUMENT for
+  // a sequence beyond the context when options say so.
+  absl::StatusOr<Admitted> Admit(const v1::GenerateRequest& request, const std::string& api,
+                                 const AdmitOptions& options = {}) const;
+  // The relay of an admitted request, writing to `sink` (see RelaySink), labelled `api` in the
+  // metrics; the caller calls Start() on it once the sink takes calls. The relay deletes
+  // itself (GenerateRelay's lifetime).
+  GenerateRelay* NewRelay(Admitted admitted, RelaySink* sink,
+                          std::chrono::system_clock::time_point deadline,
+                          const std::string& api);
+  // Counts a request refused by a front door before Admit (credentials, a malformed body), in
+  // the error metrics with no model: a caller's strings never become label values.
+  void CountRefused(const std::string& api, grpc::StatusCode code) const {
+    if (metrics_ != nullptr) metrics_->CountError("", api, code);
+  }
 
   // The worker request for a public one: model resolved, prompt tokenized (BOS on request)
   // or messages rendered with the model's chat template and tokenized (chat_request.h; the
@@ -68,7 +110,7 @@ class GenerationService final : public v1::Generation::CallbackService {
   const auth::BearerAuth* api_keys_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> in_flight_{0};
-  std::atomic<int64_t> next_id_{1};
+  mutable std::atomic<int64_t> next_id_{1};
 };
 
 }  // namespace kvgrid::coordinator

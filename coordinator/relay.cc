@@ -81,16 +81,18 @@ class GenerateRelay::Upstream final : public grpc::ClientReadReactor<v1::Generat
   v1::GenerateResponse msg_;
 };
 
-GenerateRelay::GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistry* registry,
-                             CoordinatorMetrics* metrics, RelayOptions options,
-                             std::atomic<int64_t>* in_flight,
-                             std::string model, std::string client_request_id,
+GenerateRelay::GenerateRelay(RelaySink* sink, std::chrono::system_clock::time_point deadline,
+                             WorkerRegistry* registry, CoordinatorMetrics* metrics,
+                             RelayOptions options, std::atomic<int64_t>* in_flight,
+                             std::string api, std::string model, std::string client_request_id,
                              v1::WorkerGenerateRequest request)
-    : context_(context),
+    : sink_(sink),
+      deadline_(deadline),
       registry_(registry),
       metrics_(metrics),
       options_(options),
       in_flight_(in_flight),
+      api_(std::move(api)),
       model_(std::move(model)),
       client_request_id_(std::move(client_request_id)),
       request_(std::move(request)),
@@ -142,7 +144,7 @@ absl::Status GenerateRelay::PlaceLocked(v1::WorkerGenerateRequest request,
   // knows the first attempt.
   request.set_request_id(NextWorkerRequestId(client_request_id_));
   auto* up = new Upstream(this, *std::move(placement), std::move(request), std::move(indices),
-                          context_->deadline(), options_.cluster_token);
+                          deadline_, options_.cluster_token);
   upstreams_.push_back(up);
   ++refs_;
   start->push_back(up);
@@ -163,13 +165,13 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
     const auto now = std::chrono::steady_clock::now();
     if (msg->token_ids_size() > 0 && metrics_ != nullptr) {
       if (!first_token_[index]) {
-        metrics_->ObserveFirstToken(model_, std::chrono::duration<double>(now - arrival_).count());
+        metrics_->ObserveFirstToken(model_, api_, std::chrono::duration<double>(now - arrival_).count());
       } else {
         metrics_->ObserveInterToken(
-            model_, std::chrono::duration<double>(now - last_token_[index]).count());
+            model_, api_, std::chrono::duration<double>(now - last_token_[index]).count());
       }
       // Tokens that arrived together count as arriving at once.
-      for (int i = 1; i < msg->token_ids_size(); ++i) metrics_->ObserveInterToken(model_, 0.0);
+      for (int i = 1; i < msg->token_ids_size(); ++i) metrics_->ObserveInterToken(model_, api_, 0.0);
     }
     if (msg->token_ids_size() > 0) last_token_[index] = now;
     if (!first_token_[index] && msg->token_ids_size() > 0) first_token_[index] = now;
@@ -194,7 +196,7 @@ bool GenerateRelay::OnUpstreamMessage(Upstream* up, v1::GenerateResponse* msg) {
       }
       if (metrics_ != nullptr) {
         metrics_->ObserveFinished(
-            model_, msg->finish_reason() == v1::FINISH_REASON_STOP ? "stop" : "length",
+            model_, api_, msg->finish_reason() == v1::FINISH_REASON_STOP ? "stop" : "length",
             t->finished_s(), t->queued_s(), index == 0 ? msg->usage().prompt_tokens() : 0,
             static_cast<int64_t>(tokens_[index].size()));
       }
@@ -305,7 +307,7 @@ GenerateRelay::Action GenerateRelay::NextLocked() {
     // Tokens already buffered are dropped: the stream ends with the error.
     finish_called_ = true;
     final_status_ = *error_;
-    if (metrics_ != nullptr) metrics_->CountError(model_, final_status_.error_code());
+    if (metrics_ != nullptr) metrics_->CountError(model_, api_, final_status_.error_code());
     return Action::kFinish;
   }
   if (!pending_.empty()) {
@@ -324,8 +326,8 @@ GenerateRelay::Action GenerateRelay::NextLocked() {
 }
 
 void GenerateRelay::Run(Action action) {
-  if (action == Action::kWrite) StartWrite(&writing_msg_);
-  if (action == Action::kFinish) Finish(final_status_);
+  if (action == Action::kWrite) sink_->Write(writing_msg_);
+  if (action == Action::kFinish) sink_->End(final_status_);
 }
 
 void GenerateRelay::OnWriteDone(bool ok) {

@@ -1,6 +1,12 @@
 // One client Generate call relayed to workers: places the request, streams the worker's
 // responses to the client, and fails over when a worker dies mid-stream.
 //
+// The relay knows nothing of the client's wire format: it writes GenerateResponse messages to
+// a RelaySink (the gRPC stream of Generation.Generate, or an OpenAI HTTP response), and the
+// sink reports back when a write is done, when the client went away, and when it is done with
+// the relay. Placement, flow control, failover, abort on cancel, metrics and the in-flight
+// count for draining are therefore the same for every front door.
+//
 // Flow control: one write to the client is in flight at a time; responses that arrive
 // meanwhile are merged (consecutive tokens of one continuation) and, past a bound, reading
 // from the worker pauses until the client catches up, so a slow client slows its worker
@@ -12,11 +18,11 @@
 // tokens it already streamed (WorkerGenerateRequest.resume_token_ids), so the client sees no
 // token lost or repeated; with greedy decoding the output equals an uninterrupted run.
 //
-// Cancellation: a client cancel or deadline cancels the worker streams, which aborts the
-// requests there and frees their blocks.
+// Cancellation: a client cancel (a gRPC cancel, an HTTP client that disconnected) or the
+// deadline cancels the worker streams, which aborts the requests there and frees their blocks.
 //
-// Lifetime: the relay deletes itself once gRPC is done with the client call and every worker
-// stream it started has ended. Thread-safety: gRPC callbacks may run on any thread.
+// Lifetime: the relay deletes itself once its sink called OnDone and every worker stream it
+// started has ended. Thread-safety: every method may be called from any thread.
 #ifndef KVGRID_COORDINATOR_RELAY_H_
 #define KVGRID_COORDINATOR_RELAY_H_
 
@@ -48,20 +54,39 @@ struct RelayOptions {
   std::string cluster_token;
 };
 
-class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+// The client side of one relayed call. The relay calls Write with one write in flight at a
+// time, and End once, after the last write completed; calls come from any thread, never
+// two at once, and never under the relay's lock. The sink answers each Write with
+// GenerateRelay::OnWriteDone, reports a client that went away with OnCancel, and calls OnDone
+// once, after End, when it will call the relay no more; the sink must stay alive until it
+// called OnDone.
+class RelaySink {
+ public:
+  virtual ~RelaySink() = default;
+  // Sends `msg`, which stays valid until the sink's OnWriteDone.
+  virtual void Write(const v1::GenerateResponse& msg) = 0;
+  // Ends the call: OK once every continuation finished; otherwise the error (CANCELLED after a
+  // cancel). Tokens not yet written are dropped on an error.
+  virtual void End(const grpc::Status& status) = 0;
+};
+
+class GenerateRelay final {
  public:
   // `request` is validated and tokenized: prompt ids, sampling, stopping, n, priority set;
   // its request_id is left for the relay to fill per worker request. `client_request_id` is
-  // echoed in every response. `in_flight` counts live relays (for draining); it must outlive
-  // the relay, as must `registry` and `metrics` (which may be null).
-  GenerateRelay(grpc::CallbackServerContext* context, WorkerRegistry* registry,
-                CoordinatorMetrics* metrics, RelayOptions options,
-                std::atomic<int64_t>* in_flight, std::string model,
+  // echoed in every response. `sink` receives the responses (see RelaySink). `deadline` ends
+  // the worker streams (system_clock max: none). `api` labels the metrics ("grpc", "http").
+  // `in_flight` counts live relays (for draining); it must outlive the relay, as must
+  // `registry` and `metrics` (which may be null).
+  GenerateRelay(RelaySink* sink, std::chrono::system_clock::time_point deadline,
+                WorkerRegistry* registry, CoordinatorMetrics* metrics, RelayOptions options,
+                std::atomic<int64_t>* in_flight, std::string api, std::string model,
                 std::string client_request_id, v1::WorkerGenerateRequest request);
 
-  ~GenerateRelay() override;
+  ~GenerateRelay();
 
-  // Places the request and starts streaming; on a placement error the call finishes with it.
+  // Places the request and starts streaming; on a placement error the sink is finished with
+  // it (from within Start).
   void Start();
 
   // Relays and worker streams not yet deleted, in this process. A relay outlives its client
@@ -70,9 +95,13 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   // waits for this to reach 0 after shutting the server down.
   [[nodiscard]] static int64_t NumAlive() { return alive_.load(); }
 
-  void OnWriteDone(bool ok) override;
-  void OnCancel() override;
-  void OnDone() override;
+  // From the sink: the write finished (ok false: the client is gone, as for OnCancel).
+  void OnWriteDone(bool ok);
+  // From the sink: the client cancelled or went away; the worker streams are cancelled and the
+  // sink is finished with CANCELLED.
+  void OnCancel();
+  // From the sink, once, after End: it will call the relay no more.
+  void OnDone();
 
  private:
   class Upstream;
@@ -97,11 +126,13 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
 
   static std::atomic<int64_t> alive_;
 
-  grpc::CallbackServerContext* const context_;
+  RelaySink* const sink_;
+  const std::chrono::system_clock::time_point deadline_;
   WorkerRegistry* const registry_;
   CoordinatorMetrics* const metrics_;
   const RelayOptions options_;
   std::atomic<int64_t>* const in_flight_;
+  const std::string api_;
   const std::string model_;
   const std::string client_request_id_;
   const v1::WorkerGenerateRequest request_;  // the original (n continuations, no resume)
@@ -109,7 +140,7 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   const std::chrono::steady_clock::time_point arrival_;
 
   absl::Mutex mu_;
-  int refs_ ABSL_GUARDED_BY(mu_) = 1;  // the client call, plus one per live upstream
+  int refs_ ABSL_GUARDED_BY(mu_) = 1;  // the sink, plus one per live upstream
   std::vector<Upstream*> upstreams_ ABSL_GUARDED_BY(mu_);
   std::vector<Upstream*> paused_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_set<std::string> tried_ ABSL_GUARDED_BY(mu_);  // workers that failed it
@@ -129,13 +160,6 @@ class GenerateRelay final : public grpc::ServerWriteReactor<v1::GenerateResponse
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> error_ ABSL_GUARDED_BY(mu_);
   grpc::Status final_status_;
-};
-
-// A Generate call that fails at once (validation, draining).
-class FailedStream final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
- public:
-  explicit FailedStream(const grpc::Status& status) { Finish(status); }
-  void OnDone() override { delete this; }
 };
 
 }  // namespace kvgrid::coordinator

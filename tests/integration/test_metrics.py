@@ -52,11 +52,12 @@ def test_metrics_move_as_requests_run(cluster):
     after_c = scrape(cport)
     assert value(after_c, "kvgrid:generation_tokens_total") - \
         value(before_c, "kvgrid:generation_tokens_total") == 36
-    ttft = 'kvgrid:time_to_first_token_seconds_count{model_name="kjv-tiny"}'
+    # Labelled by the API the requests came in on (gRPC here; HTTP in test_openai.py).
+    ttft = 'kvgrid:time_to_first_token_seconds_count{model_name="kjv-tiny",api="grpc"}'
     assert after_c[ttft] - before_c.get(ttft, 0) == 4  # the cancelled one had a first token
-    assert value(after_c, 'kvgrid:request_success_total{model_name="kjv-tiny",'
+    assert value(after_c, 'kvgrid:request_success_total{model_name="kjv-tiny",api="grpc",'
                           'finished_reason="length"}') == 3
-    itl = 'kvgrid:inter_token_latency_seconds_count{model_name="kjv-tiny"}'
+    itl = 'kvgrid:inter_token_latency_seconds_count{model_name="kjv-tiny",api="grpc"}'
     assert after_c[itl] >= 3 * 11
     assert value(after_c, "kvgrid:e2e_request_latency_seconds_count") == 3
     # +Inf bucket equals the count.
