@@ -178,6 +178,12 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
                      max_model_len_, " tokens"));
   }
   KVGRID_RETURN_IF_ERROR(request.sampling.Validate());
+  for (const auto& [id, bias] : request.sampling.logit_bias) {
+    if (id >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias: token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+  }
   if (request.stopping.max_new_tokens < 1) {
     return absl::InvalidArgumentError(absl::StrCat("max_new_tokens: must be >= 1, got ",
                                                    request.stopping.max_new_tokens));
@@ -218,6 +224,7 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   seq->rng.seed(request.sampling.seed
                     ? *request.sampling.seed + static_cast<uint64_t>(request.index_offset)
                     : std::random_device{}());
+  seq->history = TokenHistory(request.sampling, request.prompt);
   seq->request = std::move(request);
   seq->arrival = std::chrono::steady_clock::now();
   if (options_.tokenizer) seq->detok.emplace(options_.tokenizer, /*skip_special_tokens=*/true);
@@ -225,10 +232,12 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
     seq->stops.emplace(seq->request.stopping.stop_strings,
                        seq->request.stopping.include_stop_str_in_output);
   }
-  // Replay the resumed tokens through everything SampleNext updates, emitting nothing.
+  // Replay the resumed tokens through everything SampleNext updates, emitting nothing: the
+  // random stream, the penalties' counts, the detokenizer and the stop strings.
   for (int32_t token : seq->request.resume_tokens) {
     if (!IsGreedy(seq->request.sampling)) seq->rng.discard(1);  // one draw per sampled token
     seq->tokens.push_back(token);
+    seq->history.AddOutput(token);
     ++seq->num_generated;
     if (seq->detok) {
       const std::string delta = seq->detok->Push(token).value_or("");
@@ -396,7 +405,8 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
   TokenOutput out;
   out.request_id = seq.request.id;
   out.index = seq.index;
-  // Raw-logit log-softmax for logprobs, before penalties and masks change the row.
+  // Raw-logit log-softmax for logprobs, before the bias, penalties and masks change the row
+  // (vLLM's default, raw_logprobs): what the model thinks, whatever the request steers.
   std::vector<float> raw;
   if (seq.request.sampling.logprobs >= 0) raw.assign(row.begin(), row.end());
   if (seq.num_generated < stop.min_tokens) {
@@ -408,7 +418,7 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
     if (!stop.ignore_eos) for (int32_t id : options_.eos_token_ids) mask(id);
     for (int32_t id : stop.stop_token_ids) mask(id);
   }
-  out.token_id = SampleToken(row, seq.request.sampling, seq.tokens, seq.rng);
+  out.token_id = SampleToken(row, seq.request.sampling, seq.history, seq.rng);
   if (!raw.empty()) {
     // Ranked on the raw logits (NaN as -inf, as the sampler sees them): normalizing first
     // could round two close logits to one value and reorder them against the greedy pick.
@@ -428,6 +438,7 @@ TokenOutput Engine::SampleNext(Sequence& seq, std::span<float> row) {
   const auto now = std::chrono::steady_clock::now();
   if (seq.first_token == std::chrono::steady_clock::time_point{}) seq.first_token = now;
   seq.tokens.push_back(out.token_id);
+  seq.history.AddOutput(out.token_id);
   ++seq.num_generated;
   out.finish = CheckStop(seq, out.token_id);
   if (seq.detok) {
@@ -608,6 +619,7 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
         child->num_computed = seq.num_computed;
         child->index = i;
         child->forked = true;
+        child->history = seq.history;  // the prompt's; each sibling counts its own output
         const std::optional<uint64_t> seed = seq.request.sampling.seed;
         child->rng.seed(seed ? *seed + static_cast<uint64_t>(i) : std::random_device{}());
         blocks_.Fork(seq.seq_id, child->seq_id);

@@ -46,6 +46,7 @@
 #include "worker/executor/executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/executor/sampler.h"
+#include "worker/executor/token_history.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
 
@@ -210,10 +211,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Queues a request. Errors: INVALID_ARGUMENT naming the field for an empty or duplicate id,
-  // n outside [1, max_num_seqs],
-  // an empty prompt, a token outside the vocabulary, a prompt that leaves no room in the
-  // context window (with both lengths), bad sampling or stopping parameters, or a sequence
-  // that could never fit the KV pool even alone (with blocks needed and available).
+  // n outside [1, max_num_seqs], an empty prompt, a token (prompt, resumed or logit_bias)
+  // outside the vocabulary, a prompt that leaves no room in the context window (with both
+  // lengths), bad sampling or stopping parameters, or a sequence that could never fit the KV
+  // pool even alone (with blocks needed and available).
   absl::Status AddRequest(GenerationRequest request);
 
   // Drops a request (all its continuations) wherever it is and frees its blocks. Unknown or
@@ -256,6 +257,7 @@ class Engine {
     int64_t index = 0;               // continuation index in [0, request.n)
     bool forked = false;             // the n - 1 siblings exist (set on the first sample)
     std::mt19937_64 rng;
+    TokenHistory history;            // tokens as the penalties see them, one AddOutput a token
   };
   using SeqList = std::list<std::unique_ptr<Sequence>>;
 

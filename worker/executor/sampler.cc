@@ -33,6 +33,36 @@ absl::Status SamplingParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("logprobs: must be in [-1, 20] (-1 = none), got ", logprobs));
   }
+  if (!(std::abs(presence_penalty) <= kMaxPenalty)) {  // NaN fails too
+    return absl::InvalidArgumentError(absl::StrCat("presence_penalty: must be in [-", kMaxPenalty,
+                                                   ", ", kMaxPenalty, "], got ",
+                                                   presence_penalty));
+  }
+  if (!(std::abs(frequency_penalty) <= kMaxPenalty)) {
+    return absl::InvalidArgumentError(absl::StrCat("frequency_penalty: must be in [-",
+                                                   kMaxPenalty, ", ", kMaxPenalty, "], got ",
+                                                   frequency_penalty));
+  }
+  if (static_cast<int64_t>(logit_bias.size()) > kMaxLogitBiasEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_bias: at most ", kMaxLogitBiasEntries,
+                                                   " entries, got ", logit_bias.size()));
+  }
+  absl::flat_hash_set<int32_t> biased;
+  for (const auto& [id, bias] : logit_bias) {
+    if (id < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias: token id ", id, " is outside the vocabulary"));
+    }
+    if (!(std::abs(bias) <= kMaxLogitBias)) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias[", id, "]: must be in [-",
+                                                     kMaxLogitBias, ", ", kMaxLogitBias,
+                                                     "], got ", bias));
+    }
+    if (!biased.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("logit_bias: token id ", id, " is given more than once"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -55,17 +85,36 @@ double UniformUnit(std::mt19937_64& rng) {
 
 bool IsGreedy(const SamplingParams& params) { return params.temperature < 1e-5; }
 
-int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
-                    std::span<const int32_t> context, std::mt19937_64& rng) {
+void ApplyPenalties(std::span<float> logits, const SamplingParams& p,
+                    const TokenHistory& history) {
   const int32_t vocab = static_cast<int32_t>(logits.size());
+  auto in_vocab = [vocab](int32_t id) { return id >= 0 && id < vocab; };
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (in_vocab(id)) logits[id] += bias;
+  }
+  // Each id is touched once, so the sets' iteration order cannot change the result.
   if (p.repetition_penalty != 1.0) {
-    absl::flat_hash_set<int32_t> seen(context.begin(), context.end());
     const float penalty = static_cast<float>(p.repetition_penalty);
-    for (int32_t id : seen) {
-      if (id < 0 || id >= vocab) continue;
+    for (int32_t id : history.seen()) {
+      if (!in_vocab(id)) continue;
       logits[id] = logits[id] > 0 ? logits[id] / penalty : logits[id] * penalty;
     }
   }
+  if (p.frequency_penalty != 0.0 || p.presence_penalty != 0.0) {
+    const float frequency = static_cast<float>(p.frequency_penalty);
+    const float presence = static_cast<float>(p.presence_penalty);
+    for (const auto& [id, count] : history.output_counts()) {
+      if (!in_vocab(id)) continue;
+      logits[id] -= frequency * static_cast<float>(count);
+      logits[id] -= presence;
+    }
+  }
+}
+
+int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
+                    const TokenHistory& history, std::mt19937_64& rng) {
+  const int32_t vocab = static_cast<int32_t>(logits.size());
+  ApplyPenalties(logits, p, history);
   // NaN would break the orderings below; it can only come from a broken checkpoint or an
   // overflowing cache, and such a token must never be picked.
   for (float& x : logits) {

@@ -1,5 +1,6 @@
 #include "worker/service/convert.h"
 
+#include <algorithm>
 #include <string>
 
 #include "kernels/kv_dtype.h"
@@ -15,6 +16,11 @@ SamplingParams SamplingFromProto(const v1::SamplingParams& p) {
   if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
   if (p.has_seed()) s.seed = p.seed();
   if (p.has_logprobs()) s.logprobs = p.logprobs();
+  if (p.has_presence_penalty()) s.presence_penalty = p.presence_penalty();
+  if (p.has_frequency_penalty()) s.frequency_penalty = p.frequency_penalty();
+  s.logit_bias.assign(p.logit_bias().begin(), p.logit_bias().end());
+  // The map's order is unspecified; ids ascending keep what the engine sees reproducible.
+  std::sort(s.logit_bias.begin(), s.logit_bias.end());
   return s;
 }
 
@@ -37,6 +43,11 @@ void SamplingToProto(const SamplingParams& s, v1::SamplingParams* p) {
   p->set_repetition_penalty(static_cast<float>(s.repetition_penalty));
   if (s.seed) p->set_seed(*s.seed);
   if (s.logprobs >= 0) p->set_logprobs(static_cast<int32_t>(s.logprobs));
+  if (s.presence_penalty != 0.0) p->set_presence_penalty(static_cast<float>(s.presence_penalty));
+  if (s.frequency_penalty != 0.0) {
+    p->set_frequency_penalty(static_cast<float>(s.frequency_penalty));
+  }
+  for (const auto& [id, bias] : s.logit_bias) (*p->mutable_logit_bias())[id] = bias;
 }
 
 void StoppingToProto(const StoppingParams& s, v1::StoppingParams* p) {

@@ -88,7 +88,7 @@ TEST(SamplerTest, RepetitionPenaltyFollowsHfSemantics) {
   p.repetition_penalty = 2.0;
   std::vector<float> logits = {3.f, 2.f, -1.f};
   const int32_t context[] = {0, 0, 2};
-  EXPECT_EQ(SampleToken(logits, p, context, rng), 1);  // 3/2 = 1.5 < 2
+  EXPECT_EQ(SampleToken(logits, p, TokenHistory(p, context), rng), 1);  // 3/2 = 1.5 < 2
   EXPECT_FLOAT_EQ(logits[0], 1.5f);
   EXPECT_FLOAT_EQ(logits[2], -2.f);
 }
@@ -171,6 +171,214 @@ TEST(SamplerTest, LogSoftmaxIsNormalizedAndSurvivesNanAndInfinity) {
   row = {-kInf, kNan, -kInf, -kInf};
   LogSoftmaxInPlace(row);
   for (float x : row) EXPECT_NEAR(x, std::log(0.25f), 1e-6);
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
+
+namespace kvgrid::worker {
+namespace {
+
+// The history of a sequence whose prompt is `prompt` and which generated `output`.
+TokenHistory History(const SamplingParams& p, std::vector<int32_t> prompt,
+                     std::vector<int32_t> output) {
+  TokenHistory h(p, prompt);
+  for (int32_t t : output) h.AddOutput(t);
+  return h;
+}
+
+TEST(SamplerPenaltyTest, PresenceFrequencyAndBiasFollowOpenAiFormula) {
+  SamplingParams p;
+  p.presence_penalty = 0.5;
+  p.frequency_penalty = 0.25;
+  p.logit_bias = {{0, -1.f}, {5, 2.5f}};
+  // Prompt {1, 2}; generated 3 three times, 4 and 1 once each.
+  const TokenHistory h = History(p, {1, 2}, {3, 3, 4, 3, 1});
+  std::vector<float> logits = {1.f, 2.f, -1.f, 4.f, 0.5f, -3.f, 7.f, 0.f};
+  ApplyPenalties(logits, p, h);
+  // By hand: logit + bias - 0.25 * count - 0.5 * (count > 0); the prompt does not count.
+  const std::vector<float> expected = {
+      1.f - 1.f,             // biased, never generated
+      2.f - 0.25f - 0.5f,    // in the prompt and generated once
+      -1.f,                  // in the prompt only: untouched
+      4.f - 0.75f - 0.5f,    // generated three times
+      0.5f - 0.25f - 0.5f,   // generated once
+      -3.f + 2.5f,           // biased
+      7.f, 0.f};
+  EXPECT_EQ(logits, expected);
+}
+
+TEST(SamplerPenaltyTest, BiasThenRepetitionThenFrequencyAndPresenceAsVllmOrdersThem) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0;
+  p.frequency_penalty = 0.5;
+  p.presence_penalty = 0.25;
+  p.logit_bias = {{0, 1.f}, {2, -4.f}};
+  const TokenHistory h = History(p, {0, 1}, {0, 2});
+  std::vector<float> logits = {3.f, -1.f, 1.f, 6.f};
+  ApplyPenalties(logits, p, h);
+  EXPECT_EQ(logits[0], (3.f + 1.f) / 2.f - 0.5f - 0.25f);  // bias, then divided, then counted
+  EXPECT_EQ(logits[1], -1.f * 2.f);                        // prompt: repetition penalty only
+  EXPECT_EQ(logits[2], (1.f - 4.f) * 2.f - 0.5f - 0.25f);  // the bias made it negative first
+  EXPECT_EQ(logits[3], 6.f);
+}
+
+TEST(SamplerPenaltyTest, NegativePenaltiesRewardRepeats) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.frequency_penalty = -2.0;
+  const TokenHistory h = History(p, {}, {1, 1});
+  std::vector<float> logits = {3.f, 0.f, 2.f};
+  std::mt19937_64 rng(1);
+  EXPECT_EQ(SampleToken(logits, p, h, rng), 1);  // 0 + 2 * 2 = 4 > 3
+  EXPECT_EQ(logits[1], 4.f);
+}
+
+TEST(SamplerPenaltyTest, ZeroPenaltiesChangeNothing) {
+  SamplingParams plain;
+  plain.temperature = 0.8;
+  plain.top_k = 40;
+  SamplingParams zero = plain;
+  zero.presence_penalty = 0.0;
+  zero.frequency_penalty = 0.0;
+  zero.logit_bias = {{7, 0.f}};  // a zero bias is no bias
+  const TokenHistory h = History(zero, {1, 2, 3}, {7, 7, 9});
+  EXPECT_TRUE(h.seen().empty());  // nothing tracked when nothing is penalized
+  EXPECT_TRUE(h.output_counts().empty());
+  std::mt19937_64 r1(42), r2(42);
+  for (int i = 0; i < 200; ++i) {
+    std::vector<float> a(64), b(64);
+    for (int j = 0; j < 64; ++j) a[j] = b[j] = std::sin(static_cast<float>(i * 64 + j)) * 4.f;
+    const int32_t ta = SampleToken(a, plain, {}, r1);
+    const int32_t tb = SampleToken(b, zero, h, r2);
+    ASSERT_EQ(ta, tb) << i;
+    ASSERT_EQ(a, b) << i;  // bit-identical rows
+  }
+  EXPECT_TRUE(r1 == r2);
+}
+
+TEST(SamplerPenaltyTest, PlusHundredForcesATokenGreedyAndSampled) {
+  for (double temperature : {0.0, 1.0, 1.5}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.top_p = 0.9;
+    p.logit_bias = {{3, 100.f}};
+    std::mt19937_64 rng(7);
+    for (int i = 0; i < 300; ++i) {
+      std::vector<float> logits(50);
+      for (int j = 0; j < 50; ++j) logits[j] = std::cos(static_cast<float>(i + 3 * j)) * 10.f;
+      ASSERT_EQ(SampleToken(logits, p, {}, rng), 3) << "temperature " << temperature;
+    }
+  }
+}
+
+TEST(SamplerPenaltyTest, MinusHundredBansAToken) {
+  for (double temperature : {0.0, 1.0, 2.0}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.logit_bias = {{2, -100.f}};
+    std::mt19937_64 rng(8);
+    std::map<int32_t, int> counts;
+    for (int i = 0; i < 2000; ++i) {
+      std::vector<float> logits = {0.f, 0.5f, 5.f, 0.2f};  // 2 is by far the likeliest
+      ++counts[SampleToken(logits, p, {}, rng)];
+    }
+    EXPECT_EQ(counts.count(2), 0u) << "temperature " << temperature;
+    EXPECT_GT(counts[1], 0);
+  }
+}
+
+TEST(SamplerPenaltyTest, PenaltiesNeverConsumeRandomDraws) {
+  // The same seed with and without penalties stays on the same random stream, so a seeded
+  // request's draws do not depend on what the penalties did.
+  SamplingParams plain;
+  plain.temperature = 1.0;
+  SamplingParams penalized = plain;
+  penalized.presence_penalty = 1.5;
+  penalized.frequency_penalty = 0.7;
+  penalized.logit_bias = {{4, 3.f}};
+  TokenHistory h(penalized, std::vector<int32_t>{1, 2});
+  std::mt19937_64 r1(5), r2(5);
+  std::vector<int32_t> a, b;
+  for (int i = 0; i < 100; ++i) {
+    std::vector<float> l1(16, 0.f), l2(16, 0.f);
+    a.push_back(SampleToken(l1, plain, {}, r1));
+    b.push_back(SampleToken(l2, penalized, h, r2));
+    h.AddOutput(b.back());
+  }
+  EXPECT_TRUE(r1 == r2);
+  EXPECT_NE(a, b);  // yet the penalties steered the picks
+  // And a second run of the penalized stream is the same.
+  std::mt19937_64 r3(5);
+  TokenHistory h3(penalized, std::vector<int32_t>{1, 2});
+  std::vector<int32_t> c;
+  for (int i = 0; i < 100; ++i) {
+    std::vector<float> l(16, 0.f);
+    c.push_back(SampleToken(l, penalized, h3, r3));
+    h3.AddOutput(c.back());
+  }
+  EXPECT_EQ(b, c);
+}
+
+TEST(SamplerPenaltyTest, HistoryTracksOnlyWhatIsPenalizedAndCopiesAreIndependent) {
+  SamplingParams rep;
+  rep.repetition_penalty = 1.2;
+  TokenHistory r = History(rep, {5, 6}, {7});
+  EXPECT_EQ(r.seen().size(), 3u);
+  EXPECT_TRUE(r.output_counts().empty());
+
+  SamplingParams freq;
+  freq.frequency_penalty = 0.1;
+  TokenHistory parent = History(freq, {5, 6}, {});
+  EXPECT_TRUE(parent.seen().empty());
+  TokenHistory sibling = parent;
+  sibling.AddOutput(9);
+  sibling.AddOutput(9);
+  EXPECT_TRUE(parent.output_counts().empty());
+  EXPECT_EQ(sibling.output_counts().at(9), 2);
+}
+
+TEST(SamplerPenaltyTest, OutOfRangeIdsAreSkipped) {
+  SamplingParams p;
+  p.presence_penalty = 1.0;
+  p.logit_bias = {{10, 5.f}};
+  const TokenHistory h = History(p, {}, {20, 1});
+  std::vector<float> logits = {0.f, 0.f};
+  ApplyPenalties(logits, p, h);
+  EXPECT_EQ(logits, (std::vector<float>{0.f, -1.f}));
+}
+
+TEST(SamplerPenaltyTest, ValidateNamesPenaltyAndBiasFields) {
+  auto message = [](const SamplingParams& p) { return std::string(p.Validate().message()); };
+  SamplingParams p;
+  p.presence_penalty = 3;
+  EXPECT_EQ(message(p), "presence_penalty: must be in [-2, 2], got 3");
+  EXPECT_EQ(p.Validate().code(), absl::StatusCode::kInvalidArgument);
+  p = {};
+  p.frequency_penalty = -2.5;
+  EXPECT_EQ(message(p), "frequency_penalty: must be in [-2, 2], got -2.5");
+  p = {};
+  p.frequency_penalty = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_NE(message(p).find("frequency_penalty"), std::string::npos);
+  p = {};
+  p.presence_penalty = -2;
+  p.frequency_penalty = 2;
+  p.logit_bias = {{1, -100.f}, {2, 100.f}};
+  EXPECT_TRUE(p.Validate().ok()) << p.Validate();
+  p.logit_bias = {{5, 100.5f}};
+  EXPECT_EQ(message(p), "logit_bias[5]: must be in [-100, 100], got 100.5");
+  p.logit_bias = {{5, std::numeric_limits<float>::infinity()}};
+  EXPECT_NE(message(p).find("logit_bias[5]"), std::string::npos);
+  p.logit_bias = {{-1, 1.f}};
+  EXPECT_NE(message(p).find("logit_bias: token id -1"), std::string::npos);
+  p.logit_bias = {{4, 1.f}, {4, 2.f}};
+  EXPECT_NE(message(p).find("logit_bias: token id 4 is given more than once"),
+            std::string::npos);
+  p.logit_bias.clear();
+  for (int32_t i = 0; i <= kMaxLogitBiasEntries; ++i) p.logit_bias.push_back({i, 1.f});
+  EXPECT_EQ(message(p), "logit_bias: at most 1024 entries, got 1025");
+  p.logit_bias.pop_back();
+  EXPECT_TRUE(p.Validate().ok());
 }
 
 }  // namespace
