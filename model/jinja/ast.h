@@ -103,6 +103,10 @@ struct Node {
   Body body;
   Body else_body;                         // kFor
   bool recursive = false;                 // kFor
+  // kFor with an `if` filter: how far ahead of the current item the body's `loop` looks, so
+  // the filter runs on later items only as jinja2's lazy loop would (0: not at all, 1:
+  // loop.last / loop.nextitem, 2: loop.length / revindex or `loop` itself, all of them).
+  int lookahead = 2;
   // kMacro: whether the body reads `varargs`, `kwargs` or `caller` (jinja2 accepts extra
   // arguments only then).
   bool uses_varargs = false;

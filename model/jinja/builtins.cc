@@ -53,6 +53,13 @@ const std::string& StrArg(Interp& in, CallArgs& a, size_t i, const char* name,
 }
 
 const Value kNone = Value::None();
+
+// What jinja2's generator filters return.
+Value Gen(List items) { return Value::Iterator(IteratorState::Type::kGenerator, std::move(items)); }
+bool SinglePass(const Value& v) {
+  return v.is_iterator() && (v.as_iterator().type == IteratorState::Type::kGenerator ||
+                             v.as_iterator().type == IteratorState::Type::kReverseIterator);
+}
 const std::string kEmpty;
 
 // ---------------------------------------------------------------------------------------------
@@ -134,20 +141,17 @@ List Split(const std::string& s, const Value& sep, int64_t maxsplit, bool from_r
       words.emplace_back(i, j);
       i = j;
     }
-    if (maxsplit >= 0 && static_cast<int64_t>(words.size()) > maxsplit + 1) {
+    if (maxsplit >= 0 && static_cast<int64_t>(words.size()) > maxsplit) {
       // Merge the words beyond maxsplit into one, keeping the original text between them.
+      // The remainder runs to the end (or from the start) with its whitespace, as Python.
       if (!from_right) {
         std::vector<std::pair<size_t, size_t>> w(words.begin(), words.begin() + maxsplit);
-        size_t end = cps.size();
-        while (end > words[maxsplit].first && IsPySpace(cps[end - 1])) --end;
-        w.emplace_back(words[maxsplit].first, end);
+        w.emplace_back(words[maxsplit].first, cps.size());
         words = w;
       } else {
         const size_t k = words.size() - static_cast<size_t>(maxsplit);
         std::vector<std::pair<size_t, size_t>> w;
-        size_t begin = 0;
-        while (begin < words[k - 1].second && IsPySpace(cps[begin])) ++begin;
-        w.emplace_back(begin, words[k - 1].second);
+        w.emplace_back(0, words[k - 1].second);
         w.insert(w.end(), words.begin() + static_cast<int64_t>(k), words.end());
         words = w;
       }
@@ -203,6 +207,25 @@ List SplitLines(const std::string& s, bool keepends) {
   }
   if (start < cps.size()) out.push_back(Value(EncodeUtf8(std::u32string_view(cps).substr(start))));
   return out;
+}
+
+// str.islower()/isupper(): every cased character in that case, and at least one.
+bool PyIsLower(const std::string& s) {
+  bool cased = false;
+  for (char32_t c : DecodeUtf8(s)) {
+    if (IsPyCased(c) && !IsPyLower(c)) return false;
+    cased = cased || IsPyCased(c);
+  }
+  return cased;
+}
+
+bool PyIsUpper(const std::string& s) {
+  bool cased = false;
+  for (char32_t c : DecodeUtf8(s)) {
+    if (IsPyCased(c) && !IsPyUpper(c)) return false;
+    cased = cased || IsPyCased(c);
+  }
+  return cased;
 }
 
 std::string Capitalize(const std::string& s) {
@@ -410,6 +433,17 @@ std::optional<int64_t> ParseInt(const std::string& raw, int base) {
     if (__builtin_mul_overflow(v, base, &v) || __builtin_add_overflow(v, d, &v)) return std::nullopt;
   }
   return neg ? -v : v;
+}
+
+// Whether `raw` is a well-formed integer in `base` that does not fit 64 bits.
+bool ParseIntOverflows(const std::string& raw, int base) {
+  std::string s = Strip(raw, nullptr, true, true);
+  if (!s.empty() && (s[0] == '+' || s[0] == '-')) s = s.substr(1);
+  if (s.empty() || base != 10) return false;
+  for (char c : s) {
+    if (!std::isdigit(static_cast<unsigned char>(c)) && c != '_') return false;
+  }
+  return true;  // ParseInt refused a plain digit string: it overflowed
 }
 
 std::optional<double> ParseFloat(const std::string& raw) {
@@ -870,7 +904,8 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
   if (i < rest.size()) type = rest[i++];
   if (i != rest.size()) in.Fail("ValueError: Invalid format specifier");
   (void)alt;
-  (void)comma;
+  if (v.is_undefined()) TypeError(in, "unsupported format string passed to Undefined.__format__");
+  const char group = comma ? rest[rest.find_first_of(",_")] : '\0';
   std::string body;
   if (v.is_string() || type == 's') {
     if (!v.is_string()) in.Fail("ValueError: Unknown format code 's' for object of type " + std::string(v.TypeName()));
@@ -915,6 +950,18 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
         std::snprintf(buf, sizeof buf, f.c_str(), v.as_float());
       }
       body = buf;
+    }
+    if (group != '\0' && type != 'x' && type != 'X' && type != 'o' && type != 'b') {
+      // Thousands separators in the integer part.
+      size_t start = !body.empty() && body[0] == '-' ? 1 : 0;
+      size_t end = start;
+      while (end < body.size() && std::isdigit(static_cast<unsigned char>(body[end]))) ++end;
+      std::string grouped;
+      for (size_t k = start; k < end; ++k) {
+        if (k > start && (end - k) % 3 == 0) grouped.push_back(group);
+        grouped.push_back(body[k]);
+      }
+      body = body.substr(0, start) + grouped + body.substr(end);
     }
     if (sign == "+" && !body.empty() && body[0] != '-') body = "+" + body;
     if (sign == " " && !body.empty() && body[0] != '-') body = " " + body;
@@ -1106,20 +1153,21 @@ const absl::flat_hash_map<std::string, TestFn>& Tests() {
       {"string", [](Interp&, const Value& v, CallArgs&) { return v.is_string(); }},
       {"mapping", [](Interp&, const Value& v, CallArgs&) { return v.is_dict(); }},
       {"iterable", [](Interp&, const Value& v, CallArgs&) {
-         return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
+         return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined() || v.is_iterator();
        }},
       {"sequence", [](Interp&, const Value& v, CallArgs&) {
-         return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined();
+         return v.is_string() || v.is_list() || v.is_dict() || v.is_undefined() ||
+                (v.is_iterator() && v.as_iterator().type == IteratorState::Type::kRange);
        }},
       {"callable", [](Interp&, const Value& v, CallArgs&) { return v.is_callable(); }},
-      {"escaped", [](Interp&, const Value&, CallArgs&) { return false; }},
+      {"escaped", [](Interp&, const Value& v, CallArgs&) { return v.is_markup(); }},
       {"sameas", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& o = Arg(a, 0, "other", kNone);
          if (v.kind() != o.kind()) return false;
          if (v.is_none() || v.is_bool()) return v.Equals(o);
          if (v.is_int()) return v.as_int() == o.as_int() && v.as_int() >= -5 && v.as_int() <= 256;
          (void)in;
-         return false;
+         return v.SameObject(o);
        }},
       {"in", [](Interp& in, const Value& v, CallArgs& a) {
          return Contains(in, Arg(a, 0, "seq", Value::Undefined()), v);
@@ -1134,24 +1182,8 @@ const absl::flat_hash_map<std::string, TestFn>& Tests() {
          const Value m = BinaryOp(in, "%", v, Arg(a, 0, "num", Value::Undefined()));
          return m.as_float() == 0;
        }},
-      {"lower", [](Interp&, const Value& v, CallArgs&) {
-         if (!v.is_string()) return false;
-         bool cased = false;
-         for (char32_t c : DecodeUtf8(v.as_string())) {
-           if (IsPyUpper(c)) return false;
-           cased = cased || IsPyLower(c);
-         }
-         return cased;
-       }},
-      {"upper", [](Interp&, const Value& v, CallArgs&) {
-         if (!v.is_string()) return false;
-         bool cased = false;
-         for (char32_t c : DecodeUtf8(v.as_string())) {
-           if (IsPyLower(c)) return false;
-           cased = cased || IsPyUpper(c);
-         }
-         return cased;
-       }},
+      {"lower", [](Interp&, const Value& v, CallArgs&) { return v.is_string() && PyIsLower(v.as_string()); }},
+      {"upper", [](Interp&, const Value& v, CallArgs&) { return v.is_string() && PyIsUpper(v.as_string()); }},
       {"eq", [](Interp&, const Value& v, CallArgs& a) { return v.Equals(Arg(a, 0, "other", kNone)); }},
       {"ne", [](Interp&, const Value& v, CallArgs& a) { return !v.Equals(Arg(a, 0, "other", kNone)); }},
       {"lt", [](Interp& in, const Value& v, CallArgs& a) { return LessThan(in, v, Arg(a, 0, "other", kNone)); }},
@@ -1199,6 +1231,7 @@ List SelectOrReject(Interp& in, const Value& seq, CallArgs& a, bool by_attr, boo
   }
   test_args.keywords = a.keywords;
   List out;
+  if (!seq.Truthy()) return out;  // jinja2: `if seq:` before iterating
   for (const Value& item : in.Iterate(seq)) {
     in.Step();
     const Value v = by_attr ? GetPath(in, item, attribute) : item;
@@ -1248,6 +1281,9 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            case Value::Kind::kList: return Value(static_cast<int64_t>(v.as_list().size()));
            case Value::Kind::kDict: return Value(static_cast<int64_t>(v.as_dict().size()));
            case Value::Kind::kUndefined: return Value(int64_t{0});
+           case Value::Kind::kIterator:
+             if (!SinglePass(v)) return Value(static_cast<int64_t>(v.as_iterator().items.size()));
+             [[fallthrough]];
            default: TypeError(in, absl::StrCat("object of type ", Q(v.TypeName()), " has no len()"));
          }
        }},
@@ -1263,6 +1299,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          return items.empty() ? Value::Undefined() : items.front();
        }},
       {"last", [](Interp& in, const Value& v, CallArgs&) {
+         if (SinglePass(v)) TypeError(in, absl::StrCat(Q(v.TypeName()), " object is not reversible"));
          const List items = in.Iterate(v);
          return items.empty() ? Value::Undefined() : items.back();
        }},
@@ -1305,15 +1342,25 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          a.CheckAllUsed(in, "int", 2);
          if (v.is_undefined()) in.FailUndefined(v);
          if (IsIntLike(v)) return Value(v.as_int());
+         // Python's integers have no bound; here they are 64-bit, so a larger value fails
+         // rather than wrapping.
+         const auto to_int = [&in](double f) {
+           const double t = std::trunc(f);
+           if (!(t >= -9223372036854775808.0 && t < 9223372036854775808.0)) {
+             in.Fail("integer overflow (integers are 64-bit here)");
+           }
+           return Value(static_cast<int64_t>(t));
+         };
          if (v.is_float()) {
            if (!std::isfinite(v.as_float())) return d;
-           return Value(static_cast<int64_t>(std::trunc(v.as_float())));
+           return to_int(v.as_float());
          }
          if (v.is_string()) {
            if (auto i = ParseInt(v.as_string(), static_cast<int>(base))) return Value(*i);
-           if (auto f = ParseFloat(v.as_string()); f && std::isfinite(*f)) {
-             return Value(static_cast<int64_t>(std::trunc(*f)));
+           if (ParseIntOverflows(v.as_string(), static_cast<int>(base))) {
+             in.Fail("integer overflow (integers are 64-bit here)");
            }
+           if (auto f = ParseFloat(v.as_string()); f && std::isfinite(*f)) return to_int(*f);
          }
          return d;
        }},
@@ -1329,11 +1376,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
        }},
       {"list", [](Interp& in, const Value& v, CallArgs&) { return FilterList(in, v); }},
       {"items", [](Interp& in, const Value& v, CallArgs&) -> Value {
-         if (v.is_undefined()) return Value(List{});
+         if (v.is_undefined()) return Gen({});
          if (!v.is_dict()) TypeError(in, absl::StrCat("can only get item pairs from a mapping, not ", v.TypeName()));
          List out;
          for (const auto& [k, e] : v.as_dict()) out.push_back(Value::Tuple({k, e}));
-         return Value(std::move(out));
+         return Gen(std::move(out));
        }},
       {"dictsort", [](Interp& in, const Value& v, CallArgs& a) -> Value {
          const bool case_sensitive = BoolArg(a, 0, "case_sensitive", false);
@@ -1348,12 +1395,13 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          for (const auto& [k, e] : v.as_dict()) items.push_back(Value::Tuple({k, e}));
          return Value(SortList(in, std::move(items), reverse, case_sensitive, Value(int64_t{pos})));
        }},
-      {"selectattr", [](Interp& in, const Value& v, CallArgs& a) { return Value(SelectOrReject(in, v, a, true, true)); }},
-      {"rejectattr", [](Interp& in, const Value& v, CallArgs& a) { return Value(SelectOrReject(in, v, a, true, false)); }},
-      {"select", [](Interp& in, const Value& v, CallArgs& a) { return Value(SelectOrReject(in, v, a, false, true)); }},
-      {"reject", [](Interp& in, const Value& v, CallArgs& a) { return Value(SelectOrReject(in, v, a, false, false)); }},
+      {"selectattr", [](Interp& in, const Value& v, CallArgs& a) { return Gen(SelectOrReject(in, v, a, true, true)); }},
+      {"rejectattr", [](Interp& in, const Value& v, CallArgs& a) { return Gen(SelectOrReject(in, v, a, true, false)); }},
+      {"select", [](Interp& in, const Value& v, CallArgs& a) { return Gen(SelectOrReject(in, v, a, false, true)); }},
+      {"reject", [](Interp& in, const Value& v, CallArgs& a) { return Gen(SelectOrReject(in, v, a, false, false)); }},
       {"map", [](Interp& in, const Value& v, CallArgs& a) {
          List out;
+         if (!v.Truthy()) return Gen({});  // jinja2: `if value:` before iterating
          const Value* attribute = nullptr;
          for (size_t k = 0; k < a.keywords.size(); ++k) {
            if (a.keywords[k].first == "attribute") attribute = &a.keywords[k].second;
@@ -1368,11 +1416,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
              Value x = GetPath(in, item, *attribute, d);
              out.push_back(std::move(x));
            }
-           return Value(std::move(out));
+           return Gen(std::move(out));
          }
          if (a.positional.empty()) {
            // map() with no filter is the identity.
-           return Value(in.Iterate(v));
+           return Gen(in.Iterate(v));
          }
          if (!a.positional[0].is_string()) TypeError(in, "map needs a filter name");
          const std::string name = a.positional[0].as_string();
@@ -1386,7 +1434,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            fa.keywords = a.keywords;
            out.push_back(it->second(in, item, fa));
          }
-         return Value(std::move(out));
+         return Gen(std::move(out));
        }},
       {"unique", [](Interp& in, const Value& v, CallArgs& a) {
          const bool case_sensitive = BoolArg(a, 0, "case_sensitive", false);
@@ -1410,7 +1458,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
              out.push_back(item);
            }
          }
-         return Value(std::move(out));
+         return Gen(std::move(out));
        }},
       {"indent", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& width = Arg(a, 0, "width", Value(int64_t{4}));
@@ -1474,8 +1522,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            std::reverse(cps.begin(), cps.end());
            return Value(EncodeUtf8(cps));
          }
+         // reversed() where Python has it (an iterator), else a reversed list, as jinja2.
+         const bool reversible = v.is_list() || v.is_dict() || (v.is_iterator() && !SinglePass(v));
          List items = in.Iterate(v);
          std::reverse(items.begin(), items.end());
+         if (reversible) return Value::Iterator(IteratorState::Type::kReverseIterator, std::move(items));
          return Value(std::move(items));
        }},
       {"sum", [](Interp& in, const Value& v, CallArgs& a) {
@@ -1529,7 +1580,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            }
            out.push_back(Value(std::move(cur)));
          }
-         return Value(std::move(out));
+         return Gen(std::move(out));
        }},
       {"wordcount", [](Interp&, const Value& v, CallArgs&) {
          // Words as jinja2's \w+ finds them.
@@ -1554,6 +1605,15 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const std::string end = StrArg(in, a, 2, "end", "...");
          const int64_t leeway = IntArg(in, a, 3, "leeway", 5);
          a.CheckAllUsed(in, "truncate", 4);
+         if (!v.is_string() && !v.is_undefined()) {
+           // jinja2 measures len(s) first: what is short enough comes back unchanged.
+           int64_t n = -1;
+           if (v.is_list()) n = static_cast<int64_t>(v.as_list().size());
+           if (v.is_dict()) n = static_cast<int64_t>(v.as_dict().size());
+           if (n < 0) TypeError(in, absl::StrCat("object of type ", Q(v.TypeName()), " has no len()"));
+           if (n <= length + leeway) return v;
+           TypeError(in, absl::StrCat("truncate of a long ", v.TypeName(), " is not supported"));
+         }
          const std::u32string s = DecodeUtf8(v.Str());
          const int64_t endlen = CodePointCount(end);
          if (length < endlen) in.Fail("AssertionError: expected length >= len(end)");
@@ -1620,7 +1680,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            if (fill != nullptr && !fill->is_none() && i >= extra && extra > 0) part.push_back(*fill);
            out.push_back(Value(std::move(part)));
          }
-         return Value(std::move(out));
+         return Gen(std::move(out));
        }},
       {"wordwrap", [](Interp& in, const Value& v, CallArgs& a) {
          const int64_t width = IntArg(in, a, 0, "width", 79);
@@ -1643,6 +1703,32 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            }
            in.CheckSize(out.size());
          }
+         return Value(std::move(out));
+       }},
+      {"groupby", [](Interp& in, const Value& v, CallArgs& a) {
+         const Value attribute = Arg(a, 0, "attribute", kNone);
+         const Value* dflt = a.Get(1, "default");
+         const bool case_sensitive = BoolArg(a, 2, "case_sensitive", false);
+         a.CheckAllUsed(in, "groupby", 3);
+         // Sorted by the key, then grouped; a group's grouper is its first item's key as
+         // given (not case-folded).
+         std::vector<std::pair<Value, Value>> keyed;  // (sort key, item)
+         std::vector<Value> raw_keys;
+         List items = SortList(in, in.Iterate(v), false, case_sensitive, attribute);
+         List out;
+         for (const Value& item : items) {
+           Value key = GetPath(in, item, attribute, dflt);
+           const Value cmp = SortKey(key, case_sensitive);
+           if (!out.empty() && SortKey(raw_keys.back(), case_sensitive).Equals(cmp)) {
+             List grown = out.back().as_list()[1].as_list();
+             grown.push_back(item);
+             out.back() = Value::Group(raw_keys.back(), std::move(grown));
+           } else {
+             raw_keys.push_back(key);
+             out.push_back(Value::Group(key, {item}));
+           }
+         }
+         (void)keyed;
          return Value(std::move(out));
        }},
       {"pprint", [](Interp&, const Value& v, CallArgs&) { return Value(v.Repr()); }},
@@ -1856,15 +1942,22 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
     for (size_t i = 1; ok && i < c.size(); ++i) ok = IsPyAlnum(c[i]) || c[i] == '_';
     return Value(ok);
   }
-  if (name == "islower" || name == "isupper") {
-    bool cased = false;
+  if (name == "islower" || name == "isupper") return Value(name == "islower" ? PyIsLower(s) : PyIsUpper(s));
+  if (name == "istitle") {
+    bool cased = false, previous_cased = false;
     for (char32_t c : DecodeUtf8(s)) {
-      if (name == "islower" ? IsPyUpper(c) : IsPyLower(c)) return Value(false);
-      cased = cased || IsPyCased(c);
+      if (IsPyUpper(c) || IsPyTitle(c)) {
+        if (previous_cased) return Value(false);
+        previous_cased = cased = true;
+      } else if (IsPyLower(c)) {
+        if (!previous_cased) return Value(false);
+        previous_cased = cased = true;
+      } else {
+        previous_cased = false;
+      }
     }
     return Value(cased);
   }
-  if (name == "istitle") return Value(!s.empty() && StrTitle(s) == s && std::any_of(s.begin(), s.end(), [](char c) { return std::isalpha(static_cast<unsigned char>(c)); }));
   if (name == "zfill") {
     const int64_t width = IntArg(in, a, 0, "width", 0);
     const int64_t len = CodePointCount(s);
@@ -1975,6 +2068,13 @@ bool CallMethod(Interp& in, const Value& obj, const std::string& name, CallArgs&
       if (name == "keys") out.push_back(k);
       if (name == "values") out.push_back(v);
     }
+    if (name == "items" || name == "keys" || name == "values") {
+      *result = Value::Iterator(name == "items"  ? IteratorState::Type::kDictItems
+                                : name == "keys" ? IteratorState::Type::kDictKeys
+                                                 : IteratorState::Type::kDictValues,
+                                std::move(out));
+      return true;
+    }
     if (name == "copy") {
       *result = obj;
       return true;
@@ -2054,7 +2154,9 @@ const Value* BuiltinGlobal(const std::string& name) {
          List out;
          out.reserve(static_cast<size_t>(n));
          for (int64_t i = 0; i < n; ++i) out.push_back(Value(start + i * step));
-         return Value(std::move(out));
+         return Value::Iterator(IteratorState::Type::kRange, std::move(out),
+                                step == 1 ? absl::StrCat("range(", start, ", ", stop, ")")
+                                          : absl::StrCat("range(", start, ", ", stop, ", ", step, ")"));
        })},
       {"dict", MakeFunction("dict", [](Interp& in, CallArgs& a) {
          DictBuilder b;

@@ -146,6 +146,8 @@ Value BinaryOp(Interp& in, std::string_view op, const Value& a, const Value& b) 
     in.CheckSize(s.size());
     return Value(std::move(s));
   }
+  // str % x formats x with str(), which an undefined value allows.
+  if (op == "%" && a.is_string()) return Value(PercentFormat(in, a.as_string(), b));
   if (a.is_undefined()) in.FailUndefined(a);
   if (b.is_undefined()) in.FailUndefined(b);
   const bool nums = a.is_number() && b.is_number();
@@ -282,6 +284,11 @@ bool Contains(Interp& in, const Value& c, const Value& item) {
       return c.Find(item) != nullptr;
     case Value::Kind::kUndefined:
       return false;
+    case Value::Kind::kIterator:
+      for (const Value& v : c.as_iterator().items) {
+        if (v.Equals(item)) return true;
+      }
+      return false;
     default:
       TypeError(in, absl::StrCat("argument of type ", Quoted(c.TypeName()), " is not iterable"));
   }
@@ -297,6 +304,9 @@ Value Interp::GetAttr(const Value& obj, const std::string& name) {
     case Value::Kind::kDict:
     case Value::Kind::kString:
     case Value::Kind::kList:
+      if (obj.is_group() && (name == "grouper" || name == "list")) {
+        return obj.as_list()[name == "grouper" ? 0 : 1];
+      }
       if (HasMethod(obj, name)) {
         auto c = std::make_shared<Callable>();
         c->name = name;
@@ -346,6 +356,11 @@ Value Interp::GetItem(const Value& obj, const Value& key) {
         return Value::Undefined();
       }
       break;
+    case Value::Kind::kIterator:
+      if (IsIntLike(key) && obj.as_iterator().type == IteratorState::Type::kRange) {
+        return GetItem(Value(obj.as_iterator().items), key);
+      }
+      return Value::Undefined();
     case Value::Kind::kString:
       if (IsIntLike(key)) {
         const std::string& s = obj.as_string();
@@ -398,6 +413,15 @@ List Interp::Iterate(const Value& v) {
     }
     case Value::Kind::kUndefined:
       return {};
+    case Value::Kind::kIterator: {
+      IteratorState& it = v.as_iterator();
+      const bool single_pass = it.type == IteratorState::Type::kGenerator ||
+                               it.type == IteratorState::Type::kReverseIterator;
+      if (!single_pass) return it.items;
+      if (it.consumed) return {};
+      it.consumed = true;
+      return it.items;
+    }
     default:
       TypeError(*this, absl::StrCat(Quoted(v.TypeName()), " object is not iterable"));
   }
@@ -426,7 +450,7 @@ void Interp::SetVar(const std::string& name, Value v) {
 
 void Interp::Assign(const Target& t, const Value& v) {
   if (t.is_tuple) {
-    if (!v.is_list() && !v.is_string() && !v.is_dict()) {
+    if (!v.is_list() && !v.is_string() && !v.is_dict() && !v.is_iterator()) {
       TypeError(*this, absl::StrCat("cannot unpack non-iterable ", v.TypeName(), " object"));
     }
     const List items = Iterate(v);
@@ -825,26 +849,37 @@ Value Interp::MakeMacro(const Node& n) {
 void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
   pos_ = n.pos;
   if (iterable.is_undefined() && !iterable.undefined_name().empty() && false) FailUndefined(iterable);
-  List items = Iterate(iterable);
-  if (n.cond != nullptr) {
-    List kept;
-    for (const Value& item : items) {
+  // With an `if` filter, jinja2 filters lazily: an item is tested only when the loop reaches
+  // it, or when the body's loop.last / loop.length looks ahead to it.
+  const List source = Iterate(iterable);
+  List items;
+  size_t next_source = 0;
+  Scope* const outer = scope_;  // the filter sees the loop variable over the enclosing scope
+  const auto pull = [&](size_t want) {
+    while (items.size() < want && next_source < source.size()) {
+      const Value& item = source[next_source++];
+      if (n.cond == nullptr) {
+        items.push_back(item);
+        continue;
+      }
       Step();
       Scope s;
-      s.parent = scope_;
+      s.parent = outer;
+      Scope* const saved = scope_;
       scope_ = &s;
       try {
         Assign(n.target, item);
         const bool keep = Eval(*n.cond).Truthy();
-        scope_ = s.parent;
-        if (keep) kept.push_back(item);
+        scope_ = saved;
+        if (keep) items.push_back(item);
       } catch (...) {
-        scope_ = s.parent;
+        scope_ = saved;
         throw;
       }
     }
-    items = std::move(kept);
-  }
+  };
+  const bool lazy = n.cond != nullptr && n.lookahead < 2;
+  pull(lazy ? 1 + n.lookahead : source.size());
   if (items.empty()) {
     Exec(n.else_body);
     return;
@@ -852,7 +887,8 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
   // jinja2 runs the else block unless some iteration's body ran to its end (a break or a
   // continue skips the marker).
   bool completed = false;
-  const int64_t len = static_cast<int64_t>(items.size());
+  // Known when every item is; a lazy loop's body never reads it.
+  int64_t len = static_cast<int64_t>(items.size());
   auto index_holder = std::make_shared<int64_t>(0);
   auto cycle = std::make_shared<Callable>();
   cycle->name = "cycle";
@@ -901,7 +937,12 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     Scope* parent;
     ~Restore() { in.scope_ = parent; }
   } restore{*this, s.parent};
-  for (int64_t i = 0; i < len; ++i) {
+  for (int64_t i = 0;; ++i) {
+    if (lazy) {
+      pull(static_cast<size_t>(i) + 1 + static_cast<size_t>(n.lookahead));
+      len = static_cast<int64_t>(items.size());
+    }
+    if (i >= len) break;
     Step();
     *index_holder = i;
     s.vars.clear();

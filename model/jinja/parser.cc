@@ -427,6 +427,37 @@ void ScanNames(const Body& body, Node* m) {
   }
 }
 
+// How far ahead of the current item a loop body's `loop` looks (see Node::lookahead). Nested
+// loops have a `loop` of their own: only their iterable and filter are this loop's.
+int LoopLookahead(const Expr* e) {
+  if (e == nullptr) return 0;
+  if (e->kind == ExprKind::kGetAttr && e->items[0] != nullptr &&
+      e->items[0]->kind == ExprKind::kName && e->items[0]->name == "loop") {
+    if (e->name == "length" || e->name == "revindex" || e->name == "revindex0") return 2;
+    if (e->name == "last" || e->name == "nextitem") return 1;
+    return 0;
+  }
+  if (e->kind == ExprKind::kName && e->name == "loop") return 2;
+  int need = 0;
+  for (const auto& c : e->items) need = std::max(need, LoopLookahead(c.get()));
+  return need;
+}
+
+int LoopLookahead(const Body& body) {
+  int need = 0;
+  for (const auto& n : body) {
+    need = std::max({need, LoopLookahead(n->expr.get()), LoopLookahead(n->cond.get())});
+    for (const auto& c : n->conds) need = std::max(need, LoopLookahead(c.get()));
+    for (const auto& f : n->filters) need = std::max(need, LoopLookahead(f.get()));
+    for (const auto& p : n->params) need = std::max(need, LoopLookahead(p.default_value.get()));
+    for (const auto& b : n->bodies) need = std::max(need, LoopLookahead(b));
+    if (n->kind != NodeKind::kFor) {
+      need = std::max({need, LoopLookahead(n->body), LoopLookahead(n->else_body)});
+    }
+  }
+  return need;
+}
+
 class Parser {
  public:
   explicit Parser(std::vector<Token> tokens) : toks_(std::move(tokens)) {}
@@ -596,6 +627,7 @@ class Parser {
       ++loop_depth_;
       n->body = Statements({"endfor", "else"});
       --loop_depth_;
+      n->lookahead = n->recursive ? 2 : LoopLookahead(n->body);
       if (Cur().text == "else") {
         Next();
         ExpectBlockEnd();

@@ -147,6 +147,10 @@ bool IsPyUpper(char32_t c) {
   return u_isUUppercase(static_cast<UChar32>(c));
 }
 
+bool IsPyTitle(char32_t c) {
+  return c >= 0x80 && u_charType(static_cast<UChar32>(c)) == U_TITLECASE_LETTER;
+}
+
 bool IsPyCased(char32_t c) {
   if (c < 0x80) return IsPyLower(c) || IsPyUpper(c);
   const int8_t t = u_charType(static_cast<UChar32>(c));

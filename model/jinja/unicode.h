@@ -34,6 +34,7 @@ bool IsPyAlnum(char32_t c);
 bool IsPyLower(char32_t c);
 bool IsPyUpper(char32_t c);
 bool IsPyCased(char32_t c);
+bool IsPyTitle(char32_t c);  // a titlecase letter (Lt), as ǅ
 // Full case mappings (ß -> SS), as str.upper() / lower() / title() do.
 std::string PyUpper(std::string_view s);
 std::string PyLower(std::string_view s);

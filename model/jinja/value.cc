@@ -47,6 +47,12 @@ Value Value::Tuple(List items) {
   return v;
 }
 
+Value Value::Group(Value grouper, List items) {
+  Value v = Tuple({std::move(grouper), Value(std::move(items))});
+  v.group_ = true;
+  return v;
+}
+
 Value Value::Markup(std::string s) {
   Value v(std::move(s));
   v.tuple_ = true;
@@ -56,6 +62,20 @@ Value Value::Markup(std::string s) {
 Value Value::Namespace(Dict initial) {
   Value v(std::move(initial));
   v.kind_ = Kind::kNamespace;
+  return v;
+}
+
+Value Value::Iterator(IteratorState::Type type, List items, std::string repr) {
+  Value v;
+  v.kind_ = Kind::kIterator;
+  auto state = std::make_shared<IteratorState>();
+  state->type = type;
+  int32_t d = 0;
+  for (const Value& e : items) d = std::max(d, e.depth_);
+  v.depth_ = d + 1;
+  state->items = std::move(items);
+  state->repr = std::move(repr);
+  v.ptr_ = std::move(state);
   return v;
 }
 
@@ -180,6 +200,14 @@ void AppendRepr(const Value& v, std::string* out, int depth) {
       AppendPyStringRepr(v.as_string(), out);
       return;
     case Value::Kind::kList: {
+      if (v.is_group()) {
+        out->append("_GroupTuple(grouper=");
+        AppendRepr(v.as_list()[0], out, depth + 1);
+        out->append(", list=");
+        AppendRepr(v.as_list()[1], out, depth + 1);
+        out->push_back(')');
+        return;
+      }
       out->push_back(v.is_tuple() ? '(' : '[');
       const List& l = v.as_list();
       for (size_t i = 0; i < l.size(); ++i) {
@@ -209,6 +237,22 @@ void AppendRepr(const Value& v, std::string* out, int depth) {
     case Value::Kind::kCallable:
       out->append("<function>");
       return;
+    case Value::Kind::kIterator: {
+      const IteratorState& it = v.as_iterator();
+      const char* view = nullptr;
+      switch (it.type) {
+        case IteratorState::Type::kGenerator: out->append("<generator object>"); return;
+        case IteratorState::Type::kReverseIterator: out->append("<list_reverseiterator object>"); return;
+        case IteratorState::Type::kRange: out->append(it.repr); return;
+        case IteratorState::Type::kDictKeys: view = "dict_keys("; break;
+        case IteratorState::Type::kDictValues: view = "dict_values("; break;
+        case IteratorState::Type::kDictItems: view = "dict_items("; break;
+      }
+      out->append(view);
+      AppendRepr(Value(it.items), out, depth + 1);
+      out->push_back(')');
+      return;
+    }
   }
 }
 
@@ -244,6 +288,14 @@ bool Value::Truthy() const {
     case Kind::kNamespace:
     case Kind::kCallable:
       return true;
+    case Kind::kIterator: {
+      const IteratorState& it = as_iterator();
+      if (it.type == IteratorState::Type::kGenerator ||
+          it.type == IteratorState::Type::kReverseIterator) {
+        return true;
+      }
+      return !it.items.empty();
+    }
   }
   return false;
 }
@@ -280,6 +332,12 @@ bool Value::Equals(const Value& o) const {
       }
       return true;
     }
+    case Kind::kIterator:
+      if (as_iterator().type == IteratorState::Type::kRange &&
+          o.as_iterator().type == IteratorState::Type::kRange) {
+        return Value(as_iterator().items).Equals(Value(o.as_iterator().items));
+      }
+      return ptr_ == o.ptr_;
     default:
       return ptr_ == o.ptr_;
   }
@@ -337,6 +395,15 @@ const char* Value::TypeName() const {
       return "Namespace";
     case Kind::kCallable:
       return "function";
+    case Kind::kIterator:
+      switch (as_iterator().type) {
+        case IteratorState::Type::kGenerator: return "generator";
+        case IteratorState::Type::kReverseIterator: return "list_reverseiterator";
+        case IteratorState::Type::kDictKeys: return "dict_keys";
+        case IteratorState::Type::kDictValues: return "dict_values";
+        case IteratorState::Type::kDictItems: return "dict_items";
+        case IteratorState::Type::kRange: return "range";
+      }
   }
   return "object";
 }

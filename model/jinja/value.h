@@ -29,10 +29,23 @@ using Dict = std::vector<std::pair<Value, Value>>;  // insertion order; keys uni
 
 struct Callable;  // a macro or a built-in function (template.cc)
 
+// What Python hands templates where jinja2's filters and dict methods return no list: a
+// generator (select, map, unique, ...), a reverse iterator, a dict view or a range. Their
+// items are computed eagerly, but they keep Python's behaviour: a generator or iterator is
+// always true, has no len(), is not JSON, and is used up by one iteration; a view or a range
+// has a len() and is true when not empty; only a range can be indexed.
+struct IteratorState {
+  enum class Type { kGenerator, kReverseIterator, kDictKeys, kDictValues, kDictItems, kRange };
+  Type type;
+  List items;
+  std::string repr;       // a range's "range(0, 3)"
+  bool consumed = false;  // generators and iterators: iterated once already
+};
+
 class Value {
  public:
   enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace,
-                    kCallable };
+                    kCallable, kIterator };
 
   Value() = default;  // undefined
   static Value None() { Value v; v.kind_ = Kind::kNone; return v; }
@@ -51,6 +64,7 @@ class Value {
   static Value Markup(std::string s);
   static Value Namespace(Dict initial);
   static Value Function(std::shared_ptr<const Callable> callable);
+  static Value Iterator(IteratorState::Type type, List items, std::string repr = {});
 
   // A dict or list from JSON text (objects keep their key order; integers that fit int64 stay
   // integers, others are floats). Errors: INVALID_ARGUMENT naming `source` and the position.
@@ -68,8 +82,16 @@ class Value {
   [[nodiscard]] bool is_dict() const { return kind_ == Kind::kDict; }
   [[nodiscard]] bool is_namespace() const { return kind_ == Kind::kNamespace; }
   [[nodiscard]] bool is_callable() const { return kind_ == Kind::kCallable; }
+  [[nodiscard]] bool is_iterator() const { return kind_ == Kind::kIterator; }
+  // Whether identity (Python's `is`) holds: the same list, dict, namespace or function.
+  [[nodiscard]] bool SameObject(const Value& other) const {
+    return kind_ == other.kind_ && ptr_ != nullptr && ptr_ == other.ptr_;
+  }
 
   [[nodiscard]] bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
+  // groupby's (grouper, list) named tuples, which also answer .grouper and .list.
+  [[nodiscard]] bool is_group() const { return is_tuple() && group_; }
+  static Value Group(Value grouper, List items);
   [[nodiscard]] bool is_markup() const { return kind_ == Kind::kString && tuple_; }
   // Levels of lists and dicts in this value (0 for a scalar), which the interpreter bounds so
   // that printing, comparing and serializing never recurse without limit.
@@ -90,6 +112,9 @@ class Value {
   }
   [[nodiscard]] const Callable& as_callable() const {
     return *static_cast<const Callable*>(ptr_.get());
+  }
+  [[nodiscard]] IteratorState& as_iterator() const {
+    return *static_cast<IteratorState*>(const_cast<void*>(ptr_.get()));
   }
   // For an undefined value: the name that was looked up ("" when unknown).
   [[nodiscard]] const std::string& undefined_name() const;
@@ -118,6 +143,7 @@ class Value {
  private:
   Kind kind_ = Kind::kUndefined;
   bool tuple_ = false;  // a tuple (lists), Markup (strings)
+  bool group_ = false;  // a groupby tuple
   int32_t depth_ = 0;
   union {
     int64_t int_ = 0;
