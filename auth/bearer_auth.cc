@@ -89,7 +89,16 @@ grpc::Status BearerAuth::Check(const grpc::ServerContextBase& context) const {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "missing credentials: send metadata 'authorization: Bearer <key>'");
   }
-  const std::string_view value(it->second.data(), it->second.size());
+  return CheckHeader(std::string_view(it->second.data(), it->second.size()));
+}
+
+grpc::Status BearerAuth::CheckHeader(std::optional<std::string_view> authorization) const {
+  if (digests_.empty()) return grpc::Status::OK;
+  if (!authorization) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "missing credentials: send 'authorization: Bearer <key>'");
+  }
+  const std::string_view value = *authorization;
   if (value.substr(0, kScheme.size()) != kScheme) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                         "the authorization metadata must be 'Bearer <key>'");

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,8 @@ class BearerAuth {
   // OK when no tokens are configured or the call carries an accepted one; UNAUTHENTICATED
   // (saying whether the token was missing or wrong) otherwise.
   [[nodiscard]] grpc::Status Check(const grpc::ServerContextBase& context) const;
+  // The same for an HTTP request's Authorization header (nullopt: absent).
+  [[nodiscard]] grpc::Status CheckHeader(std::optional<std::string_view> authorization) const;
 
  private:
   std::vector<std::array<uint8_t, 32>> digests_;

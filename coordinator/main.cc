@@ -20,6 +20,8 @@
 #include "auth/bearer_auth.h"
 #include "auth/tls.h"
 #include "coordinator/frontend.h"
+#include "coordinator/http_server.h"
+#include "coordinator/openai_api.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
 #include "coordinator/registry_service.h"
@@ -54,6 +56,13 @@ constexpr char kHelp[] =
     "                              before the coordinator answers RESOURCE_EXHAUSTED (default 64)\n"
     "  --max-failovers N           worker failures one request survives (default 3)\n"
     "  --drain-timeout-s S         how long running requests may take on shutdown (default 30)\n"
+    "  --http-listen HOST:PORT     also serve the OpenAI-compatible HTTP API there\n"
+    "                              (/v1/completions, /v1/chat/completions, /v1/models,\n"
+    "                              /health, /tokenize, /detokenize); TLS and API keys as\n"
+    "                              on the API port\n"
+    "  --http-threads N            threads of the HTTP server (default 2)\n"
+    "  --http-idle-timeout-s S     reading a request, and a kept-alive connection's wait\n"
+    "                              for the next (default 60)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes)\n"
     "  --worker-listen HOST:PORT   serve the worker API (registration, heartbeats) there in\n"
@@ -78,6 +87,9 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto max_failovers, args.GetInt("max-failovers"));
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
+  const std::optional<std::string> http_listen = args.GetString("http-listen");
+  KVGRID_ASSIGN_OR_RETURN(auto http_threads, args.GetInt("http-threads"));
+  KVGRID_ASSIGN_OR_RETURN(auto http_idle_timeout, args.GetDouble("http-idle-timeout-s"));
   const std::optional<std::string> health_listen = args.GetString("health-listen");
   const std::optional<std::string> worker_listen = args.GetString("worker-listen");
   const kvgrid::auth::TlsFiles tls{.cert = args.GetString("tls-cert"),
@@ -143,6 +155,36 @@ absl::Status Serve(Args& args) {
                                                   *metrics_listen, &metrics_registry));
     std::fprintf(stderr, "kvgrid-coordinator: metrics on port %d (/metrics)\n",
                  metrics_endpoint->port());
+  }
+
+  // The OpenAI HTTP API: the same service, registry, metrics and keys as the gRPC API.
+  kvgrid::coordinator::OpenAiApi openai_api(&generation, &catalog, &registry, &api_keys);
+  std::unique_ptr<kvgrid::coordinator::HttpServer> http_server;
+  if (http_listen) {
+    kvgrid::coordinator::HttpServerOptions ho;
+    ho.listen = *http_listen;
+    if (http_threads) {
+      if (*http_threads < 1 || *http_threads > 256) {
+        return absl::InvalidArgumentError("--http-threads: must be in [1, 256]");
+      }
+      ho.threads = static_cast<int>(*http_threads);
+    }
+    if (http_idle_timeout) {
+      if (!(*http_idle_timeout > 0)) {
+        return absl::InvalidArgumentError("--http-idle-timeout-s: must be > 0");
+      }
+      ho.idle_timeout = std::chrono::milliseconds(static_cast<int64_t>(*http_idle_timeout * 1000));
+    }
+    ho.tls_cert = tls.cert;
+    ho.tls_key = tls.key;
+    KVGRID_ASSIGN_OR_RETURN(
+        http_server, kvgrid::coordinator::HttpServer::Start(
+                         ho, [&openai_api](kvgrid::coordinator::HttpRequest request,
+                                           std::shared_ptr<kvgrid::coordinator::HttpResponder> r) {
+                           openai_api.Handle(std::move(request), std::move(r));
+                         }));
+    std::fprintf(stderr, "kvgrid-coordinator: OpenAI HTTP API on port %d%s\n",
+                 http_server->port(), tls.cert ? " (TLS)" : "");
   }
 
   std::atomic<bool> draining{false};
@@ -249,7 +291,9 @@ absl::Status Serve(Args& args) {
   }
   stop.store(true);
   maintenance.join();
-  // Calls still open past the drain timeout are cancelled by the shutdown.
+  // Calls still open past the drain timeout are cancelled by the shutdown: HTTP responses see
+  // their client gone, which cancels their relays.
+  if (http_server) http_server->Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   if (worker_server) worker_server->Shutdown(std::chrono::system_clock::now());

@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config git
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgtest-dev libgmock-dev libcivetweb-dev libgloo-dev libopenblas-openmp-dev libpcre2-dev libicu-dev nlohmann-json3-dev
-  libboost-context-dev
+  libboost-context-dev libboost-dev libssl-dev curl
   python3 python3-venv python3-pip
 )
 

@@ -1,8 +1,11 @@
 // kvgrid serve: a local cluster — one kvgrid-coordinator and N kvgrid-worker processes on
 // loopback, started from the directory of this executable — that stays up until SIGINT or
 // SIGTERM, then drains every process and exits.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -44,6 +47,8 @@ constexpr char kHelp[] =
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
+    "  --http-port P               OpenAI-compatible HTTP API on 127.0.0.1 (default 8000;\n"
+    "                              0: off)\n"
     "  --chat-template FILE        the chat template for chat requests instead of the model's\n"
     "                              (.jinja, tokenizer_config.json or .gguf), passed to the\n"
     "                              coordinator\n"
@@ -64,6 +69,21 @@ constexpr const char* kWorkerFlags[] = {
     "weight-dtype",           "preemption-mode", "watermark",
     "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs"};
 
+// Whether a TCP listener could bind 127.0.0.1:port now.
+bool PortFree(int64_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
 // Workers in state SERVING, or -1 while the coordinator does not answer.
 int ServingWorkers(v1::Generation::Stub& stub) {
   grpc::ClientContext ctx;
@@ -81,6 +101,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto tp_flag, args.GetInt("tp"));
   const std::optional<std::string> groups_flag = args.GetString("groups");
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
+  KVGRID_ASSIGN_OR_RETURN(auto http_port_flag, args.GetInt("http-port"));
   const std::optional<std::string> drain = args.GetString("drain-timeout-s");
   const std::optional<std::string> chat_template = args.GetString("chat-template");
   KVGRID_ASSIGN_OR_RETURN(auto ready_timeout, args.GetDouble("ready-timeout-s"));
@@ -130,6 +151,21 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(absl::StrCat("--port: must be in [1, 65535], got ", port));
   }
   const std::string addr = absl::StrCat("127.0.0.1:", port);
+  int64_t http_port = http_port_flag.value_or(8000);
+  if (http_port < 0 || http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http-port: must be in [0, 65535], got ", http_port));
+  }
+  // The default port taken (another server, another cluster): the cluster comes up without
+  // the HTTP API rather than not at all; an explicit --http-port must be free.
+  if (!http_port_flag && !PortFree(http_port)) {
+    std::fprintf(stderr,
+                 "kvgrid serve: port %lld is taken; the OpenAI HTTP API is off (give "
+                 "--http-port)\n",
+                 static_cast<long long>(http_port));
+    http_port = 0;
+  }
+  const std::string http_addr = absl::StrCat("127.0.0.1:", http_port);
   const std::filesystem::path bin = SelfDir();
 
   // SIGINT/SIGTERM are taken with sigwait; children get them unblocked (Spawn).
@@ -159,6 +195,7 @@ absl::Status Serve(Args& args) {
   std::vector<std::string> coordinator = {(bin / "kvgrid-coordinator").string(), "--model",
                                           dir.string(), "--listen", addr};
   if (drain) coordinator.insert(coordinator.end(), {"--drain-timeout-s", *drain});
+  if (http_port > 0) coordinator.insert(coordinator.end(), {"--http-listen", http_addr});
   if (chat_template) coordinator.insert(coordinator.end(), {"--chat-template", *chat_template});
   KVGRID_ASSIGN_OR_RETURN(pid_t cpid, Spawn(coordinator));
   children.push_back(cpid);
@@ -228,6 +265,10 @@ absl::Status Serve(Args& args) {
                      "kvgrid serve: ready: %lld worker group(s) serving %s; API on %s (Ctrl-C stops)\n",
                      static_cast<long long>(workers), kvgrid::model::ServedModelName(dir).c_str(),
                      addr.c_str());
+        if (http_port > 0) {
+          std::fprintf(stderr, "kvgrid serve: OpenAI HTTP API on http://%s/v1\n",
+                       http_addr.c_str());
+        }
         std::printf("%s\n", addr.c_str());
         std::fflush(stdout);
       } else if (std::chrono::steady_clock::now() > ready_deadline) {
