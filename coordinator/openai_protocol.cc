@@ -4,6 +4,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
@@ -176,16 +177,30 @@ absl::Status ParseSampling(const Fields& f, Endpoint endpoint, GenerateCall* cal
     if (*rep <= 0) return Bad("repetition_penalty", "must be > 0");
     s->set_repetition_penalty(static_cast<float>(*rep));
   }
-  for (const char* key : {"presence_penalty", "frequency_penalty"}) {
-    KVGRID_OAI_ASSIGN(penalty, f.Number(key));
-    if (penalty) {
-      if (*penalty < -2 || *penalty > 2) return Bad(key, "must be in [-2, 2]");
-      if (*penalty != 0) return Bad(key, "not supported yet (only 0)");
-    }
+  KVGRID_OAI_ASSIGN(presence, f.Number("presence_penalty"));
+  if (presence) {
+    if (*presence < -2 || *presence > 2) return Bad("presence_penalty", "must be in [-2, 2]");
+    s->set_presence_penalty(static_cast<float>(*presence));
+  }
+  KVGRID_OAI_ASSIGN(frequency, f.Number("frequency_penalty"));
+  if (frequency) {
+    if (*frequency < -2 || *frequency > 2) return Bad("frequency_penalty", "must be in [-2, 2]");
+    s->set_frequency_penalty(static_cast<float>(*frequency));
   }
   if (const Json* bias = f.Get("logit_bias")) {
-    if (!bias->is_object()) return Bad("logit_bias", "must be an object");
-    if (!bias->empty()) return Bad("logit_bias", "not supported yet (only {})");
+    // OpenAI's keys are token ids written as strings.
+    if (!bias->is_object()) return Bad("logit_bias", "must be an object of token id -> bias");
+    constexpr size_t kMaxBias = 1024;
+    if (bias->size() > kMaxBias) return Bad("logit_bias", absl::StrCat("at most ", kMaxBias, " entries"));
+    for (auto it = bias->begin(); it != bias->end(); ++it) {
+      const std::string at = absl::StrCat("logit_bias[", it.key(), "]");
+      int32_t id = 0;
+      if (!absl::SimpleAtoi(it.key(), &id) || id < 0) return Bad(at, "the key must be a token id");
+      if (!it.value().is_number()) return Bad(at, "must be a number");
+      const double b = it.value().get<double>();
+      if (!(b >= -100 && b <= 100)) return Bad(at, "must be in [-100, 100]");
+      (*s->mutable_logit_bias())[id] = static_cast<float>(b);
+    }
   }
   KVGRID_OAI_ASSIGN(seed, f.Int("seed", std::numeric_limits<int64_t>::min(),
                                 std::numeric_limits<int64_t>::max()));

@@ -5,7 +5,7 @@
 //
 // Accepted fields are OpenAI's (model, prompt/messages, max_tokens, max_completion_tokens,
 // temperature, top_p, n, stop, seed, stream, stream_options.include_usage, logprobs,
-// top_logprobs, user, response_format {"type": "text"}, tools, tool_choice) and vLLM's extras
+// top_logprobs, presence_penalty, frequency_penalty, logit_bias, user, response_format {"type": "text"}, tools, tool_choice) and vLLM's extras
 // (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 // skip_special_tokens, include_stop_str_in_output, priority, chat_template_kwargs,
 // add_generation_prompt, documents). Unknown fields are ignored, as OpenAI-compatible servers

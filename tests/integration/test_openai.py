@@ -216,8 +216,11 @@ def test_errors_are_openai_errors(api):
         client.chat.completions.create(model=MODEL_ID, messages=[{"content": "no role"}])
     assert e.value.body["param"] == "messages[0].role"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL_ID, messages=CONVERSATION, presence_penalty=1)
-    assert "presence_penalty" in e.value.message
+        client.chat.completions.create(model=MODEL_ID, messages=CONVERSATION, presence_penalty=3)
+    assert e.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, logit_bias={"x": 1})
+    assert e.value.body["param"] == "logit_bias[x]"
     # Unknown fields are ignored; response_format text is accepted.
     ok = client.chat.completions.create(model=MODEL_ID, messages=CONVERSATION, max_tokens=2,
                                         response_format={"type": "text"}, user="u",
@@ -365,3 +368,17 @@ def test_worker_killed_mid_stream_completes_the_sse_stream(cluster, tmp_path):
         raise AssertionError("3 times, the sequence was done before 20 chunks were read")
     assert wait_until(lambda: all(w.worker_id != killed or w.state != 1
                                   for w in c.status().workers), timeout=15)
+
+
+def test_penalties_and_logit_bias(api):
+    client = oai(api)
+    forced = api.client.tokenize(" earth")[-1]
+    status, detok = post(api, "/detokenize", {"model": MODEL_ID, "tokens": [forced]})
+    r = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == detok["prompt"] * 4
+    # A strong frequency penalty moves greedy decoding off that repetition.
+    p = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logit_bias={str(forced): 3}, frequency_penalty=2.0,
+                                  presence_penalty=2.0, extra_body={"ignore_eos": True})
+    assert p.choices[0].text != r.choices[0].text
