@@ -41,6 +41,9 @@ void ApplySamplingFlags(const SamplingFlags& f, v1::GenerateRequest* req) {
   if (f.top_k) s->set_top_k(static_cast<int32_t>(*f.top_k));
   if (f.min_p) s->set_min_p(static_cast<float>(*f.min_p));
   if (f.repetition_penalty) s->set_repetition_penalty(static_cast<float>(*f.repetition_penalty));
+  if (f.presence_penalty) s->set_presence_penalty(static_cast<float>(*f.presence_penalty));
+  if (f.frequency_penalty) s->set_frequency_penalty(static_cast<float>(*f.frequency_penalty));
+  for (const auto& [id, bias] : f.logit_bias) (*s->mutable_logit_bias())[id] = bias;
   if (f.seed) s->set_seed(static_cast<uint64_t>(*f.seed));
   v1::StoppingParams* st = req->mutable_stopping();
   if (f.max_new_tokens) st->set_max_new_tokens(static_cast<int32_t>(*f.max_new_tokens));

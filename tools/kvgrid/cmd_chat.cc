@@ -34,6 +34,7 @@ constexpr char kHelp[] =
     "  --chat-template-kwargs JSON extra template variables, e.g. '{\"enable_thinking\": false}'\n"
     "  --max-new-tokens N          per reply (default: generation_config.json, else 16)\n"
     "  --temperature T --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
+    "  --presence-penalty P --frequency-penalty F --logit-bias ID:BIAS,...\n"
     "  --ignore-eos --stop TEXT --stop-token-ids IDS --include-stop-str-in-output\n"
     "  --min-tokens N\n"
     "  --timeout-s S               deadline of each reply\n"

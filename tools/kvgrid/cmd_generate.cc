@@ -32,6 +32,8 @@ constexpr char kHelp[] =
     "  --max-new-tokens N          default: the model's generation_config.json, else 16\n"
     "  --temperature T             0 = greedy (default: generation_config.json, else 1)\n"
     "  --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
+    "  --presence-penalty P --frequency-penalty F   OpenAI's, over the generated tokens\n"
+    "  --logit-bias ID:BIAS,...    add BIAS (in [-100, 100]) to each token id's logit\n"
     "  --ignore-eos --stop TEXT --stop-token-ids IDS --include-stop-str-in-output\n"
     "  --min-tokens N --logprobs K --n N --priority P\n"
     "  --timeout-s S               deadline for the whole call\n"

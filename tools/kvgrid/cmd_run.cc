@@ -32,6 +32,8 @@ constexpr char kHelp[] =
     "  --max-new-tokens N          default: generation_config.json, else 64\n"
     "  --temperature T             0 = greedy (default: generation_config.json, else 1)\n"
     "  --top-p P --top-k K --min-p P --repetition-penalty R --seed S\n"
+    "  --presence-penalty P --frequency-penalty F   OpenAI's, over the generated tokens\n"
+    "  --logit-bias ID:BIAS,...    add BIAS (in [-100, 100]) to each token id's logit\n"
     "  --ignore-eos                keep generating past EOS\n"
     "  --stop-token-ids IDS        extra token ids that end the sequence\n"
     "  --stop TEXT                 a stop string (left out of the text unless\n"
@@ -207,6 +209,9 @@ absl::Status Run(Args& args) {
   if (f.top_k) sp.top_k = *f.top_k;
   if (f.min_p) sp.min_p = *f.min_p;
   if (f.repetition_penalty) sp.repetition_penalty = *f.repetition_penalty;
+  if (f.presence_penalty) sp.presence_penalty = *f.presence_penalty;
+  if (f.frequency_penalty) sp.frequency_penalty = *f.frequency_penalty;
+  sp.logit_bias = f.logit_bias;
   if (f.seed) sp.seed = static_cast<uint64_t>(*f.seed);
   request.stopping.max_new_tokens = f.max_new_tokens ? *f.max_new_tokens
                                     : gen.max_new_tokens ? *gen.max_new_tokens
