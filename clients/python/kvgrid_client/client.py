@@ -108,6 +108,9 @@ def build_request(prompt: str | None = None,
                   top_k: int = 0,
                   min_p: float = 0.0,
                   repetition_penalty: float | None = None,
+                  presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None,
+                  logit_bias: Mapping[int, float] | None = None,
                   seed: int | None = None,
                   stop: str | Iterable[str] | None = None,
                   stop_token_ids: Iterable[int] | None = None,
@@ -160,6 +163,14 @@ def build_request(prompt: str | None = None,
     s.min_p = min_p
     if repetition_penalty is not None:
         s.repetition_penalty = repetition_penalty
+    if presence_penalty is not None:
+        s.presence_penalty = presence_penalty
+    if frequency_penalty is not None:
+        s.frequency_penalty = frequency_penalty
+    if logit_bias is not None:
+        # OpenAI's JSON has the ids as strings: accept those too.
+        for token_id, bias in logit_bias.items():
+            s.logit_bias[int(token_id)] = bias
     if seed is not None:
         s.seed = seed
     if logprobs is not None:
