@@ -1,5 +1,6 @@
 #include "coordinator/frontend.h"
 
+#include <cmath>
 #include <string>
 #include <utility>
 
@@ -14,6 +15,42 @@ namespace {
 // Bounds that keep one request from tying up the coordinator.
 constexpr uint32_t kMaxN = 256;
 constexpr int64_t kMaxStopStrings = 16;
+// OpenAI's bounds on the penalties and biases; the entry cap is the worker sampler's.
+constexpr float kMaxPenalty = 2.f;
+constexpr float kMaxLogitBias = 100.f;
+constexpr int kMaxLogitBiasEntries = 1024;
+
+// The presence and frequency penalties and logit_bias, checked here because only the
+// coordinator can name the field as the client sent it before placement (the worker checks
+// them again, with the other sampling fields). Errors: INVALID_ARGUMENT naming the field.
+absl::Status CheckPenaltiesAndBias(const v1::SamplingParams& s, int64_t vocab) {
+  for (const auto& [name, value] : {std::pair{"presence_penalty", s.presence_penalty()},
+                                    std::pair{"frequency_penalty", s.frequency_penalty()}}) {
+    if (!(std::abs(value) <= kMaxPenalty)) {  // NaN fails too
+      return absl::InvalidArgumentError(absl::StrCat("sampling.", name, ": must be in [-",
+                                                     kMaxPenalty, ", ", kMaxPenalty, "], got ",
+                                                     value));
+    }
+  }
+  if (s.logit_bias_size() > kMaxLogitBiasEntries) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: at most ",
+                                                   kMaxLogitBiasEntries, " entries, got ",
+                                                   s.logit_bias_size()));
+  }
+  for (const auto& [id, bias] : s.logit_bias()) {
+    if (id < 0 || id >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias: token id ", id,
+                                                     " is outside the vocabulary [0, ", vocab,
+                                                     ")"));
+    }
+    if (!(std::abs(bias) <= kMaxLogitBias)) {
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias[", id, "]: must be in [-",
+                                                     kMaxLogitBias, ", ", kMaxLogitBias,
+                                                     "], got ", bias));
+    }
+  }
+  return absl::OkStatus();
+}
 
 grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl::Status& s) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
@@ -124,6 +161,7 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
                                                    "of ", max_len, " tokens"));
   }
   *out.mutable_sampling() = request.sampling();
+  KVGRID_RETURN_IF_ERROR(CheckPenaltiesAndBias(out.sampling(), m.config.vocab_size));
   *out.mutable_stopping() = request.stopping();
   ApplyGenerationDefaults(m.generation, out.mutable_sampling(), out.mutable_stopping());
   if (!out.stopping().has_max_new_tokens()) out.mutable_stopping()->set_max_new_tokens(16);
