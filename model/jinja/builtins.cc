@@ -1247,7 +1247,7 @@ List SelectOrReject(Interp& in, const Value& seq, CallArgs& a, bool by_attr, boo
 
 using FilterFn = std::function<Value(Interp&, const Value&, CallArgs&)>;
 
-const Value kUndef;
+const Value kUndef = Value::Undefined();
 
 std::string SoftStr(const Value& v) { return v.Str(); }
 

@@ -1134,6 +1134,7 @@ class Parser {
         parts[0] = std::move(tup);
       }
     }
+    if (!slice && parts[0] == nullptr) Fail(Cur().offset, "expected a subscript expression");
     ExpectOp("]");
     if (!slice) {
       auto e = Make(ExprKind::kGetItem, offset);

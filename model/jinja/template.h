@@ -30,7 +30,7 @@ namespace kvgrid::model::jinja {
 struct RenderLimits {
   // Evaluation steps (nodes evaluated, loop iterations, filter calls), so a loop over
   // range(10**9) or endless macro recursion stops.
-  int64_t max_steps = 20'000'000;
+  int64_t max_steps = 5'000'000;
   // Bytes of any string built, the output included.
   int64_t max_output_bytes = int64_t{16} << 20;
   // Nesting of macro calls and expressions.
