@@ -3,13 +3,16 @@
 greedy outputs equal Generation.Generate's, a disconnect frees the request's KV blocks, and a
 worker killed mid-stream does not break the SSE stream."""
 
+import http.client
 import json
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
 import urllib.request
 
+import httpx
 import openai
 import pytest
 
@@ -24,11 +27,11 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}
 WORKER_ARGS = ["--kv-cache-memory", "16MiB", "--max-num-seqs", "8", "--threads", "1"]
 
 
-def http_cluster(factory, tmp_path, workers=1, extra=(), env_keys=None):
+def http_cluster(factory, tmp_path, workers=1, extra=(), worker_args=WORKER_ARGS):
     port = free_port()
     jinja = tmp_path / "chat.jinja"
     jinja.write_text(TEMPLATE)
-    c = factory(workers=workers, worker_args=WORKER_ARGS,
+    c = factory(workers=workers, worker_args=worker_args,
                 coordinator_args=["--http-listen", f"127.0.0.1:{port}", "--chat-template", jinja,
                                   *extra])
     c.http_port = port
@@ -249,29 +252,42 @@ def test_tools_pass_to_the_template(api):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
-def test_api_keys(tmp_path):
-    # Started by hand: the cluster fixture's gRPC client has no key. /health needs none.
-    port, http_port = free_port(), free_port()
-    coordinator = Proc("coordinator", [executable("kvgrid-coordinator"), "--model", MODEL_DIR,
-                                       "--listen", f"127.0.0.1:{port}", "--http-listen",
-                                       f"127.0.0.1:{http_port}", "--api-keys", "k1,k2"],
-                       tmp_path / "coordinator.log")
-    procs = [coordinator]
-    try:
-        coordinator.wait_listening()
-        procs.append(Proc("worker", [executable("kvgrid-worker"), "--model", MODEL_DIR,
-                                     "--coordinator", f"127.0.0.1:{port}", "--listen",
-                                     "127.0.0.1:0", *WORKER_ARGS], tmp_path / "worker.log"))
+class ManualCluster:
+    """A coordinator and one worker started by hand, for configurations the cluster fixture's
+    plaintext, keyless gRPC client cannot watch (API keys, TLS); ready once /health says so."""
+
+    def __init__(self, tmp_path, extra=(), scheme="http", ssl_context=None):
+        port, self.http_port = free_port(), free_port()
+        self.base_url = f"{scheme}://127.0.0.1:{self.http_port}"
+        self.coordinator = Proc("coordinator", [
+            executable("kvgrid-coordinator"), "--model", MODEL_DIR, "--listen",
+            f"127.0.0.1:{port}", "--http-listen", f"127.0.0.1:{self.http_port}",
+            "--worker-listen", f"127.0.0.1:{(wport := free_port())}", *extra],
+            tmp_path / "coordinator.log")
+        self.procs = [self.coordinator]
+        self.coordinator.wait_listening()
+        self.procs.append(Proc("worker", [executable("kvgrid-worker"), "--model", MODEL_DIR,
+                                          "--coordinator", f"127.0.0.1:{wport}", "--listen",
+                                          "127.0.0.1:0", *WORKER_ARGS], tmp_path / "worker.log"))
 
         def healthy():
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as r:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5,
+                                            context=ssl_context) as r:
                     return r.status == 200
             except (urllib.error.URLError, OSError):
                 return False
 
-        assert wait_until(healthy, timeout=60), coordinator.describe()
-        c = type("C", (), {"base_url": f"http://127.0.0.1:{http_port}"})()
+        assert wait_until(healthy, timeout=60), self.coordinator.describe()
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def test_api_keys(tmp_path):
+    c = ManualCluster(tmp_path, extra=["--api-keys", "k1,k2"])  # /health needs no key
+    try:
         with pytest.raises(openai.AuthenticationError) as e:
             oai(c, key="wrong").models.list()
         assert e.value.body["type"] == "authentication_error"
@@ -281,8 +297,32 @@ def test_api_keys(tmp_path):
         r = oai(c, key="k1").completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=3)
         assert r.usage.completion_tokens == 3
     finally:
-        for p in reversed(procs):
-            p.stop()
+        c.stop()
+
+
+def test_tls_with_the_api_ports_certificate(tmp_path):
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, cwd=tmp_path, capture_output=True)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+            "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout", "server.key", "-out", "server.pem")
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "server.pem"))
+    c = ManualCluster(tmp_path, scheme="https", ssl_context=ctx,
+                      extra=["--tls-cert", tmp_path / "server.pem", "--tls-key",
+                             tmp_path / "server.key"])
+    try:
+        client = oai(c, http_client=httpx.Client(verify=str(tmp_path / "server.pem")))
+        r = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        chunks = list(client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4,
+                                                temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == r.choices[0].text
+        # Plain HTTP on the TLS port gets no answer.
+        with pytest.raises((urllib.error.URLError, OSError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{c.http_port}/health", timeout=5).read()
+    finally:
+        c.stop()
 
 
 def blocks_used(c) -> int:
@@ -382,3 +422,26 @@ def test_penalties_and_logit_bias(api):
                                   logit_bias={str(forced): 3}, frequency_penalty=2.0,
                                   presence_penalty=2.0, extra_body={"ignore_eos": True})
     assert p.choices[0].text != r.choices[0].text
+
+
+def test_full_queues_are_429_and_no_worker_is_503(cluster, tmp_path):
+    c = http_cluster(cluster, tmp_path, extra=["--max-queue-depth", "0"],
+                     worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "1",
+                                  "--threads", "1"])
+    client = oai(c)
+    long = client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=400, stream=True,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    next(iter(long))
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4)
+    assert e.value.status_code == 429 and e.value.body["type"] == "rate_limit_error"
+    long.close()
+    c.workers[0].popen.kill()
+    c.workers[0].popen.wait()
+    assert wait_until(lambda: not c.serving_workers(), timeout=15)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4)
+    assert e.value.status_code == 503
+    with pytest.raises(urllib.error.HTTPError) as h:
+        urllib.request.urlopen(c.base_url + "/health", timeout=10)
+    assert h.value.code == 503
