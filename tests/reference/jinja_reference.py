@@ -15,6 +15,7 @@ named templates: "tool_use" when tools were given (not None) and the set has it,
 """
 
 import concurrent.futures
+import copy
 import functools
 import json
 import os
@@ -85,6 +86,9 @@ def _compile(source):
 def render(source, variables):
     """(True, text) or (False, "<ExceptionType>: message") for `source` with `variables` as its
     globals, as transformers renders."""
+    # A copy: a few jinja2 filters change their argument in place (indent on a list extends it
+    # with "\n"), and the caller sends the same variables to kvgrid.
+    variables = copy.deepcopy(variables)
     try:
         return True, _compile(source).render(**variables)
     except Exception as e:  # noqa: BLE001 -- any failure of jinja2 is a failure to compare
