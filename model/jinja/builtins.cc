@@ -440,17 +440,30 @@ bool ParseIntOverflows(const std::string& raw, int base) {
   std::string s = Strip(raw, nullptr, true, true);
   if (!s.empty() && (s[0] == '+' || s[0] == '-')) s = s.substr(1);
   if (s.empty() || base != 10) return false;
-  for (char c : s) {
-    if (!std::isdigit(static_cast<unsigned char>(c)) && c != '_') return false;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (std::isdigit(static_cast<unsigned char>(s[i]))) continue;
+    // An underscore only between two digits, as Python reads them.
+    if (s[i] != '_' || i == 0 || i + 1 >= s.size() || !std::isdigit(static_cast<unsigned char>(s[i - 1])) ||
+        !std::isdigit(static_cast<unsigned char>(s[i + 1]))) {
+      return false;
+    }
   }
-  return true;  // ParseInt refused a plain digit string: it overflowed
+  return true;  // ParseInt refused a well-formed digit string: it overflowed
 }
 
 std::optional<double> ParseFloat(const std::string& raw) {
   std::string s = Strip(raw, nullptr, true, true);
   std::string t;
-  for (char c : s) {
-    if (c != '_') t.push_back(c);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '_') {
+      t.push_back(s[i]);
+      continue;
+    }
+    // Python's float() takes an underscore only between two digits.
+    if (i == 0 || i + 1 >= s.size() || !std::isdigit(static_cast<unsigned char>(s[i - 1])) ||
+        !std::isdigit(static_cast<unsigned char>(s[i + 1]))) {
+      return std::nullopt;
+    }
   }
   if (t.empty()) return std::nullopt;
   std::string lower;
@@ -1161,6 +1174,12 @@ const absl::flat_hash_map<std::string, TestFn>& Tests() {
        }},
       {"callable", [](Interp&, const Value& v, CallArgs&) { return v.is_callable(); }},
       {"escaped", [](Interp&, const Value& v, CallArgs&) { return v.is_markup(); }},
+      {"filter", [](Interp&, const Value& v, CallArgs&) {
+         return v.is_string() && ResolveFilter(v.as_string()) != nullptr;
+       }},
+      {"test", [](Interp&, const Value& v, CallArgs&) {
+         return v.is_string() && ResolveTest(v.as_string()) != nullptr;
+       }},
       {"sameas", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& o = Arg(a, 0, "other", kNone);
          if (v.kind() != o.kind()) return false;
@@ -1605,11 +1624,15 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const std::string end = StrArg(in, a, 2, "end", "...");
          const int64_t leeway = IntArg(in, a, 3, "leeway", 5);
          a.CheckAllUsed(in, "truncate", 4);
+         const int64_t endlen0 = CodePointCount(end);
+         if (length < endlen0) in.Fail(absl::StrCat("AssertionError: expected length >= ", endlen0, ", got ", length));
+         if (leeway < 0) in.Fail(absl::StrCat("AssertionError: expected leeway >= 0, got ", leeway));
          if (!v.is_string() && !v.is_undefined()) {
            // jinja2 measures len(s) first: what is short enough comes back unchanged.
            int64_t n = -1;
            if (v.is_list()) n = static_cast<int64_t>(v.as_list().size());
            if (v.is_dict()) n = static_cast<int64_t>(v.as_dict().size());
+           if (v.is_iterator() && !SinglePass(v)) n = static_cast<int64_t>(v.as_iterator().items.size());
            if (n < 0) TypeError(in, absl::StrCat("object of type ", Q(v.TypeName()), " has no len()"));
            if (n <= length + leeway) return v;
            TypeError(in, absl::StrCat("truncate of a long ", v.TypeName(), " is not supported"));
@@ -1730,6 +1753,33 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          }
          (void)keyed;
          return Value(std::move(out));
+       }},
+      {"filesizeformat", [](Interp& in, const Value& v, CallArgs& a) {
+         const bool binary = BoolArg(a, 0, "binary", false);
+         a.CheckAllUsed(in, "filesizeformat", 1);
+         double bytes;
+         if (v.is_number()) {
+           bytes = v.as_float();
+         } else if (v.is_string() && ParseFloat(v.as_string())) {
+           bytes = *ParseFloat(v.as_string());
+         } else {
+           in.Fail(absl::StrCat("ValueError: could not convert ", v.TypeName(), " to float"));
+         }
+         const double base = binary ? 1024 : 1000;
+         static const char* const kDecimal[] = {"kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
+         static const char* const kBinary[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
+         if (bytes == 1) return Value("1 Byte");
+         if (bytes < base) return Value(absl::StrCat(static_cast<int64_t>(bytes), " Bytes"));
+         double unit = base;
+         for (int i = 0; i < 8; ++i) {
+           unit = std::pow(base, i + 2);
+           if (bytes < unit || i == 7) {
+             char buf[64];
+             std::snprintf(buf, sizeof buf, "%.1f %s", base * bytes / unit, binary ? kBinary[i] : kDecimal[i]);
+             return Value(std::string(buf));
+           }
+         }
+         return Value("");
        }},
       {"pprint", [](Interp&, const Value& v, CallArgs&) { return Value(v.Repr()); }},
       {"urlencode", [](Interp&, const Value& v, CallArgs&) {

@@ -671,8 +671,17 @@ Value Interp::Eval(const Expr& e) {
         }
         return Value(std::move(out));
       }
-      // jinja2 turns the failed subscript into an undefined value.
-      return Value::Undefined();
+      if (obj.is_iterator() && obj.as_iterator().type == IteratorState::Type::kRange) {
+        const List& l = obj.as_iterator().items;
+        List out;
+        for (int64_t i : SliceIndices(*this, static_cast<int64_t>(l.size()), parts[0], parts[1], parts[2])) {
+          out.push_back(l[static_cast<size_t>(i)]);
+        }
+        return Value(std::move(out));
+      }
+      // Python's own error: jinja2 compiles a slice as a plain subscript.
+      if (obj.is_dict()) TypeError(*this, "unhashable type: 'slice'");
+      TypeError(*this, absl::StrCat(Quoted(obj.TypeName()), " object is not subscriptable"));
     }
     case ExprKind::kCall:
       return EvalCall(e);
