@@ -1,9 +1,6 @@
 #include "coordinator/http_server.h"
 
-#include <sys/socket.h>
-
 #include <atomic>
-#include <cerrno>
 #include <deque>
 #include <thread>
 #include <utility>
@@ -79,6 +76,7 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   // Completions of the stream's operations (on the strand: the socket's executor is it).
   void OnReadDone(error_code ec) { OnRead(ec); }
   void OnWriteDone(error_code ec) { OnWrite(ec); }
+  void OnWatchDone(error_code ec, size_t n) { OnWatch(ec, n); }
   // On the strand.
   virtual void Post(std::function<void()> fn) = 0;
   // Ends the connection from outside (server stop); any thread.
@@ -136,6 +134,8 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   virtual beast::tcp_stream& Tcp() = 0;
   virtual void AsyncRead() = 0;
   virtual void AsyncWrite(const std::string& data) = 0;
+  // Reads what is available into `into` (at least one byte, or an error), then OnWatch.
+  virtual void AsyncWatchRead(beast::flat_buffer::mutable_buffers_type into) = 0;
 
   std::string KeepAliveHeader() const {
     return keep_alive_ ? "Connection: keep-alive\r\n" : "Connection: close\r\n";
@@ -199,16 +199,21 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
     DoRead();
   }
 
-  // Waits for the socket to become readable while a response is produced: an EOF or error then
-  // means the client went away.
+  // Reads while a response is produced, so that an EOF or error shows at once that the client
+  // went away. What arrives meanwhile (a pipelined request, a stray CRLF, a TLS close_notify
+  // before the FIN) is kept in buffer_, where the next request's read starts; were it left
+  // unread, a close after it would go unseen until the response's last write. Past
+  // kMaxWatchBytes the watch stops (TCP then holds the client back) and a disconnect shows at
+  // the next write.
+  static constexpr size_t kWatchChunk = 4096;
+  static constexpr size_t kMaxWatchBytes = 64 << 10;
   void StartWatch() {
     watching_ = true;
-    Tcp().socket().async_wait(
-        tcp::socket::wait_read,
-        [self = shared_from_this()](error_code ec) { self->OnWatch(ec); });
+    AsyncWatchRead(buffer_.prepare(kWatchChunk));
   }
-  void OnWatch(error_code ec) {
+  void OnWatch(error_code ec, size_t n) {
     watching_ = false;
+    buffer_.commit(n);
     if (read_after_watch_) {
       read_after_watch_ = false;
       DoRead();
@@ -219,16 +224,7 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
       if (ec != net::error::operation_aborted) MarkGone();
       return;
     }
-    char c;
-    const ssize_t n =
-        ::recv(Tcp().socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
-      MarkGone();
-    } else if (n < 0) {
-      StartWatch();
-    }
-    // n > 0: the client sent more (a pipelined request); it is read after this response, and
-    // a disconnect from now on shows at the next write.
+    if (buffer_.size() < kMaxWatchBytes) StartWatch();
   }
 
   // The client is gone (or the server stops): nothing more is written.
@@ -390,6 +386,11 @@ class PlainSession final : public SessionBase {
     net::async_write(stream_, net::buffer(data),
                      [self = shared_from_this()](error_code ec, size_t) { self->OnWriteDone(ec); });
   }
+  void AsyncWatchRead(beast::flat_buffer::mutable_buffers_type into) override {
+    stream_.async_read_some(into, [self = shared_from_this()](error_code ec, size_t n) {
+      self->OnWatchDone(ec, n);
+    });
+  }
 
   beast::tcp_stream stream_;
 };
@@ -424,6 +425,11 @@ class TlsSession final : public SessionBase {
   void AsyncWrite(const std::string& data) override {
     net::async_write(stream_, net::buffer(data),
                      [self = shared_from_this()](error_code ec, size_t) { self->OnWriteDone(ec); });
+  }
+  void AsyncWatchRead(beast::flat_buffer::mutable_buffers_type into) override {
+    stream_.async_read_some(into, [self = shared_from_this()](error_code ec, size_t n) {
+      self->OnWatchDone(ec, n);
+    });
   }
 
   beast::ssl_stream<beast::tcp_stream> stream_;

@@ -357,6 +357,41 @@ def test_disconnect_mid_stream_frees_kv(api):
     assert wait_until(lambda: blocks_used(api) == 0, timeout=10), api.status()
 
 
+@pytest.mark.parametrize("after_request", [b"", b"\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"],
+                         ids=["nothing", "stray-crlf", "pipelined-request"])
+def test_disconnect_during_a_non_streamed_response_frees_kv(api, after_request):
+    """A client that closes while its (non-streamed) response is produced aborts the request at
+    once, also when it sent more bytes after the request (a stray CRLF, a pipelined request, a
+    TLS close_notify): those are read while the response is produced, not left in the socket
+    where the close behind them would go unseen until the response's end."""
+    # 48 prompts of 500 tokens on 8 sequence slots: six rounds, far longer than the 2 s below.
+    body = json.dumps({"model": MODEL_ID, "prompt": [PROMPT] * 48, "max_tokens": 500,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    for attempt in range(3):
+        sock = socket.create_connection(("127.0.0.1", api.http_port), timeout=60)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        running = wait_until(lambda: blocks_used(api) > 0, timeout=10)
+        running = running and api.status().in_flight > 0
+        # Sent once the request was read: bytes that came with it are read with it.
+        if after_request:
+            sock.sendall(after_request)
+            time.sleep(0.2)
+        closed = time.monotonic()
+        sock.close()
+        if running:
+            break
+        time.sleep(1.0)
+    else:
+        raise AssertionError("3 times, the request was done before the client closed")
+    # An unseen close would keep it running to the end.
+    assert wait_until(lambda: api.status().in_flight == 0, timeout=2), api.status()
+    assert time.monotonic() - closed < 3
+    time.sleep(1.0)
+    assert wait_until(lambda: blocks_used(api) == 0, timeout=10), api.status()
+
+
 def test_curl_raw_sse_bytes(api):
     body = json.dumps({"model": MODEL_ID, "messages": CONVERSATION, "max_tokens": 4,
                        "temperature": 0, "stream": True, "ignore_eos": True})
