@@ -77,6 +77,14 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   void OnReadDone(error_code ec) { OnRead(ec); }
   void OnWriteDone(error_code ec) { OnWrite(ec); }
   void OnWatchDone(error_code ec, size_t n) { OnWatch(ec, n); }
+  void OnHeaderDone(error_code ec) { OnHeader(ec); }
+  void OnContinueDone(error_code ec) {
+    if (ec) {
+      Close();
+      return;
+    }
+    AsyncRead();
+  }
   // On the strand.
   virtual void Post(std::function<void()> fn) = 0;
   // Ends the connection from outside (server stop); any thread.
@@ -132,7 +140,11 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   using Parser = http::request_parser<http::string_body>;
 
   virtual beast::tcp_stream& Tcp() = 0;
+  // The request's header, then OnHeaderDone; its body (the parser's rest), then OnReadDone.
+  virtual void AsyncReadHeader() = 0;
   virtual void AsyncRead() = 0;
+  // Writes kContinue, then OnContinueDone.
+  virtual void AsyncWriteContinue() = 0;
   virtual void AsyncWrite(const std::string& data) = 0;
   // Reads what is available into `into` (at least one byte, or an error), then OnWatch.
   virtual void AsyncWatchRead(beast::flat_buffer::mutable_buffers_type into) = 0;
@@ -147,6 +159,25 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
     parser_->body_limit(server_->options.max_body_bytes);
     parser_->header_limit(64 << 10);
     Tcp().expires_after(server_->options.idle_timeout);
+    AsyncReadHeader();
+  }
+
+  // A client that sent `Expect: 100-continue` waits for "100 Continue" before it sends the
+  // body (curl for a second, others longer): it is sent once the header was read (and passed
+  // the limits), then the body is read.
+  static constexpr char kContinue[] = "HTTP/1.1 100 Continue\r\n\r\n";
+  void OnHeader(error_code ec) {
+    if (ec || parser_->is_done()) {
+      OnRead(ec);
+      return;
+    }
+    const auto& head = parser_->get();
+    const auto expect = head.find(http::field::expect);
+    if (head.version() >= 11 && expect != head.end() &&
+        beast::iequals(expect->value(), "100-continue")) {
+      AsyncWriteContinue();
+      return;
+    }
     AsyncRead();
   }
 
@@ -378,9 +409,20 @@ class PlainSession final : public SessionBase {
 
  private:
   beast::tcp_stream& Tcp() override { return stream_; }
+  void AsyncReadHeader() override {
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](error_code ec, size_t) { self->OnHeaderDone(ec); });
+  }
   void AsyncRead() override {
     http::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](error_code ec, size_t) { self->OnReadDone(ec); });
+  }
+  void AsyncWriteContinue() override {
+    net::async_write(stream_, net::buffer(kContinue, sizeof(kContinue) - 1),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->OnContinueDone(ec);
+                     });
   }
   void AsyncWrite(const std::string& data) override {
     net::async_write(stream_, net::buffer(data),
@@ -418,9 +460,20 @@ class TlsSession final : public SessionBase {
 
  private:
   beast::tcp_stream& Tcp() override { return beast::get_lowest_layer(stream_); }
+  void AsyncReadHeader() override {
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](error_code ec, size_t) { self->OnHeaderDone(ec); });
+  }
   void AsyncRead() override {
     http::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](error_code ec, size_t) { self->OnReadDone(ec); });
+  }
+  void AsyncWriteContinue() override {
+    net::async_write(stream_, net::buffer(kContinue, sizeof(kContinue) - 1),
+                     [self = shared_from_this()](error_code ec, size_t) {
+                       self->OnContinueDone(ec);
+                     });
   }
   void AsyncWrite(const std::string& data) override {
     net::async_write(stream_, net::buffer(data),

@@ -392,6 +392,32 @@ def test_disconnect_during_a_non_streamed_response_frees_kv(api, after_request):
     assert wait_until(lambda: blocks_used(api) == 0, timeout=10), api.status()
 
 
+def test_expect_100_continue(api):
+    """A client that sends `Expect: 100-continue` gets "100 Continue" before it sends the body
+    (without it, curl stalls a second and stricter clients wait for good)."""
+    body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", api.http_port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: " +
+                     str(len(body)).encode() + b"\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got:
+            data = sock.recv(4096)
+            assert data, got
+            got += data
+        assert got == b"HTTP/1.1 100 Continue\r\n\r\n", got
+        sock.sendall(body)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(4096)
+        assert got.startswith(b"HTTP/1.1 200"), got
+    # A body over the limit is refused from its header, with no 100 first.
+    with socket.create_connection(("127.0.0.1", api.http_port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: 999999999999\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
 def test_curl_raw_sse_bytes(api):
     body = json.dumps({"model": MODEL_ID, "messages": CONVERSATION, "max_tokens": 4,
                        "temperature": 0, "stream": True, "ignore_eos": True})
