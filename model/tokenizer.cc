@@ -14,6 +14,7 @@
 #include <sstream>
 #include <utility>
 
+#include "model/jinja/unicode.h"
 #include "model/json_util.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -89,24 +90,6 @@ std::string ToValidUtf8(std::string_view bytes) {
   return out;
 }
 
-void AppendUtf8(char32_t c, std::string* out) {
-  if (c < 0x80) {
-    out->push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (c >> 6)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (c >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (c >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((c >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
-}
-
 // Decodes a well-formed character of `len` bytes at s[i].
 char32_t DecodeUtf8(std::string_view s, size_t i, size_t len) {
   const auto b = [&](size_t k) { return static_cast<char32_t>(static_cast<uint8_t>(s[i + k])); };
@@ -169,7 +152,7 @@ struct ByteAlphabet {
 
   std::string ToText(uint8_t byte) const {
     std::string s;
-    AppendUtf8(byte_to_char[byte], &s);
+    jinja::AppendUtf8(byte_to_char[byte], &s);
     return s;
   }
 };

@@ -1,5 +1,6 @@
-// Code-point helpers for the Jinja interpreter: Python counts, slices, strips and changes the
-// case of strings by code point, while kvgrid keeps them as UTF-8.
+// Code-point helpers for the Jinja interpreter, whose strings Python counts, slices, strips and
+// changes the case of by code point, while kvgrid keeps them as UTF-8 (the tokenizer encodes
+// with AppendUtf8 too).
 #ifndef KVGRID_MODEL_JINJA_UNICODE_H_
 #define KVGRID_MODEL_JINJA_UNICODE_H_
 
