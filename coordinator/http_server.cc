@@ -193,10 +193,22 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   }
   void DoWrite() {
     writing_ = true;
+    ArmWriteTimer();
     AsyncWrite(out_.front().data);
+  }
+  // A write that makes no progress for write_timeout closes the connection (its pending write
+  // then fails, and the request is aborted as for a disconnect).
+  void ArmWriteTimer() {
+    if (!write_timer_) write_timer_.emplace(Tcp().get_executor());
+    write_timer_->expires_after(server_->options.write_timeout);
+    write_timer_->async_wait([self = shared_from_this(), id = ++write_id_](error_code ec) {
+      if (ec || !self->writing_ || self->write_id_ != id) return;
+      self->MarkGone();
+    });
   }
   void OnWrite(error_code ec) {
     writing_ = false;
+    if (write_timer_) write_timer_->cancel();
     Out done = std::move(out_.front());
     out_.pop_front();
     if (ec) {
@@ -309,6 +321,8 @@ class SessionBase : public std::enable_shared_from_this<SessionBase> {
   std::deque<Out> out_;
   uint64_t seq_ = 0;
   bool writing_ = false;
+  std::optional<net::steady_timer> write_timer_;
+  uint64_t write_id_ = 0;  // which write the timer watches
   bool in_response_ = false;
   bool head_sent_ = false;
   bool ended_ = false;

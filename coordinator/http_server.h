@@ -64,6 +64,10 @@ struct HttpServerOptions {
   size_t max_body_bytes = 32 << 20;
   // Reading one request, and waiting for the next on a kept-alive connection.
   std::chrono::milliseconds idle_timeout{std::chrono::seconds(60)};
+  // One write of a response: a client that accepts none of its bytes for this long is taken
+  // as gone and its request aborted, so a connected client that stopped reading cannot hold a
+  // request (paused by flow control) and its KV blocks forever.
+  std::chrono::milliseconds write_timeout{std::chrono::seconds(60)};
   // TLS: PEM certificate chain and key files (both or neither).
   std::optional<std::string> tls_cert;
   std::optional<std::string> tls_key;

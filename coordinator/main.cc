@@ -63,6 +63,8 @@ constexpr char kHelp[] =
     "  --http-threads N            threads of the HTTP server (default 2)\n"
     "  --http-idle-timeout-s S     reading a request, and a kept-alive connection's wait\n"
     "                              for the next (default 60)\n"
+    "  --http-write-timeout-s S    a response write the client accepts nothing of for S\n"
+    "                              seconds aborts its request (default 60)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes)\n"
     "  --worker-listen HOST:PORT   serve the worker API (registration, heartbeats) there in\n"
@@ -90,6 +92,7 @@ absl::Status Serve(Args& args) {
   const std::optional<std::string> http_listen = args.GetString("http-listen");
   KVGRID_ASSIGN_OR_RETURN(auto http_threads, args.GetInt("http-threads"));
   KVGRID_ASSIGN_OR_RETURN(auto http_idle_timeout, args.GetDouble("http-idle-timeout-s"));
+  KVGRID_ASSIGN_OR_RETURN(auto http_write_timeout, args.GetDouble("http-write-timeout-s"));
   const std::optional<std::string> health_listen = args.GetString("health-listen");
   const std::optional<std::string> worker_listen = args.GetString("worker-listen");
   const kvgrid::auth::TlsFiles tls{.cert = args.GetString("tls-cert"),
@@ -174,6 +177,13 @@ absl::Status Serve(Args& args) {
         return absl::InvalidArgumentError("--http-idle-timeout-s: must be > 0");
       }
       ho.idle_timeout = std::chrono::milliseconds(static_cast<int64_t>(*http_idle_timeout * 1000));
+    }
+    if (http_write_timeout) {
+      if (!(*http_write_timeout > 0) || *http_write_timeout > 86400) {
+        return absl::InvalidArgumentError("--http-write-timeout-s: must be in (0, 86400]");
+      }
+      ho.write_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(*http_write_timeout * 1000));
     }
     ho.tls_cert = tls.cert;
     ho.tls_key = tls.key;

@@ -392,6 +392,28 @@ def test_disconnect_during_a_non_streamed_response_frees_kv(api, after_request):
     assert wait_until(lambda: blocks_used(api) == 0, timeout=10), api.status()
 
 
+def test_a_client_that_stops_reading_is_dropped_after_the_write_timeout(module_cluster, tmp_path):
+    """A client that keeps its connection but reads nothing holds its stream only until a
+    write makes no progress for --http-write-timeout-s; then the request is aborted and its KV
+    blocks are freed, with the socket still open on the client's side."""
+    c = http_cluster(module_cluster, tmp_path, extra=["--http-write-timeout-s", "2"])
+    body = json.dumps({"model": MODEL_ID, "prompt": [PROMPT] * 64, "max_tokens": 480,
+                       "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    sock.connect(("127.0.0.1", c.http_port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        assert wait_until(lambda: blocks_used(c) > 0, timeout=10), c.status()
+        # Never read: the socket buffers fill, the relay pauses, a write stalls and times out.
+        assert wait_until(lambda: c.status().in_flight == 0, timeout=30), c.status()
+        assert wait_until(lambda: blocks_used(c) == 0, timeout=10), c.status()
+    finally:
+        sock.close()
+
+
 def test_expect_100_continue(api):
     """A client that sends `Expect: 100-continue` gets "100 Continue" before it sends the body
     (without it, curl stalls a second and stricter clients wait for good)."""
