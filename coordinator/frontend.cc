@@ -58,19 +58,6 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
   return reactor;
 }
 
-// The model named `name`, which must have a tokenizer. Errors: as ModelCatalog::Find, and
-// FAILED_PRECONDITION without a tokenizer.
-absl::StatusOr<const ServedModel*> WithTokenizer(const ModelCatalog& catalog,
-                                                 const std::string& name) {
-  absl::StatusOr<const ServedModel*> m = catalog.Find(name);
-  if (!m.ok()) return m.status();
-  if (!(*m)->tokenizer) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model '", (*m)->name, "' has no tokenizer (tokenizer.json or GGUF)"));
-  }
-  return m;
-}
-
 // The gRPC side of a relayed Generate call: the relay's sink, as a server write reactor.
 class GrpcGenerateStream final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
                                  public RelaySink {
@@ -263,7 +250,7 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
                                                       const v1::TokenizeRequest* request,
                                                       v1::TokenizeResponse* response) {
   if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
-  absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request->model());
   if (!m.ok()) return Done(context, m.status());
   absl::StatusOr<std::vector<int32_t>> ids = EncodeText(**m, request->text(), request->add_bos());
   if (!ids.ok()) return Done(context, ids.status());
@@ -275,7 +262,7 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
                                                         const v1::DetokenizeRequest* request,
                                                         v1::DetokenizeResponse* response) {
   if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
-  absl::StatusOr<const ServedModel*> m = WithTokenizer(*catalog_, request->model());
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request->model());
   if (!m.ok()) return Done(context, m.status());
   const std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
   absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(ids, request->skip_special_tokens());

@@ -411,68 +411,18 @@ void SessionBase::OnRead(error_code ec) {
   server_->handler(std::move(request), std::make_shared<Responder>(shared_from_this(), seq_));
 }
 
-class PlainSession final : public SessionBase {
+// The transport-specific half of a session: the same reads and writes on a plain TCP stream
+// or a TLS stream over one.
+template <typename Stream>
+class StreamSession : public SessionBase {
  public:
-  PlainSession(HttpServer::Impl* server, tcp::socket socket)
-      : SessionBase(server), stream_(std::move(socket)) {}
+  template <typename... StreamArgs>
+  StreamSession(HttpServer::Impl* server, StreamArgs&&... stream_args)
+      : SessionBase(server), stream_(std::forward<StreamArgs>(stream_args)...) {}
 
-  void Run() override {
-    Post([self = shared_from_this()] { static_cast<PlainSession*>(self.get())->DoRead(); });
-  }
   void Post(std::function<void()> fn) override { net::post(stream_.get_executor(), std::move(fn)); }
 
- private:
-  beast::tcp_stream& Tcp() override { return stream_; }
-  void AsyncReadHeader() override {
-    http::async_read_header(
-        stream_, buffer_, *parser_,
-        [self = shared_from_this()](error_code ec, size_t) { self->OnHeaderDone(ec); });
-  }
-  void AsyncRead() override {
-    http::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](error_code ec, size_t) { self->OnReadDone(ec); });
-  }
-  void AsyncWriteContinue() override {
-    net::async_write(stream_, net::buffer(kContinue, sizeof(kContinue) - 1),
-                     [self = shared_from_this()](error_code ec, size_t) {
-                       self->OnContinueDone(ec);
-                     });
-  }
-  void AsyncWrite(const std::string& data) override {
-    net::async_write(stream_, net::buffer(data),
-                     [self = shared_from_this()](error_code ec, size_t) { self->OnWriteDone(ec); });
-  }
-  void AsyncWatchRead(beast::flat_buffer::mutable_buffers_type into) override {
-    stream_.async_read_some(into, [self = shared_from_this()](error_code ec, size_t n) {
-      self->OnWatchDone(ec, n);
-    });
-  }
-
-  beast::tcp_stream stream_;
-};
-
-class TlsSession final : public SessionBase {
- public:
-  TlsSession(HttpServer::Impl* server, tcp::socket socket, net::ssl::context& ssl)
-      : SessionBase(server), stream_(std::move(socket), ssl) {}
-
-  void Run() override {
-    Post([self = shared_from_this()] {
-      auto* s = static_cast<TlsSession*>(self.get());
-      beast::get_lowest_layer(s->stream_).expires_after(s->server_->options.idle_timeout);
-      s->stream_.async_handshake(net::ssl::stream_base::server, [self](error_code ec) {
-        auto* s = static_cast<TlsSession*>(self.get());
-        if (ec) {
-          s->Close();
-          return;
-        }
-        s->DoRead();
-      });
-    });
-  }
-  void Post(std::function<void()> fn) override { net::post(stream_.get_executor(), std::move(fn)); }
-
- private:
+ protected:
   beast::tcp_stream& Tcp() override { return beast::get_lowest_layer(stream_); }
   void AsyncReadHeader() override {
     http::async_read_header(
@@ -499,7 +449,39 @@ class TlsSession final : public SessionBase {
     });
   }
 
-  beast::ssl_stream<beast::tcp_stream> stream_;
+  Stream stream_;
+};
+
+class PlainSession final : public StreamSession<beast::tcp_stream> {
+ public:
+  PlainSession(HttpServer::Impl* server, tcp::socket socket)
+      : StreamSession(server, std::move(socket)) {}
+
+  void Run() override {
+    Post([self = shared_from_this()] { static_cast<PlainSession*>(self.get())->DoRead(); });
+  }
+};
+
+class TlsSession final : public StreamSession<beast::ssl_stream<beast::tcp_stream>> {
+ public:
+  TlsSession(HttpServer::Impl* server, tcp::socket socket, net::ssl::context& ssl)
+      : StreamSession(server, std::move(socket), ssl) {}
+
+  // The handshake first, within the idle timeout.
+  void Run() override {
+    Post([self = shared_from_this()] {
+      auto* s = static_cast<TlsSession*>(self.get());
+      s->Tcp().expires_after(s->server_->options.idle_timeout);
+      s->stream_.async_handshake(net::ssl::stream_base::server, [self](error_code ec) {
+        auto* s = static_cast<TlsSession*>(self.get());
+        if (ec) {
+          s->Close();
+          return;
+        }
+        s->DoRead();
+      });
+    });
+  }
 };
 
 }  // namespace

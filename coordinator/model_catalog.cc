@@ -3,13 +3,11 @@
 #include <cstdio>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/gguf.h"
 #include "model/gguf_config.h"
 #include "model/gguf_tokenizer.h"
-#include "model/jinja/value.h"
 #include "model/json_util.h"
 #include "model/model_config.h"
 #include "model/special_tokens.h"
@@ -17,9 +15,6 @@
 
 namespace kvgrid::coordinator {
 namespace {
-
-namespace jinja = model::jinja;
-using std::string_view_literals::operator""sv;
 
 // Applies one --chat-template entry ("FILE" or "NAME=FILE") to `models`.
 absl::Status ApplyChatTemplateFlag(const std::string& entry,
@@ -149,6 +144,16 @@ absl::StatusOr<const ServedModel*> ModelCatalog::Find(const std::string& name) c
   }
   return absl::NotFoundError(absl::StrCat("model: '", name, "' is not served here (served: ",
                                           absl::StrJoin(names, ", "), ")"));
+}
+
+absl::StatusOr<const ServedModel*> ModelCatalog::FindWithTokenizer(const std::string& name) const {
+  absl::StatusOr<const ServedModel*> m = Find(name);
+  if (!m.ok()) return m.status();
+  if (!(*m)->tokenizer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model '", (*m)->name, "' has no tokenizer (tokenizer.json or GGUF)"));
+  }
+  return m;
 }
 
 absl::StatusOr<std::vector<int32_t>> EncodeText(const ServedModel& m, std::string_view text,

@@ -61,6 +61,9 @@ class ModelCatalog {
   // Errors: NOT_FOUND naming the model and listing those served; INVALID_ARGUMENT for an
   // empty name when several are served.
   absl::StatusOr<const ServedModel*> Find(const std::string& name) const;
+  // Find, for a model that must have a tokenizer (the text calls). Errors: as Find, and
+  // FAILED_PRECONDITION without a tokenizer.
+  absl::StatusOr<const ServedModel*> FindWithTokenizer(const std::string& name) const;
   [[nodiscard]] const std::vector<std::unique_ptr<ServedModel>>& models() const {
     return models_;
   }

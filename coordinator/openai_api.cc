@@ -345,12 +345,8 @@ void OpenAiApi::Tokenize(const HttpRequest& request,
                          const std::shared_ptr<HttpResponder>& responder) {
   absl::StatusOr<openai::TokenizeCall> call = openai::ParseTokenizeCall(request.body);
   if (!call.ok()) return RespondError(*responder, call.status());
-  absl::StatusOr<const ServedModel*> m = catalog_->Find(call->model);
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(call->model);
   if (!m.ok()) return RespondError(*responder, m.status());
-  if (!(*m)->tokenizer) {
-    return RespondError(*responder, absl::InvalidArgumentError(absl::StrCat(
-                                        "model: '", (*m)->name, "' has no tokenizer")));
-  }
   absl::StatusOr<std::vector<int32_t>> ids =
       call->prompt ? EncodeText(**m, *call->prompt,
                                 call->add_special_tokens && (*m)->bos_token_id.has_value())
@@ -366,12 +362,8 @@ void OpenAiApi::Detokenize(const HttpRequest& request,
                            const std::shared_ptr<HttpResponder>& responder) {
   absl::StatusOr<openai::DetokenizeCall> call = openai::ParseDetokenizeCall(request.body);
   if (!call.ok()) return RespondError(*responder, call.status());
-  absl::StatusOr<const ServedModel*> m = catalog_->Find(call->model);
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(call->model);
   if (!m.ok()) return RespondError(*responder, m.status());
-  if (!(*m)->tokenizer) {
-    return RespondError(*responder, absl::InvalidArgumentError(absl::StrCat(
-                                        "model: '", (*m)->name, "' has no tokenizer")));
-  }
   absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(call->tokens, false);
   if (!text.ok()) {
     return RespondError(*responder, absl::InvalidArgumentError(

@@ -6,6 +6,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "model/json_util.h"
 #include "nlohmann/json.hpp"
 
 namespace kvgrid::coordinator::openai {
@@ -21,37 +22,15 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
-// Refuses text nested deeper than kMaxJsonDepth before the parser sees it (it would recurse
-// that deep building and destroying values).
-absl::Status CheckDepth(absl::string_view text) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxJsonDepth) {
-        return Bad("body", absl::StrCat("JSON nested deeper than ", kMaxJsonDepth, " levels"));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Json> ParseObject(absl::string_view body) {
   if (body.size() > kMaxBodyBytes) {
     return Bad("body", absl::StrCat("larger than ", kMaxBodyBytes, " bytes"));
   }
-  if (absl::Status s = CheckDepth(body); !s.ok()) return s;
+  // Refused before the parser sees it, which would recurse that deep.
+  if (absl::Status s = model::CheckJsonDepth(std::string_view(body.data(), body.size()), "body");
+      !s.ok()) {
+    return s;
+  }
   Json j = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return Bad("body", "not valid JSON");
   if (!j.is_object()) return Bad("body", "must be a JSON object");

@@ -29,9 +29,8 @@
 
 namespace kvgrid::coordinator::openai {
 
-// Largest body and JSON nesting a request may have.
+// Largest body a request may have (its JSON nests at most model::kMaxJsonDepth levels).
 inline constexpr size_t kMaxBodyBytes = 32 << 20;
-inline constexpr int kMaxJsonDepth = 64;
 
 enum class Endpoint { kCompletions, kChat };
 

@@ -34,6 +34,11 @@ bool Exists(const std::filesystem::path& p) {
   return std::filesystem::is_regular_file(p, ec);
 }
 
+// A model is a directory or a .gguf file (whose side files sit beside it).
+bool IsGgufFile(const std::filesystem::path& model) {
+  return model.extension() == ".gguf" && Exists(model);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::FromSource(std::string_view source,
@@ -124,15 +129,10 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::FromFile(
 
 absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::ForModel(
     const std::filesystem::path& model) {
-  std::error_code ec;
-  const bool is_gguf = model.extension() == ".gguf" && std::filesystem::is_regular_file(model, ec);
+  const bool is_gguf = IsGgufFile(model);
   const std::filesystem::path dir = is_gguf ? model.parent_path() : model;
   // The special tokens (and possibly the template) of tokenizer_config.json.
-  std::unique_ptr<ChatTemplate> config;
-  if (const auto p = dir / "tokenizer_config.json"; Exists(p)) {
-    KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
-    KVGRID_ASSIGN_OR_RETURN(config, FromConfigJson(text, p.string()));
-  }
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<ChatTemplate> config, ReadTokenizerConfig(dir));
   std::unique_ptr<ChatTemplate> found;
   if (const auto p = dir / "chat_template.jinja"; !is_gguf && Exists(p)) {
     KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxTemplateBytes));
@@ -160,20 +160,22 @@ void ChatTemplate::InheritSpecialTokens(const ChatTemplate& other) {
   eos_token_ = other.eos_token_;
 }
 
+absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::ReadTokenizerConfig(
+    const std::filesystem::path& dir) {
+  const auto p = dir / "tokenizer_config.json";
+  if (!Exists(p)) return nullptr;
+  KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
+  return FromConfigJson(text, p.string());
+}
+
 absl::Status ChatTemplate::InheritSpecialTokens(const std::filesystem::path& model) {
-  std::error_code ec;
-  const bool is_gguf = model.extension() == ".gguf" && std::filesystem::is_regular_file(model, ec);
-  const std::filesystem::path dir = is_gguf ? model.parent_path() : model;
-  std::unique_ptr<ChatTemplate> tokens;
-  if (const auto p = dir / "tokenizer_config.json"; Exists(p)) {
-    KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
-    KVGRID_ASSIGN_OR_RETURN(tokens, FromConfigJson(text, p.string()));
-  } else if (is_gguf) {
+  const bool is_gguf = IsGgufFile(model);
+  KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<ChatTemplate> tokens,
+                          ReadTokenizerConfig(is_gguf ? model.parent_path() : model));
+  if (tokens == nullptr && is_gguf) {
     KVGRID_ASSIGN_OR_RETURN(tokens, FromGguf(model));
-  } else {
-    return absl::OkStatus();
   }
-  InheritSpecialTokens(*tokens);
+  if (tokens != nullptr) InheritSpecialTokens(*tokens);
   return absl::OkStatus();
 }
 

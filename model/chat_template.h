@@ -78,6 +78,9 @@ class ChatTemplate {
   // Builds from a tokenizer_config-like JSON object's "chat_template" and *_token fields.
   static absl::StatusOr<std::unique_ptr<ChatTemplate>> FromConfigJson(std::string_view json_text,
                                                                        const std::string& source);
+  // `dir`/tokenizer_config.json's template and special tokens; null when there is no such file.
+  static absl::StatusOr<std::unique_ptr<ChatTemplate>> ReadTokenizerConfig(
+      const std::filesystem::path& dir);
   // From a GGUF file's tokenizer.chat_template keys and special token ids.
   static absl::StatusOr<std::unique_ptr<ChatTemplate>> FromGguf(const std::filesystem::path& path);
 

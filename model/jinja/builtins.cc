@@ -655,9 +655,13 @@ void JsonValue(Interp& in, const Value& v, const JsonOptions& o, int level, std:
 
 std::string EscapeHtml(const std::string& s) { return HtmlEscape(s); }
 
-std::string ToJson(Interp& in, const Value& v, const Value& indent, const Value& separators,
-                   bool sort_keys) {
+namespace {
+
+// json.dumps(v, ensure_ascii, indent, separators, sort_keys), as transformers' tojson calls it.
+std::string ToJson(Interp& in, const Value& v, bool ensure_ascii, const Value& indent,
+                   const Value& separators, bool sort_keys) {
   JsonOptions o;
+  o.ensure_ascii = ensure_ascii;
   o.sort_keys = sort_keys;
   if (!indent.is_none() && !indent.is_undefined()) {
     o.indent = true;
@@ -684,27 +688,6 @@ std::string ToJson(Interp& in, const Value& v, const Value& indent, const Value&
   return out;
 }
 
-namespace {
-std::string ToJsonAscii(Interp& in, const Value& v, const Value& indent, const Value& seps,
-                        bool sort_keys, bool ensure_ascii) {
-  if (!ensure_ascii) return ToJson(in, v, indent, seps, sort_keys);
-  JsonOptions o;
-  o.ensure_ascii = true;
-  o.sort_keys = sort_keys;
-  if (!indent.is_none() && !indent.is_undefined()) {
-    o.indent = true;
-    o.indent_str = indent.is_string() ? indent.as_string()
-                                      : std::string(static_cast<size_t>(std::max<int64_t>(0, indent.as_int())), ' ');
-    o.item_sep = ",";
-  }
-  if (seps.is_list() && seps.as_list().size() == 2) {
-    o.item_sep = seps.as_list()[0].Str();
-    o.key_sep = seps.as_list()[1].Str();
-  }
-  std::string out;
-  JsonValue(in, v, o, 0, &out);
-  return out;
-}
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -720,7 +703,6 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
     if (args.is_dict()) mapping = &args;
   }
   size_t next = 0;
-  bool used_mapping = false;
   std::string out;
   for (size_t i = 0; i < fmt.size(); ++i) {
     if (fmt[i] != '%') {
@@ -737,7 +719,6 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
       const std::string key = fmt.substr(i + 1, close - i - 1);
       arg = mapping->Find(key);
       if (arg == nullptr) in.Fail(absl::StrCat("KeyError: ", Q(key)));
-      used_mapping = true;
       i = close + 1;
     }
     std::string flags;
@@ -860,7 +841,6 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
   if (mapping == nullptr && next < positional.size()) {
     TypeError(in, "not all arguments converted during string formatting");
   }
-  (void)used_mapping;
   return out;
 }
 
@@ -887,11 +867,7 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
   }
   std::string sign;
   if (i < rest.size() && (rest[i] == '+' || rest[i] == '-' || rest[i] == ' ')) sign = rest[i++];
-  bool alt = false;
-  if (i < rest.size() && rest[i] == '#') {
-    alt = true;
-    ++i;
-  }
+  if (i < rest.size() && rest[i] == '#') ++i;  // the alternate form changes nothing here
   if (i < rest.size() && rest[i] == '0') {
     if (align == '\0') {
       fill = "0";
@@ -916,7 +892,6 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
   char type = '\0';
   if (i < rest.size()) type = rest[i++];
   if (i != rest.size()) in.Fail("ValueError: Invalid format specifier");
-  (void)alt;
   if (v.is_undefined()) TypeError(in, "unsupported format string passed to Undefined.__format__");
   const char group = comma ? rest[rest.find_first_of(",_")] : '\0';
   std::string body;
@@ -1282,7 +1257,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const Value& seps = Arg(a, 2, "separators", kNone);
          const bool sort_keys = BoolArg(a, 3, "sort_keys", false);
          a.CheckAllUsed(in, "tojson", 4);
-         return Value(ToJsonAscii(in, v, indent, seps, sort_keys, ensure_ascii));
+         return Value(ToJson(in, v, ensure_ascii, indent, seps, sort_keys));
        }},
       {"trim", [](Interp& in, const Value& v, CallArgs& a) {
          const Value* chars = a.Get(0, "chars");
@@ -1735,7 +1710,6 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          a.CheckAllUsed(in, "groupby", 3);
          // Sorted by the key, then grouped; a group's grouper is its first item's key as
          // given (not case-folded).
-         std::vector<std::pair<Value, Value>> keyed;  // (sort key, item)
          std::vector<Value> raw_keys;
          List items = SortList(in, in.Iterate(v), false, case_sensitive, attribute);
          List out;
@@ -1751,7 +1725,6 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
              out.push_back(Value::Group(key, {item}));
            }
          }
-         (void)keyed;
          return Value(std::move(out));
        }},
       {"filesizeformat", [](Interp& in, const Value& v, CallArgs& a) {
@@ -1811,8 +1784,12 @@ const FilterFn* FindFilter(std::string_view name) {
 // ---------------------------------------------------------------------------------------------
 // Methods
 
-const std::vector<std::string_view>& StrMethods() {
-  static const auto* const m = new std::vector<std::string_view>{
+// The methods of each type (the mutating ones are refused, as the sandbox does); every
+// attribute of a dict (message.content) asks, hence sets.
+using NameSet = absl::flat_hash_set<std::string_view>;
+
+const NameSet& StrMethods() {
+  static const auto* const m = new NameSet{
       "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "upper", "lower",
       "replace", "title", "capitalize", "format", "find", "rfind", "index", "rindex", "count",
       "join", "splitlines", "isdigit", "isalpha", "isalnum", "isspace", "islower", "isupper",
@@ -1822,20 +1799,15 @@ const std::vector<std::string_view>& StrMethods() {
   return *m;
 }
 
-// Sets of the same names, since every attribute of a dict (message.content) asks.
-using NameSet = absl::flat_hash_set<std::string_view>;
-
-const std::vector<std::string_view>& DictMethods() {
-  static const auto* const m = new std::vector<std::string_view>{
-      "get", "items", "keys", "values", "copy", "pop", "popitem", "update", "setdefault",
-      "clear", "fromkeys"};
+const NameSet& DictMethods() {
+  static const auto* const m = new NameSet{"get", "items", "keys", "values", "copy", "pop",
+                                           "popitem", "update", "setdefault", "clear", "fromkeys"};
   return *m;
 }
 
-const std::vector<std::string_view>& ListMethods() {
-  static const auto* const m = new std::vector<std::string_view>{
-      "index", "count", "copy", "append", "extend", "insert", "pop", "remove", "clear",
-      "reverse", "sort"};
+const NameSet& ListMethods() {
+  static const auto* const m = new NameSet{"index", "count", "copy", "append", "extend", "insert",
+                                           "pop", "remove", "clear", "reverse", "sort"};
   return *m;
 }
 
@@ -2086,12 +2058,9 @@ bool ApplyTest(Interp& in, const std::string& name, const Value& v, CallArgs& ar
 }
 
 bool HasMethod(const Value& obj, const std::string& name) {
-  static const NameSet* const str = new NameSet(StrMethods().begin(), StrMethods().end());
-  static const NameSet* const dict = new NameSet(DictMethods().begin(), DictMethods().end());
-  static const NameSet* const list = new NameSet(ListMethods().begin(), ListMethods().end());
-  if (obj.is_string()) return str->contains(name);
-  if (obj.is_dict()) return dict->contains(name);
-  if (obj.is_list()) return list->contains(name);
+  if (obj.is_string()) return StrMethods().contains(name);
+  if (obj.is_dict()) return DictMethods().contains(name);
+  if (obj.is_list()) return ListMethods().contains(name);
   return false;
 }
 

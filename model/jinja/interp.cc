@@ -74,21 +74,19 @@ void FloatDivMod(double vx, double wx, double* div, double* mod) {
 
 Value RepeatSeq(Interp& in, const Value& seq, int64_t n) {
   if (n < 0) n = 0;
+  // Checked before anything is built: n may be huge. A list item counts as 16 bytes.
+  const size_t unit = seq.is_string() ? seq.as_string().size() : 16 * seq.as_list().size();
+  if (unit > 0 && static_cast<uint64_t>(n) > static_cast<uint64_t>(in.limits().max_output_bytes) / unit) {
+    in.CheckSize(static_cast<size_t>(in.limits().max_output_bytes) + 1);
+  }
   if (seq.is_string()) {
     const std::string& s = seq.as_string();
-    if (n > 0 && s.size() > 0) in.CheckSize(s.size() * static_cast<size_t>(std::min<int64_t>(n, INT64_MAX / std::max<size_t>(1, s.size()))));
-    if (!s.empty() && static_cast<uint64_t>(n) * s.size() > static_cast<uint64_t>(in.limits().max_output_bytes)) {
-      in.CheckSize(static_cast<size_t>(in.limits().max_output_bytes) + 1);
-    }
     std::string out;
     out.reserve(s.size() * static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) out += s;
     return Value(std::move(out));
   }
   const List& l = seq.as_list();
-  if (!l.empty() && static_cast<uint64_t>(n) * l.size() * 16 > static_cast<uint64_t>(in.limits().max_output_bytes)) {
-    in.CheckSize(static_cast<size_t>(in.limits().max_output_bytes) + 1);
-  }
   List out;
   for (int64_t i = 0; i < n; ++i) out.insert(out.end(), l.begin(), l.end());
   return seq.is_tuple() ? Value::Tuple(std::move(out)) : Value(std::move(out));
@@ -541,10 +539,8 @@ Value Interp::EvalFilter(const Expr& e, const Value* operand) {
 }
 
 bool Interp::EvalTest(const Expr& e) {
-  const Expr& operand = *e.items[0];
-  Value v;
-  // `x is defined` must not fail on an undefined x (but does on an attribute of one).
-  v = Eval(operand);
+  // An undefined x is a value here (`x is defined`); an attribute of one fails in Eval.
+  const Value v = Eval(*e.items[0]);
   CallArgs args;
   EvalArgs(e, 1, &args);
   pos_ = e.pos;
@@ -571,8 +567,7 @@ std::vector<int64_t> SliceIndices(Interp& in, int64_t len, const Value& start, c
   int64_t st = 1;
   if (auto s = as_index(step, "step")) st = *s;
   if (st == 0) in.Fail("ValueError: slice step cannot be zero");
-  int64_t lo, hi;
-  const auto clamp = [&](std::optional<int64_t> v, int64_t dflt, bool is_start) {
+  const auto clamp = [&](std::optional<int64_t> v, int64_t dflt) {
     if (!v) return dflt;
     int64_t x = *v;
     if (x < 0) {
@@ -581,11 +576,10 @@ std::vector<int64_t> SliceIndices(Interp& in, int64_t len, const Value& start, c
     } else if (x >= len) {
       x = st < 0 ? len - 1 : len;
     }
-    (void)is_start;
     return x;
   };
-  lo = clamp(as_index(start, "start"), st < 0 ? len - 1 : 0, true);
-  hi = clamp(as_index(stop, "stop"), st < 0 ? -1 : len, false);
+  const int64_t lo = clamp(as_index(start, "start"), st < 0 ? len - 1 : 0);
+  const int64_t hi = clamp(as_index(stop, "stop"), st < 0 ? -1 : len);
   std::vector<int64_t> idx;
   if (st > 0) {
     for (int64_t i = lo; i < hi; i += st) idx.push_back(i);
@@ -857,7 +851,6 @@ Value Interp::MakeMacro(const Node& n) {
 
 void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
   pos_ = n.pos;
-  if (iterable.is_undefined() && !iterable.undefined_name().empty() && false) FailUndefined(iterable);
   // With an `if` filter, jinja2 filters lazily: an item is tested only when the loop reaches
   // it, or when the body's loop.last / loop.length looks ahead to it.
   const List source = Iterate(iterable);

@@ -121,9 +121,6 @@ bool Contains(Interp& in, const Value& container, const Value& item);
 std::string EscapeHtml(const std::string& s);
 // `fmt % args` for strings.
 std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args);
-// json.dumps(v, ensure_ascii=False, indent, separators, sort_keys) as transformers' tojson.
-std::string ToJson(Interp& in, const Value& v, const Value& indent, const Value& separators,
-                   bool sort_keys);
 
 // The built-ins (builtins.cc). `filter` and `test` are the parser's ResolveFilter/ResolveTest.
 Value ApplyResolvedFilter(Interp& in, const void* filter, const Value& v, CallArgs& args);

@@ -707,8 +707,8 @@ class Parser {
       n->kind = NodeKind::kScope;
       if (word == "block") {
         ExpectName();
-        if (SkipName("scoped")) {}
-        if (SkipName("required")) {}
+        SkipName("scoped");
+        SkipName("required");
       }
       ExpectBlockEnd();
       const std::string end = word == "generation" ? "endgeneration" : "endblock";

@@ -27,7 +27,7 @@ class Value;
 using List = std::vector<Value>;
 using Dict = std::vector<std::pair<Value, Value>>;  // insertion order; keys unique
 
-struct Callable;  // a macro or a built-in function (template.cc)
+struct Callable;  // a macro, a built-in function or a bound method (interp.h)
 
 // What Python hands templates where jinja2's filters and dict methods return no list: a
 // generator (select, map, unique, ...), a reverse iterator, a dict view or a range. Their
