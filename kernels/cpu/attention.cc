@@ -17,6 +17,14 @@
 #include "kernels/cpu/vec.h"
 
 namespace kvgrid::kernels::cpu {
+namespace {
+
+// First position a query with `ctx` positions of context (it sits at ctx - 1) attends to.
+int64_t WindowStart(int64_t ctx, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+}
+
+}  // namespace
 
 absl::Status PagedAttentionParams::Validate() const {
   if (!query || !output || !k_cache || !v_cache || !block_tables || !seq_lens || !query_start) {
@@ -27,6 +35,10 @@ absl::Status PagedAttentionParams::Validate() const {
       head_dim % 2 != 0) {
     return absl::InvalidArgumentError(
         "PagedAttentionParams: sizes out of range (head_dim must be even)");
+  }
+  if (window < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("PagedAttentionParams.window: must be >= 0, got ", window));
   }
   for (auto [meta, dtype, name] : {std::tuple{k_meta, k_dtype, "k_meta"},
                                    std::tuple{v_meta, v_dtype, "v_meta"}}) {
@@ -58,7 +70,9 @@ absl::Status PagedAttentionParams::Validate() const {
                                                      " needs ", blocks, " blocks, table has ",
                                                      max_blocks_per_seq));
     }
-    for (int64_t b = 0; b < blocks; ++b) {
+    // The first query sees the lowest keys; blocks before its window may be holes.
+    const int64_t first_key = WindowStart(seq_lens[s] - q_len + 1, window);
+    for (int64_t b = first_key / block_size; b < blocks; ++b) {
       const int32_t id = block_tables[s * max_blocks_per_seq + b];
       if (id < 0 || id >= num_blocks) {
         return absl::InvalidArgumentError(absl::StrCat("PagedAttentionParams.block_tables[", s,
@@ -132,7 +146,11 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   int64_t split_positions = 0;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.query_start[s + 1] - p.query_start[s];
-    if (q_len <= kMaxSplitQueries) split_positions += q_len * p.seq_lens[s];
+    if (q_len <= kMaxSplitQueries) {
+      const int64_t seen = p.window > 0 ? std::min<int64_t>(p.window, p.seq_lens[s])
+                                        : p.seq_lens[s];
+      split_positions += q_len * seen;
+    }
   }
   const int64_t threads = omp_get_max_threads();
   const int64_t chunk_tokens = std::clamp(split_positions / (kItemsPerThread * threads),
@@ -143,21 +161,24 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
     for (int64_t t = p.query_start[s]; t < p.query_start[s + 1]; ++t) {
       token_seq[t] = static_cast<int32_t>(s);
       const int64_t ctx = p.seq_lens[s] - q_len + (t - p.query_start[s]) + 1;
+      const int64_t lo = WindowStart(ctx, p.window);
       if (q_len > kMaxSplitQueries) {
-        for (int64_t g = 0; g < p.num_kv_heads; ++g) items.push_back({t, g, g + 1, 0, ctx, -1});
+        for (int64_t g = 0; g < p.num_kv_heads; ++g) items.push_back({t, g, g + 1, lo, ctx, -1});
         continue;
       }
-      const int64_t blocks = (ctx + bs - 1) / bs;
+      const int64_t base = lo / bs * bs;  // chunks cut at block boundaries
+      const int64_t blocks = (ctx - base + bs - 1) / bs;
       const int64_t chunks = (blocks + chunk_blocks - 1) / chunk_blocks;
       if (chunks == 1) {
-        items.push_back({t, 0, p.num_kv_heads, 0, ctx, -1});
+        items.push_back({t, 0, p.num_kv_heads, lo, ctx, -1});
         continue;
       }
-      // Even chunks, whole blocks each.
+      // Even chunks, whole blocks each (the first starts at the window).
       const int64_t per = (blocks + chunks - 1) / chunks * bs;
       int64_t parts = 0;
-      for (int64_t b = 0; b < ctx; b += per) {
-        items.push_back({t, 0, p.num_kv_heads, b, std::min(ctx, b + per), num_parts + parts});
+      for (int64_t b = base; b < ctx; b += per) {
+        items.push_back({t, 0, p.num_kv_heads, std::max(b, lo), std::min(ctx, b + per),
+                         num_parts + parts});
         ++parts;
       }
       splits.push_back({t, num_parts, parts});
@@ -188,14 +209,19 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       const int32_t* table = p.block_tables + s * p.max_blocks_per_seq;
       scores.resize(heads * len);
 
-      // One block's rows of KV heads g0.. are consecutive in both planes.
-      auto first_row = [&](int64_t j) { return (table[j / bs] * p.num_kv_heads + g0) * bs; };
+      // One block's rows of KV heads g0.. are consecutive in both planes; position j is row
+      // j % bs of its block (a window may start mid-block).
+      auto first_row = [&](int64_t j) {
+        return (table[j / bs] * p.num_kv_heads + g0) * bs + j % bs;
+      };
+      // Positions [j, next_block(j)) lie in one block.
+      auto next_block = [bs](int64_t j) { return (j / bs + 1) * bs; };
       auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
                           int64_t j) {
         if (j >= end) return;
         const int64_t row = first_row(j);
         // Rows past the context in a partial last block are still inside the block.
-        const int64_t rows = ng == 1 ? std::min(bs, end - j) : ng * bs;
+        const int64_t rows = ng == 1 ? std::min(next_block(j), end) - j : ng * bs - j % bs;
         Prefetch(values + row * l.value_bytes, rows * l.value_bytes);
         if (meta) Prefetch(meta + row * l.meta_bytes, rows * l.meta_bytes);
       };
@@ -210,9 +236,9 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         prepared = static_cast<std::byte*>(std::align(64, bytes, aligned, space));
         if (!kk.prepare_query(q, hd, heads, prepared)) prepared = nullptr;
       }
-      for (int64_t j = begin; j < end; j += bs) {
+      for (int64_t j = begin; j < end; j = next_block(j)) {
         prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
-        const int64_t rows = std::min(bs, end - j);
+        const int64_t rows = std::min(next_block(j), end) - j;
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
           const std::byte* values = k_values + row * kl.value_bytes;
@@ -239,9 +265,9 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       float* out = w.part >= 0 ? part_out.data() + w.part * nh * hd
                                : p.output + (t * nh + g0 * group) * hd;
       std::memset(out, 0, sizeof(float) * heads * hd);
-      for (int64_t j = begin; j < end; j += bs) {
+      for (int64_t j = begin; j < end; j = next_block(j)) {
         prefetch(v_values, v_meta, vl, j + kPrefetchBlocks * bs);
-        const int64_t rows = std::min(bs, end - j);
+        const int64_t rows = std::min(next_block(j), end) - j;
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
           vk.axpy(v_values + row * vl.value_bytes,

@@ -2,8 +2,11 @@
 //
 // One kernel serves prefill, chunked prefill and decode: sequence s contributes query tokens
 // [query_start[s], query_start[s+1]); they are the last tokens of its context of seq_lens[s]
-// tokens, so query token i of s sits at position seq_lens[s] - q_len + i and attends to
-// positions 0..that position. The K/V of those tokens must already be written (KvWrite).
+// tokens, so query token i of s sits at position p = seq_lens[s] - q_len + i and attends to
+// positions 0..p, or with a sliding window W > 0 to positions p - W < j <= p (Mistral's and
+// Qwen2's definition, as in transformers). The K/V of those tokens must already be written
+// (KvWrite). Table entries of blocks wholly before the window of a sequence's first query are
+// never read: the block manager frees such blocks and leaves holes (-1) there.
 // Grouped-query attention: query head h reads KV head h / (num_heads / num_kv_heads).
 //
 // K and V may have different dtypes. Quantized rows are decoded inside the kernel's dot
@@ -42,6 +45,9 @@ struct PagedAttentionParams {
   int64_t block_size = 0;
   int64_t head_dim = 0;
   float scale = 0.f;                     // usually 1 / sqrt(head_dim)
+  // Sliding window in tokens (the layer's; 0 = full causal attention): query position p sees
+  // keys p - window < j <= p.
+  int64_t window = 0;
   // kFast lets int8 K/V use integer dot products that round the queries and the softmax
   // weights to int8 (kernels/cpu/kv_int8_vnni.h); kExact keeps fp32 arithmetic on the
   // decoded rows.
@@ -50,7 +56,9 @@ struct PagedAttentionParams {
   // INVALID_ARGUMENT naming the field: null pointers (a meta plane is required exactly when
   // its dtype has metadata), an odd head_dim, heads not divisible by kv heads,
   // query_start not a prefix sum ending at num_tokens, a sequence with more queries than
-  // context or more context than its block table, a block id outside the arena.
+  // context or more context than its block table, a negative window, a block id outside the
+  // arena among the blocks the queries read (those from the window of the sequence's first
+  // query on).
   absl::Status Validate() const;
 };
 

@@ -10,6 +10,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -28,6 +29,10 @@ struct Case {
   std::optional<KvDType> v_dtype = std::nullopt;
   KvKernelPrecision precision = KvKernelPrecision::kExact;
   double tolerance = 1e-5;  // max |output - reference|
+  // Sliding window (0: full attention). With a window, table entries of blocks wholly before
+  // the window of each sequence's first query are made holes (-1), as the block manager
+  // leaves them: the kernel must not read them.
+  int64_t window = 0;
 };
 
 // Dense reference: K/V per sequence as [ctx, kv_heads, head_dim] in fp64.
@@ -107,6 +112,12 @@ void RunCase(const Case& c, uint64_t seed) {
     }
   }
 
+  if (c.window > 0) {
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t first_key = std::max<int64_t>(0, c.ctx_lens[s] - c.q_lens[s] + 1 - c.window);
+      for (int64_t b = 0; b < first_key / c.block_size; ++b) tables[s * max_blocks + b] = -1;
+    }
+  }
   std::vector<int32_t> query_start(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) query_start[s + 1] = query_start[s] + c.q_lens[s];
   const int64_t num_tokens = query_start[num_seqs];
@@ -134,6 +145,7 @@ void RunCase(const Case& c, uint64_t seed) {
                               .block_size = c.block_size,
                               .head_dim = c.head_dim,
                               .scale = scale,
+                              .window = c.window,
                               .precision = c.precision})
                   .ok());
 
@@ -146,9 +158,11 @@ void RunCase(const Case& c, uint64_t seed) {
       for (int64_t h = 0; h < c.heads; ++h) {
         const int64_t g = h / group;
         const float* qv = q.data() + (t * c.heads + h) * c.head_dim;
-        std::vector<double> w(pos + 1);
+        // Keys lo..pos: pos - window < j <= pos with a window.
+        const int64_t lo = c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0;
+        std::vector<double> w(pos + 1, 0.0);
         double max = -1e300;
-        for (int64_t j = 0; j <= pos; ++j) {
+        for (int64_t j = lo; j <= pos; ++j) {
           double dot = 0;
           for (int64_t d = 0; d < c.head_dim; ++d) {
             dot += static_cast<double>(qv[d]) * k_dense[s][j * kv_row + g * c.head_dim + d];
@@ -157,10 +171,10 @@ void RunCase(const Case& c, uint64_t seed) {
           max = std::max(max, w[j]);
         }
         double sum = 0;
-        for (double& x : w) sum += (x = std::exp(x - max));
+        for (int64_t j = lo; j <= pos; ++j) sum += (w[j] = std::exp(w[j] - max));
         for (int64_t d = 0; d < c.head_dim; ++d) {
           double acc = 0;
-          for (int64_t j = 0; j <= pos; ++j) {
+          for (int64_t j = lo; j <= pos; ++j) {
             acc += w[j] / sum * v_dense[s][j * kv_row + g * c.head_dim + d];
           }
           max_err = std::max(max_err,
@@ -227,6 +241,55 @@ TEST(PagedAttentionTest, FastInt8KernelsStayCloseToReference) {
     RunCase({4, 1, 34, 32, {40, 1}, {1, 1}, k, v, fast, 0.05}, 22);
     RunCase({14, 2, 64, 16, {3000, 700, 40}, {1, 1, 12}, k, v, fast, 0.05}, 23);
   }
+}
+
+// Sliding windows: decode and prefill, windows shorter and longer than a block, starting
+// mid-block, a chunk after cached tokens, long decode contexts split into chunks, every
+// dtype, with the blocks before each window made holes.
+TEST(PagedAttentionTest, SlidingWindowMatchesDenseReference) {
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16, KvDType::kInt8,
+                        KvDType::kInt4, KvDType::kFp8E4m3}) {
+    for (int64_t window : {1, 5, 24, 100}) {
+      Case c{8, 2, 64, 16, {200, 57, 23, 3000, 40}, {1, 57, 9, 1, 12}, dtype};
+      c.window = window;
+      RunCase(c, 30 + window);
+    }
+  }
+  // The fast int8 kernels on windowed rows (mid-block starts hit the prepared-query path).
+  Case fast{8, 2, 128, 16, {200, 70, 3000}, {1, 20, 1}, KvDType::kInt8, std::nullopt,
+            KvKernelPrecision::kFast, 0.05};
+  fast.window = 24;
+  RunCase(fast, 40);
+  // A window past the context is full attention.
+  Case wide{4, 2, 32, 8, {30, 30}, {30, 1}, KvDType::kF32};
+  wide.window = 4096;
+  RunCase(wide, 41);
+}
+
+TEST(PagedAttentionTest, NegativeWindowIsRejected) {
+  std::vector<float> q(32), out(32);
+  std::vector<float> kv(8 * 32);
+  const int32_t table = 0, len = 1;
+  const int32_t qs[2] = {0, 1};
+  const absl::Status st = PagedAttention({.query = q.data(),
+                                          .output = out.data(),
+                                          .k_cache = kv.data(),
+                                          .v_cache = kv.data(),
+                                          .block_tables = &table,
+                                          .seq_lens = &len,
+                                          .query_start = qs,
+                                          .num_seqs = 1,
+                                          .num_tokens = 1,
+                                          .max_blocks_per_seq = 1,
+                                          .num_blocks = 1,
+                                          .num_heads = 1,
+                                          .num_kv_heads = 1,
+                                          .block_size = 8,
+                                          .head_dim = 32,
+                                          .scale = 1.f,
+                                          .window = -1});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("window"), std::string::npos) << st;
 }
 
 TEST(PagedAttentionTest, RandomShapes) {
@@ -326,6 +389,40 @@ TEST(PagedAttentionTest, RejectsBlockOutsideArena) {
                                    .scale = 0.25f});
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(s.message()).find("outside the arena"), std::string::npos);
+}
+
+// A hole (-1) is fine before the window of the first query, and an error inside it.
+TEST(PagedAttentionTest, HolesOnlyBeforeTheWindow) {
+  std::vector<float> q(2 * 16), out(2 * 16);
+  std::vector<float> cache(3 * 8 * 16);
+  std::vector<int32_t> table = {-1, 1, 2};
+  const int32_t lens[] = {20};
+  const int32_t starts[] = {0, 2};
+  PagedAttentionParams p{.query = q.data(),
+                         .output = out.data(),
+                         .k_cache = cache.data(),
+                         .v_cache = cache.data(),
+                         .block_tables = table.data(),
+                         .seq_lens = lens,
+                         .query_start = starts,
+                         .num_seqs = 1,
+                         .num_tokens = 2,
+                         .max_blocks_per_seq = 3,
+                         .num_blocks = 3,
+                         .num_heads = 1,
+                         .num_kv_heads = 1,
+                         .block_size = 8,
+                         .head_dim = 16,
+                         .scale = 0.25f,
+                         .window = 10};
+  // Queries at 18 and 19: the first sees 9..18, so block 0 (0..7) is never read.
+  EXPECT_TRUE(PagedAttention(p).ok());
+  p.window = 11;  // the first query now sees position 8 of block 1 only: still fine
+  EXPECT_TRUE(PagedAttention(p).ok());
+  p.window = 12;  // it sees position 7, in the hole
+  EXPECT_EQ(PagedAttention(p).code(), absl::StatusCode::kInvalidArgument);
+  p.window = 0;
+  EXPECT_EQ(PagedAttention(p).code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace
