@@ -43,6 +43,11 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
   }
   c.head_dim =
       f.GetInt(arch + ".attention.key_length").value_or(c.hidden_size / c.num_attention_heads);
+  // llama.cpp writes Mistral's window for every layer.
+  if (auto window = f.GetInt(arch + ".attention.sliding_window"); window.ok() && *window > 0) {
+    c.sliding_window = *window;
+    c.sliding_layers.assign(c.num_hidden_layers, true);
+  }
   c.tie_word_embeddings = !f.tensors().contains("output.weight");
   c.attention_bias = f.tensors().contains("blk.0.attn_q.bias");
   if (auto bos = f.GetInt("tokenizer.ggml.bos_token_id"); bos.ok()) c.bos_token_id = *bos;

@@ -12,7 +12,8 @@ namespace kvgrid::model {
 
 // general.architecture llama or qwen2 with its <arch>.* hyperparameters; vocab_size from
 // token_embd.weight's rows; tie_word_embeddings when there is no output.weight;
-// attention_bias when blk.0.attn_q.bias exists; BOS/EOS from tokenizer.ggml.bos_token_id and
+// attention_bias when blk.0.attn_q.bias exists; <arch>.attention.sliding_window, when present
+// and positive, on every layer; BOS/EOS from tokenizer.ggml.bos_token_id and
 // eos_token_id when present. torch_dtype stays empty (GGUF tensors carry their own types).
 // Errors: NOT_FOUND naming a missing key or tensor; UNIMPLEMENTED for another architecture
 // or RoPE scaling (rope_freqs.weight); INVALID_ARGUMENT naming the file for inconsistent

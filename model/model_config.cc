@@ -1,5 +1,6 @@
 #include "model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -276,6 +277,45 @@ absl::Status ParseQuantization(const FieldReader& r, QuantizationConfig* out) {
   return absl::OkStatus();
 }
 
+// Which layers use the sliding window, as transformers decides: Qwen2-family configs carry a
+// sliding_window that use_sliding_window (default false there) switches on for layers
+// >= max_window_layers (default 28), newer ones a layer_types list that wins; Mistral's (and
+// any other config's) sliding_window applies to every layer.
+absl::Status ParseSlidingLayers(const FieldReader& r, int64_t window, ModelConfig* config) {
+  const int64_t layers = config->num_hidden_layers;
+  const bool qwen = config->model_type.starts_with("qwen");
+  std::optional<bool> use;
+  KVGRID_ASSIGN_OR_RETURN(use, r.Bool("use_sliding_window"));
+  config->sliding_window = 0;
+  config->sliding_layers.clear();
+  if (window <= 0 || !use.value_or(!qwen)) return absl::OkStatus();
+  std::vector<bool> sliding(layers, true);
+  if (const Json* types = r.Find("layer_types")) {
+    if (!types->is_array() || static_cast<int64_t>(types->size()) != layers) {
+      return r.Error("layer_types", absl::StrCat("expected a list of ", layers,
+                                                 " strings, got ", DescribeJson(*types)));
+    }
+    for (int64_t i = 0; i < layers; ++i) {
+      const Json& t = (*types)[i];
+      if (t == "sliding_attention") continue;
+      if (t != "full_attention") {
+        return r.Error(absl::StrCat("layer_types[", i, "]"),
+                       absl::StrCat("expected \"sliding_attention\" or \"full_attention\", got ",
+                                    DescribeJson(t)));
+      }
+      sliding[i] = false;
+    }
+  } else if (qwen || r.Has("max_window_layers")) {
+    std::optional<int64_t> first;
+    KVGRID_ASSIGN_OR_RETURN(first, r.Int("max_window_layers"));
+    for (int64_t i = 0; i < std::min<int64_t>(first.value_or(28), layers); ++i) sliding[i] = false;
+  }
+  if (std::find(sliding.begin(), sliding.end(), true) == sliding.end()) return absl::OkStatus();
+  config->sliding_window = window;
+  config->sliding_layers = std::move(sliding);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source) {
@@ -452,9 +492,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   if (window.has_value() && *window < 0) {
     return r.Error("sliding_window", absl::StrCat(*window, " is negative"));
   }
-  // Qwen2 configs carry a sliding_window value that is switched off by use_sliding_window.
-  KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("use_sliding_window"));
-  config.sliding_window = flag.value_or(true) ? window.value_or(0) : 0;
+  KVGRID_RETURN_IF_ERROR(ParseSlidingLayers(r, window.value_or(0), &config));
 
   if (const Json* q = r.Find("quantization_config")) {
     if (!q->is_object()) {

@@ -63,8 +63,31 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;  // from config.json; may be empty
   int64_t bos_token_id = -1;           // -1 when absent
   std::string torch_dtype;             // "bfloat16", "float16", "float32" or empty
-  int64_t sliding_window = 0;          // 0 = none (informational; full attention is used)
+  // Sliding-window attention (Mistral; Qwen2 with use_sliding_window): a sliding layer's query
+  // at position i attends to keys i - sliding_window < j <= i, as in transformers. 0: none.
+  int64_t sliding_window = 0;
+  // Which layers slide, one entry per layer; empty when no layer does. Mistral (and GGUF's
+  // <arch>.attention.sliding_window): every layer; Qwen2: layers >= max_window_layers, or
+  // those `layer_types` marks "sliding_attention".
+  std::vector<bool> sliding_layers;
   QuantizationConfig quantization;     // from `quantization_config`; method kNone when absent
+
+  // The attention window of `layer` in tokens; 0 = full attention.
+  [[nodiscard]] int64_t LayerWindow(int64_t layer) const {
+    return layer >= 0 && layer < static_cast<int64_t>(sliding_layers.size()) &&
+                   sliding_layers[layer]
+               ? sliding_window
+               : 0;
+  }
+  // The window that bounds a sequence's KV: sliding_window when every layer slides (blocks
+  // before the window can then be freed, since one block id indexes every layer), else 0.
+  [[nodiscard]] int64_t KvWindow() const {
+    if (sliding_window <= 0 || sliding_layers.empty()) return 0;
+    for (bool slides : sliding_layers) {
+      if (!slides) return 0;
+    }
+    return sliding_window;
+  }
 };
 
 // Parses config.json text. `source` names the file in error messages.

@@ -79,6 +79,21 @@ TEST(GgufConfigTest, OptionalKeysAndTensors) {
   EXPECT_THAT(c->eos_token_ids, ElementsAre(4));
 }
 
+TEST(GgufConfigTest, SlidingWindowAppliesToEveryLayer) {
+  auto c = ConfigOf(Llama());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_EQ(c->KvWindow(), 0);
+  gguf_test::GgufTestWriter w = Llama();
+  w.U32("llama.attention.sliding_window", 24);
+  c = ConfigOf(w, "window.gguf");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 24);
+  EXPECT_EQ(c->LayerWindow(0), 24);
+  EXPECT_EQ(c->LayerWindow(1), 24);
+  EXPECT_EQ(c->KvWindow(), 24);
+}
+
 TEST(GgufConfigTest, OtherArchitecturesAreRefused) {
   auto c = ConfigOf(Llama("gemma"), "gemma.gguf");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented);

@@ -346,6 +346,59 @@ TEST(ModelConfigTest, Mistral7B) {
   EXPECT_FALSE(c->tie_word_embeddings);
 }
 
+TEST(ModelConfigTest, MistralWindowSlidesEveryLayer) {
+  absl::StatusOr<ModelConfig> c = ParseModelConfig(kMistral7B, "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->sliding_layers.size(), 32u);
+  for (int64_t layer = 0; layer < 32; ++layer) EXPECT_EQ(c->LayerWindow(layer), 4096);
+  EXPECT_EQ(c->KvWindow(), 4096);
+}
+
+// Qwen2: the window is off unless use_sliding_window, then on for layers >= max_window_layers
+// (default 28); layer_types, where present, decides.
+TEST(ModelConfigTest, Qwen2SlidingLayers) {
+  auto parse = [](const std::string& extra) {
+    return ParseModelConfig(
+        std::string(R"({"model_type": "qwen2", "vocab_size": 10, "hidden_size": 16,
+                        "intermediate_size": 32, "num_hidden_layers": 4,
+                        "num_attention_heads": 2, "sliding_window": 64)") +
+            extra + "}",
+        "config.json");
+  };
+  absl::StatusOr<ModelConfig> c = parse("");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 0);  // use_sliding_window defaults to false
+  EXPECT_EQ(c->KvWindow(), 0);
+  c = parse(R"(, "use_sliding_window": true, "max_window_layers": 2)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 64);
+  EXPECT_EQ(c->LayerWindow(0), 0);
+  EXPECT_EQ(c->LayerWindow(1), 0);
+  EXPECT_EQ(c->LayerWindow(2), 64);
+  EXPECT_EQ(c->LayerWindow(3), 64);
+  EXPECT_EQ(c->KvWindow(), 0);  // mixed: the KV is not bounded
+  c = parse(R"(, "use_sliding_window": true, "max_window_layers": 0)");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->KvWindow(), 64);
+  c = parse(R"(, "use_sliding_window": true)");  // max_window_layers 28 >= 4 layers: none
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sliding_window, 0);
+  EXPECT_TRUE(c->sliding_layers.empty());
+  c = parse(R"(, "use_sliding_window": true, "layer_types": ["full_attention",
+             "sliding_attention", "full_attention", "sliding_attention"])");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->LayerWindow(0), 0);
+  EXPECT_EQ(c->LayerWindow(1), 64);
+  EXPECT_EQ(c->LayerWindow(2), 0);
+  EXPECT_EQ(c->LayerWindow(3), 64);
+  c = parse(R"(, "use_sliding_window": true, "layer_types": ["full_attention"])");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(c.status().message()).find("layer_types"), std::string::npos);
+  c = parse(R"(, "use_sliding_window": true, "layer_types": ["a", "b", "c", "d"])");
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(c.status().message()).find("layer_types[0]"), std::string::npos);
+}
+
 TEST(ModelConfigTest, Mistral7BV03WithNullHeadDimAndWindow) {
   absl::StatusOr<ModelConfig> c = ParseModelConfig(kMistral7B_v03, "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
