@@ -95,16 +95,60 @@ bool ReadScalar(Cursor& c, ValueType t, GgufValue* out) {
 
 }  // namespace
 
-std::optional<int64_t> GgmlBytes(GgmlType type, int64_t n) {
-  if (n < 0) return std::nullopt;
+int64_t GgmlBlockElements(GgmlType type) {
   switch (type) {
-    case GgmlType::kF32: return n * 4;
-    case GgmlType::kF16: case GgmlType::kBF16: return n * 2;
-    case GgmlType::kQ8_0: if (n % 32) return std::nullopt; return n / 32 * 34;
-    case GgmlType::kQ4_0: if (n % 32) return std::nullopt; return n / 32 * 18;
-    case GgmlType::kQ4_1: if (n % 32) return std::nullopt; return n / 32 * 20;
+    case GgmlType::kF32: case GgmlType::kF16: case GgmlType::kBF16: return 1;
+    case GgmlType::kQ4_0: case GgmlType::kQ4_1: case GgmlType::kQ5_0: case GgmlType::kQ5_1:
+    case GgmlType::kQ8_0: case GgmlType::kIQ4_NL: return 32;
+    case GgmlType::kQ2_K: case GgmlType::kQ3_K: case GgmlType::kQ4_K: case GgmlType::kQ5_K:
+    case GgmlType::kQ6_K: return 256;
   }
-  return std::nullopt;
+  return 0;
+}
+
+int64_t GgmlBlockBytes(GgmlType type) {
+  switch (type) {
+    case GgmlType::kF32: return 4;
+    case GgmlType::kF16: case GgmlType::kBF16: return 2;
+    case GgmlType::kQ4_0: return 2 + 16;         // d, 32 nibbles
+    case GgmlType::kQ4_1: return 4 + 16;         // d, m, 32 nibbles
+    case GgmlType::kQ5_0: return 2 + 4 + 16;     // d, 32 high bits, 32 nibbles
+    case GgmlType::kQ5_1: return 4 + 4 + 16;     // d, m, 32 high bits, 32 nibbles
+    case GgmlType::kQ8_0: return 2 + 32;         // d, 32 int8
+    case GgmlType::kIQ4_NL: return 2 + 16;       // d, 32 nibbles indexing a table
+    case GgmlType::kQ2_K: return 16 + 64 + 4;    // scales/mins, 2-bit values, d, dmin
+    case GgmlType::kQ3_K: return 32 + 64 + 12 + 2;  // high bits, 2-bit values, scales, d
+    case GgmlType::kQ4_K: return 4 + 12 + 128;   // d, dmin, 6-bit scales/mins, nibbles
+    case GgmlType::kQ5_K: return 4 + 12 + 32 + 128;  // as Q4_K plus 256 high bits
+    case GgmlType::kQ6_K: return 128 + 64 + 16 + 2;  // low nibbles, high 2 bits, scales, d
+  }
+  return 0;
+}
+
+std::string GgmlTypeName(GgmlType type) {
+  switch (type) {
+    case GgmlType::kF32: return "F32";
+    case GgmlType::kF16: return "F16";
+    case GgmlType::kBF16: return "BF16";
+    case GgmlType::kQ4_0: return "Q4_0";
+    case GgmlType::kQ4_1: return "Q4_1";
+    case GgmlType::kQ5_0: return "Q5_0";
+    case GgmlType::kQ5_1: return "Q5_1";
+    case GgmlType::kQ8_0: return "Q8_0";
+    case GgmlType::kIQ4_NL: return "IQ4_NL";
+    case GgmlType::kQ2_K: return "Q2_K";
+    case GgmlType::kQ3_K: return "Q3_K";
+    case GgmlType::kQ4_K: return "Q4_K";
+    case GgmlType::kQ5_K: return "Q5_K";
+    case GgmlType::kQ6_K: return "Q6_K";
+  }
+  return absl::StrCat("type ", static_cast<uint32_t>(type));
+}
+
+std::optional<int64_t> GgmlBytes(GgmlType type, int64_t n) {
+  const int64_t per_block = GgmlBlockElements(type);
+  if (n < 0 || per_block == 0 || n % per_block != 0) return std::nullopt;
+  return n / per_block * GgmlBlockBytes(type);
 }
 
 int64_t GgufTensor::NumElements() const {
@@ -253,12 +297,14 @@ absl::Status GgufFile::Parse() {
     info.t.type = static_cast<GgmlType>(type);
     const std::optional<int64_t> bytes = GgmlBytes(info.t.type, n);
     if (!bytes) {
-      if (type != 0 && type != 1 && type != 2 && type != 3 && type != 8 && type != 30) {
+      if (GgmlBlockElements(info.t.type) == 0) {
         return absl::UnimplementedError(absl::StrCat(
             path_.string(), ": tensor '", info.t.name, "' has ggml type ", type,
-            "; kvgrid reads F32, F16, BF16, Q8_0, Q4_0 and Q4_1"));
+            "; kvgrid reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, "
+            "Q4_K, Q5_K and Q6_K"));
       }
-      return bad("tensor '", info.t.name, "': ", n, " elements are not whole blocks of 32");
+      return bad("tensor '", info.t.name, "': ", n, " elements are not whole blocks of ",
+                 GgmlBlockElements(info.t.type), " (", GgmlTypeName(info.t.type), ")");
     }
     if (info.offset % static_cast<uint64_t>(alignment) != 0) {
       return bad("tensor '", info.t.name, "': offset ", info.offset, " is not aligned to ", alignment);

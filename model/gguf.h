@@ -4,8 +4,9 @@
 // section at the file's alignment without overlapping another.
 //
 // Tensor dimensions are GGUF's: ne[0] is the innermost (a PyTorch [out, in] weight is
-// ne = {in, out}). Block formats are exposed as bytes: Q8_0/Q4_0/Q4_1 match
-// kernels::cpu::QuantMatrix.
+// ne = {in, out}). Block formats are exposed as bytes, in ggml's layouts, which
+// kernels::cpu::QuantMatrix keeps as they are: blocks of 32 elements (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, IQ4_NL) or K-quant super-blocks of 256 (Q2_K..Q6_K) along ne[0].
 //
 // Thread-safety: immutable after Open.
 #ifndef KVGRID_MODEL_GGUF_H_
@@ -31,9 +32,25 @@ enum class GgmlType : uint32_t {
   kF16 = 1,
   kQ4_0 = 2,
   kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kIQ4_NL = 20,
   kBF16 = 30,
 };
+
+// "F32", "Q4_K", ...; "type N" for a value that is not a GgmlType.
+std::string GgmlTypeName(GgmlType type);
+
+// Elements per block (1 for F32/F16/BF16, 32, or 256 for the K-quants) and bytes per block, or
+// 0 for a type kvgrid does not read.
+int64_t GgmlBlockElements(GgmlType type);
+int64_t GgmlBlockBytes(GgmlType type);
 
 struct GgufTensor {
   std::string name;
@@ -53,8 +70,8 @@ class GgufFile {
  public:
   // Errors: NOT_FOUND for a missing file; INVALID_ARGUMENT naming the file and what is wrong
   // (bad magic, unsupported version, a count, string, dimension or offset the file cannot hold,
-  // overlapping tensors, duplicate names); UNIMPLEMENTED for tensor types other than
-  // F32/F16/BF16/Q8_0/Q4_0/Q4_1 (naming the tensor and type).
+  // overlapping tensors, duplicate names, an element count that is not whole blocks of its
+  // type); UNIMPLEMENTED for tensor types other than GgmlType's (naming the tensor and type).
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::filesystem::path& path);
   ~GgufFile();
   GgufFile(const GgufFile&) = delete;
@@ -92,8 +109,8 @@ class GgufFile {
   std::map<std::string, GgufTensor> tensors_;
 };
 
-// Bytes of `n` elements of `type` (n a multiple of the block size for block types), or
-// nullopt for an unsupported type or a count that is not whole blocks.
+// Bytes of `n` elements of `type` (n a multiple of GgmlBlockElements(type)), or nullopt for an
+// unsupported type or a count that is not whole blocks.
 std::optional<int64_t> GgmlBytes(GgmlType type, int64_t n);
 
 }  // namespace kvgrid::model

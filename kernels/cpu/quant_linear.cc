@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/ggml_blocks.h"
 #include "kernels/cpu/vec.h"
 #include "model/dtype.h"
 
@@ -147,7 +148,53 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, c
   }
 }
 
+// As DotRowAvx2 for the formats of ggml_blocks.h: a few blocks at a time are decoded into an
+// L1-resident buffer, which is then dotted with each token.
+template <int T>
+__attribute__((target("avx2,fma,f16c"))) void DotRowBufferedAvx2(const QuantMatrix& m,
+                                                                   const uint8_t* row,
+                                                                   const float* x, float* y) {
+  constexpr int64_t kChunk = 512;  // weights decoded at a time: 2 KiB
+  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);
+  alignas(32) float buf[kChunk];
+  const int64_t be = QuantMatrix::BlockElements(m.dtype), bb = QuantMatrix::BlockBytes(m.dtype);
+  const int64_t k = m.cols;
+  __m256 acc[T][A];
+  for (int t = 0; t < T; ++t) {
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+  }
+  for (int64_t c0 = 0; c0 < k; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, k - c0);  // whole blocks: k and kChunk are
+    DecodeGgmlBlocks(m.dtype, row + c0 / be * bb, n / be, buf);
+    for (int64_t i = 0; i < n; i += 32) {
+      for (int t = 0; t < T; ++t) {
+        const float* xt = x + t * k + c0 + i;
+        for (int v = 0; v < 4; ++v) {
+          acc[t][v % A] = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 8 * v),
+                                          _mm256_loadu_ps(xt + 8 * v), acc[t][v % A]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 sum = acc[t][0];
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    y[t] = _mm_cvtss_f32(v);
+  }
+}
+
 void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t tokens, float* y) {
+  if (IsGgmlBlockFormat(m.dtype)) {
+    switch (tokens) {
+      case 1: return DotRowBufferedAvx2<1>(m, row, x, y);
+      case 2: return DotRowBufferedAvx2<2>(m, row, x, y);
+      case 3: return DotRowBufferedAvx2<3>(m, row, x, y);
+      default: return DotRowBufferedAvx2<4>(m, row, x, y);
+    }
+  }
   switch (tokens) {
     case 1: return DotRowAvx2<1>(m, row, x, y);
     case 2: return DotRowAvx2<2>(m, row, x, y);
@@ -179,16 +226,19 @@ DequantFn BestDequant() {
 
 std::string_view WeightDTypeName(WeightDType dtype) {
   switch (dtype) {
-    case WeightDType::kF32:
-      return "fp32";
-    case WeightDType::kQ8_0:
-      return "q8_0";
-    case WeightDType::kQ4_0:
-      return "q4_0";
-    case WeightDType::kQ4_1:
-      return "q4_1";
-    case WeightDType::kQ4_Z:
-      return "q4_z";
+    case WeightDType::kF32: return "fp32";
+    case WeightDType::kQ8_0: return "q8_0";
+    case WeightDType::kQ4_0: return "q4_0";
+    case WeightDType::kQ4_1: return "q4_1";
+    case WeightDType::kQ4_Z: return "q4_z";
+    case WeightDType::kQ5_0: return "q5_0";
+    case WeightDType::kQ5_1: return "q5_1";
+    case WeightDType::kIQ4_NL: return "iq4_nl";
+    case WeightDType::kQ2_K: return "q2_k";
+    case WeightDType::kQ3_K: return "q3_k";
+    case WeightDType::kQ4_K: return "q4_k";
+    case WeightDType::kQ5_K: return "q5_k";
+    case WeightDType::kQ6_K: return "q6_k";
   }
   return "?";
 }
@@ -202,19 +252,43 @@ absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name) {
                                                  "': expected fp32, q8_0, q4_0 or q4_1"));
 }
 
+int64_t QuantMatrix::BlockElements(WeightDType dtype) {
+  switch (dtype) {
+    case WeightDType::kF32: return 0;
+    case WeightDType::kQ2_K:
+    case WeightDType::kQ3_K:
+    case WeightDType::kQ4_K:
+    case WeightDType::kQ5_K:
+    case WeightDType::kQ6_K: return kSuperBlock;
+    default: return kQuantBlock;
+  }
+}
+
 int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
   switch (dtype) {
+    case WeightDType::kF32: return 0;
+    case WeightDType::kQ8_0: return 2 + 32;
     case WeightDType::kQ4_0: return 2 + 16;
     case WeightDType::kQ4_1:
     case WeightDType::kQ4_Z: return 4 + 16;
-    default: return 2 + 32;
+    case WeightDType::kQ5_0: return model::GgmlBlockBytes(model::GgmlType::kQ5_0);
+    case WeightDType::kQ5_1: return model::GgmlBlockBytes(model::GgmlType::kQ5_1);
+    case WeightDType::kIQ4_NL: return model::GgmlBlockBytes(model::GgmlType::kIQ4_NL);
+    case WeightDType::kQ2_K: return model::GgmlBlockBytes(model::GgmlType::kQ2_K);
+    case WeightDType::kQ3_K: return model::GgmlBlockBytes(model::GgmlType::kQ3_K);
+    case WeightDType::kQ4_K: return model::GgmlBlockBytes(model::GgmlType::kQ4_K);
+    case WeightDType::kQ5_K: return model::GgmlBlockBytes(model::GgmlType::kQ5_K);
+    case WeightDType::kQ6_K: return model::GgmlBlockBytes(model::GgmlType::kQ6_K);
   }
+  return 0;
 }
 
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t cols,
                                            WeightDType dtype) {
-  if (dtype == WeightDType::kF32) {
-    return absl::InvalidArgumentError("QuantizeMatrix: fp32 is not a quantized dtype");
+  if (dtype != WeightDType::kQ8_0 && dtype != WeightDType::kQ4_0 && dtype != WeightDType::kQ4_1 &&
+      dtype != WeightDType::kQ4_Z) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantizeMatrix: cannot write ", std::string(WeightDTypeName(dtype)), " (q8_0, q4_0, q4_1, q4_z only)"));
   }
   if (cols <= 0 || cols % kQuantBlock != 0 || rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -287,7 +361,9 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
 
 void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
   static const DequantFn dequant = BestDequant();
-  dequant(m, m.data.data() + row * m.RowBytes(), out);
+  const uint8_t* src = m.data.data() + row * m.RowBytes();
+  if (DecodeGgmlBlocks(m.dtype, src, m.cols / QuantMatrix::BlockElements(m.dtype), out)) return;
+  dequant(m, src, out);
 }
 
 std::vector<float> DequantizeMatrix(const QuantMatrix& m) {
@@ -309,7 +385,8 @@ absl::Status QuantLinearParams::Validate() const {
   if (!input || !weight || !output) {
     return absl::InvalidArgumentError("QuantLinearParams: null input, weight or output");
   }
-  if (weight->dtype == WeightDType::kF32 || weight->cols % kQuantBlock != 0 ||
+  if (weight->dtype == WeightDType::kF32 ||
+      weight->cols % QuantMatrix::BlockElements(weight->dtype) != 0 ||
       static_cast<int64_t>(weight->data.size()) != weight->rows * weight->RowBytes() ||
       num_tokens < 0) {
     return absl::InvalidArgumentError("QuantLinearParams: malformed weight or sizes");
@@ -394,22 +471,56 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
   return absl::OkStatus();
 }
 
+std::optional<WeightDType> WeightDTypeOfGgml(model::GgmlType type) {
+  switch (type) {
+    case model::GgmlType::kQ8_0: return WeightDType::kQ8_0;
+    case model::GgmlType::kQ4_0: return WeightDType::kQ4_0;
+    case model::GgmlType::kQ4_1: return WeightDType::kQ4_1;
+    case model::GgmlType::kQ5_0: return WeightDType::kQ5_0;
+    case model::GgmlType::kQ5_1: return WeightDType::kQ5_1;
+    case model::GgmlType::kIQ4_NL: return WeightDType::kIQ4_NL;
+    case model::GgmlType::kQ2_K: return WeightDType::kQ2_K;
+    case model::GgmlType::kQ3_K: return WeightDType::kQ3_K;
+    case model::GgmlType::kQ4_K: return WeightDType::kQ4_K;
+    case model::GgmlType::kQ5_K: return WeightDType::kQ5_K;
+    case model::GgmlType::kQ6_K: return WeightDType::kQ6_K;
+    default: return std::nullopt;
+  }
+}
+
+namespace {
+
+// The shape checks QuantMatrixFromGguf and GgufTensorToF32 share: the dtype, and rows of ne[0]
+// in whole blocks with the bytes they need.
+absl::StatusOr<WeightDType> CheckBlockTensor(const model::GgufTensor& t) {
+  const std::optional<WeightDType> dtype = WeightDTypeOfGgml(t.type);
+  if (!dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", t.name, "' (",
+                                                   model::GgmlTypeName(t.type),
+                                                   ") is not in a block format"));
+  }
+  const int64_t be = QuantMatrix::BlockElements(*dtype);
+  if (t.ne.empty() || t.ne[0] % be != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GGUF tensor '", t.name, "' (", model::GgmlTypeName(t.type), "): rows of ",
+        t.ne.empty() ? 0 : t.ne[0], " are not whole blocks of ", be));
+  }
+  const int64_t n = t.NumElements();
+  if (static_cast<int64_t>(t.data.size()) != n / be * QuantMatrix::BlockBytes(*dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GGUF tensor '", t.name, "' (", model::GgmlTypeName(t.type), "): ", t.data.size(),
+        " bytes for ", n, " elements"));
+  }
+  return *dtype;
+}
+
+}  // namespace
+
 absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& t) {
-  WeightDType dtype;
-  switch (t.type) {
-    case model::GgmlType::kQ8_0: dtype = WeightDType::kQ8_0; break;
-    case model::GgmlType::kQ4_0: dtype = WeightDType::kQ4_0; break;
-    case model::GgmlType::kQ4_1: dtype = WeightDType::kQ4_1; break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("GGUF tensor '", t.name, "' is not Q8_0/Q4_0/Q4_1"));
-  }
-  if (t.ne.empty() || t.ne[0] % kQuantBlock != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("GGUF tensor '", t.name, "': rows are not whole blocks of 32"));
-  }
+  absl::StatusOr<WeightDType> dtype = CheckBlockTensor(t);
+  if (!dtype.ok()) return dtype.status();
   QuantMatrix m;
-  m.dtype = dtype;
+  m.dtype = *dtype;
   m.cols = t.ne[0];
   m.rows = t.NumElements() / t.ne[0];
   const auto* p = reinterpret_cast<const uint8_t*>(t.data.data());
@@ -418,30 +529,45 @@ absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& t) {
 }
 
 absl::Status GgufTensorToF32(const model::GgufTensor& t, std::vector<float>* out) {
-  out->resize(static_cast<size_t>(t.NumElements()));
   const std::byte* p = t.data.data();
   switch (t.type) {
     case model::GgmlType::kF32:
+      out->resize(static_cast<size_t>(t.NumElements()));
       std::memcpy(out->data(), p, out->size() * sizeof(float));
       return absl::OkStatus();
     case model::GgmlType::kF16:
     case model::GgmlType::kBF16:
+      out->resize(static_cast<size_t>(t.NumElements()));
       for (size_t i = 0; i < out->size(); ++i) {
         uint16_t h;
         std::memcpy(&h, p + 2 * i, sizeof(h));
         (*out)[i] = t.type == model::GgmlType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
       }
       return absl::OkStatus();
-    case model::GgmlType::kQ8_0:
-    case model::GgmlType::kQ4_0:
-    case model::GgmlType::kQ4_1: {
-      absl::StatusOr<QuantMatrix> m = QuantMatrixFromGguf(t);
-      if (!m.ok()) return m.status();
-      for (int64_t r = 0; r < m->rows; ++r) DequantizeRow(*m, r, out->data() + r * m->cols);
-      return absl::OkStatus();
-    }
+    default:
+      break;
   }
-  return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", t.name, "': unsupported type"));
+  absl::StatusOr<WeightDType> dtype = CheckBlockTensor(t);
+  if (!dtype.ok()) return dtype.status();
+  out->resize(static_cast<size_t>(t.NumElements()));
+  // A view of the mapping as one matrix (no copy of the blocks): rows decoded in parallel.
+  const int64_t cols = t.ne[0], rows = t.NumElements() / cols;
+  const int64_t row_bytes = cols / QuantMatrix::BlockElements(*dtype) *
+                            QuantMatrix::BlockBytes(*dtype);
+  const auto* src = reinterpret_cast<const uint8_t*>(p);
+  if (IsGgmlBlockFormat(*dtype)) {
+    const int64_t blocks = cols / QuantMatrix::BlockElements(*dtype);
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+    for (int64_t r = 0; r < rows; ++r) {
+      DecodeGgmlBlocks(*dtype, src + r * row_bytes, blocks, out->data() + r * cols);
+    }
+    return absl::OkStatus();
+  }
+  static const DequantFn dequant = BestDequant();
+  QuantMatrix shape{.dtype = *dtype, .rows = 1, .cols = cols};  // the row decoders read only these
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) dequant(shape, src + r * row_bytes, out->data() + r * cols);
+  return absl::OkStatus();
 }
 
 }  // namespace kvgrid::kernels::cpu

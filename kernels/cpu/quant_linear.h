@@ -3,12 +3,16 @@
 // in the low and value i + 16 in the high nibble of byte i (w = d (q - 8)); Q4_1 adds an fp16
 // offset m after d (w = d q + m). Q4_Z, kvgrid's own, is Q4_1 with the zero point z in place of
 // m (w = d (q - z)): AWQ and GPTQ checkpoints store exactly that, and -d z would not always
-// round to fp16 exactly. Computing dequantizes one row (or one tile of rows) at a time into a
-// small buffer, never the whole matrix, so a decode step reads only the quantized bytes.
+// round to fp16 exactly. GGUF files add more of ggml's formats, kept in their blocks as read
+// (kernels/cpu/ggml_blocks.h has their layouts): Q5_0, Q5_1 and IQ4_NL in blocks of 32, and the
+// K-quants Q2_K, Q3_K, Q4_K, Q5_K and Q6_K in super-blocks of 256. Computing dequantizes one
+// row (or one tile of rows, or a few blocks) at a time into a small buffer, never the whole
+// matrix, so a decode step reads only the quantized bytes.
 #ifndef KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
 #define KVGRID_KERNELS_CPU_QUANT_LINEAR_H_
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -18,15 +22,21 @@
 
 namespace kvgrid::kernels::cpu {
 
-enum class WeightDType : uint8_t { kF32, kQ8_0, kQ4_0, kQ4_1, kQ4_Z };
-std::string_view WeightDTypeName(WeightDType dtype);
-// "fp32"/"f32", "q8_0", "q4_0", "q4_1" (Q4_Z only comes from checkpoints).
+enum class WeightDType : uint8_t {
+  kF32, kQ8_0, kQ4_0, kQ4_1, kQ4_Z,
+  kQ5_0, kQ5_1, kIQ4_NL, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K,  // read from GGUF files only
+};
+std::string_view WeightDTypeName(WeightDType dtype);  // "q8_0", "q4_k", ...
+// "fp32"/"f32", "q8_0", "q4_0", "q4_1": what QuantizeMatrix writes (Q4_Z only comes from
+// checkpoints, the others from GGUF files).
 // Errors: INVALID_ARGUMENT listing the choices.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name);
 
-inline constexpr int64_t kQuantBlock = 32;
+inline constexpr int64_t kQuantBlock = 32;   // weights per block (Q8_0 .. IQ4_NL)
+inline constexpr int64_t kSuperBlock = 256;  // weights per K-quant super-block (Q2_K .. Q6_K)
 
-// A [rows, cols] matrix in Q8_0, Q4_0, Q4_1 or Q4_Z blocks, rows contiguous; cols % 32 == 0.
+// A [rows, cols] matrix in blocks of one quantized dtype, rows contiguous;
+// cols % BlockElements(dtype) == 0.
 //
 // `input_perm`, when not empty, says the columns are stored in a different order than the
 // layer's inputs: stored column j multiplies input input_perm[j]. GPTQ's act-order checkpoints
@@ -36,11 +46,17 @@ struct QuantMatrix {
   WeightDType dtype = WeightDType::kQ8_0;
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<uint8_t> data = {};          // [rows, cols / 32] blocks
+  std::vector<uint8_t> data = {};          // [rows, cols / BlockElements(dtype)] blocks
   std::vector<int32_t> input_perm = {};  // [cols] or empty (identity)
 
-  [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);  // 34, 18 or 20 (Q4_1, Q4_Z)
-  [[nodiscard]] int64_t RowBytes() const { return cols / kQuantBlock * BlockBytes(dtype); }
+  // Weights per block: 32, or 256 for the K-quants (0 for fp32).
+  [[nodiscard]] static int64_t BlockElements(WeightDType dtype);
+  // Bytes per block: 34 (Q8_0), 18 (Q4_0, IQ4_NL), 20 (Q4_1, Q4_Z), 22 (Q5_0), 24 (Q5_1),
+  // 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K); 0 for fp32.
+  [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);
+  [[nodiscard]] int64_t RowBytes() const {
+    return cols / BlockElements(dtype) * BlockBytes(dtype);
+  }
   [[nodiscard]] bool empty() const { return rows == 0; }
 };
 
@@ -49,7 +65,7 @@ struct QuantMatrix {
 // / -8 (error <= half a step, one step for values near the opposite extreme, which clamp at
 // +7); Q4_1 maps [min, max] onto 0..15 (error <= half a step of (max - min) / 15); Q4_Z
 // likewise with an integer zero point (error <= one step when min rounds).
-// Errors: INVALID_ARGUMENT when cols is not a multiple of 32 or dtype is not quantized.
+// Errors: INVALID_ARGUMENT when cols is not a multiple of 32 or dtype is not one of these four.
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* weight, int64_t rows, int64_t cols,
                                            WeightDType dtype);
 
@@ -60,12 +76,17 @@ void DequantizeRow(const QuantMatrix& m, int64_t row, float* out);
 // undone): for tests, and for fusing matrices that cannot stay quantized together.
 std::vector<float> DequantizeMatrix(const QuantMatrix& m);
 
-// A GGUF Q8_0/Q4_0/Q4_1 tensor as a QuantMatrix of rows of ne[0] (ggml's block layout is this
-// one). Errors: INVALID_ARGUMENT for other types or rows that are not whole blocks.
+// The WeightDType holding GGUF type `type` as is, or nullopt for F32/F16/BF16.
+std::optional<WeightDType> WeightDTypeOfGgml(model::GgmlType type);
+
+// A GGUF block-format tensor as a QuantMatrix of rows of ne[0] (ggml's block layouts are
+// these). Errors: INVALID_ARGUMENT naming the tensor and its type for F32/F16/BF16, rows
+// (ne[0]) that are not whole blocks (ggml requires them), or data of the wrong size.
 absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& tensor);
 
-// A GGUF tensor's elements as fp32 in storage order: F32/F16/BF16 converted, Q8_0/Q4_0/Q4_1
-// dequantized. Errors: as QuantMatrixFromGguf.
+// A GGUF tensor's elements as fp32 in storage order: F32/F16/BF16 converted, block formats
+// dequantized (bit for bit ggml's dequantize_row_*). Errors: INVALID_ARGUMENT naming the
+// tensor as QuantMatrixFromGguf.
 absl::Status GgufTensorToF32(const model::GgufTensor& tensor, std::vector<float>* out);
 
 struct QuantLinearParams {

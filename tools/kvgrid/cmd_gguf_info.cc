@@ -22,18 +22,6 @@ constexpr char kHelp[] =
     "  --dump TENSOR   print that tensor's values as fp32 (JSON array)\n"
     "  --json          print the metadata and tensor directory as one JSON object\n";
 
-const char* TypeName(model::GgmlType t) {
-  switch (t) {
-    case model::GgmlType::kF32: return "F32";
-    case model::GgmlType::kF16: return "F16";
-    case model::GgmlType::kBF16: return "BF16";
-    case model::GgmlType::kQ8_0: return "Q8_0";
-    case model::GgmlType::kQ4_0: return "Q4_0";
-    case model::GgmlType::kQ4_1: return "Q4_1";
-  }
-  return "?";
-}
-
 nlohmann::json ToJson(const model::GgufValue& v) {
   return std::visit([](const auto& x) { return nlohmann::json(x); }, v);
 }
@@ -55,7 +43,7 @@ absl::Status GgufInfo(Args& args) {
   nlohmann::json meta = nlohmann::json::object(), tensors = nlohmann::json::array();
   for (const auto& [key, value] : gguf->metadata()) meta[key] = ToJson(value);
   for (const auto& [name, t] : gguf->tensors()) {
-    tensors.push_back({{"name", name}, {"type", TypeName(t.type)}, {"ne", t.ne},
+    tensors.push_back({{"name", name}, {"type", model::GgmlTypeName(t.type)}, {"ne", t.ne},
                        {"bytes", t.data.size()}});
   }
   const nlohmann::json j = {{"version", gguf->version()}, {"metadata", meta},
@@ -68,8 +56,8 @@ absl::Status GgufInfo(Args& args) {
     for (const auto& [name, t] : gguf->tensors()) {
       std::string shape;
       for (int64_t d : t.ne) absl::StrAppend(&shape, shape.empty() ? "" : " x ", d);
-      std::printf("  %-40s %-5s [%s] %zu bytes\n", name.c_str(), TypeName(t.type), shape.c_str(),
-                  t.data.size());
+      std::printf("  %-40s %-6s [%s] %zu bytes\n", name.c_str(),
+                  model::GgmlTypeName(t.type).c_str(), shape.c_str(), t.data.size());
     }
   }
   return absl::OkStatus();

@@ -424,8 +424,7 @@ absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64
   const auto src_row = [&](int64_t r) {
     return permute_head_dim > 0 ? UnpermutedRow(r, permute_head_dim) : r;
   };
-  if (t->type == model::GgmlType::kQ8_0 || t->type == model::GgmlType::kQ4_0 ||
-      t->type == model::GgmlType::kQ4_1) {
+  if (cpu::WeightDTypeOfGgml(t->type)) {  // any block format; rows must be whole blocks
     KVGRID_ASSIGN_OR_RETURN(cpu::QuantMatrix stored, cpu::QuantMatrixFromGguf(*t));
     if (permute_head_dim == 0) {
       *quant = std::move(stored);

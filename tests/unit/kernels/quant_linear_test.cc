@@ -1,6 +1,8 @@
 // Q8_0 / Q4_0 / Q4_1 weights: round-trip error within the quantization step's bound, the block
 // layouts (ggml's), and QuantLinear equal to dequantize-then-matmul at decode and prefill
-// sizes, with and without an input permutation.
+// sizes, with and without an input permutation; the same for the formats read from GGUF files
+// (Q5_0 .. Q6_K) on random valid blocks. Their decoding itself is checked bit for bit against
+// the `gguf` package in tests/reference/test_gguf_kquants.py.
 #include "kernels/cpu/quant_linear.h"
 
 #include <algorithm>
@@ -144,6 +146,94 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
         }
       }
     }
+  }
+}
+
+// Random bytes with each fp16 field replaced by a finite value of moderate size: any such block
+// is a valid one (every bit pattern of the quantized values means something).
+QuantMatrix RandomBlocks(WeightDType dtype, int64_t rows, int64_t cols, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  QuantMatrix m{.dtype = dtype, .rows = rows, .cols = cols};
+  m.data.resize(static_cast<size_t>(rows * m.RowBytes()));
+  for (uint8_t& b : m.data) b = static_cast<uint8_t>(rng());
+  std::vector<int> fp16_at;
+  switch (dtype) {
+    case WeightDType::kQ4_1: case WeightDType::kQ5_1: case WeightDType::kQ4_K:
+    case WeightDType::kQ5_K: fp16_at = {0, 2}; break;
+    case WeightDType::kQ2_K: fp16_at = {80, 82}; break;
+    case WeightDType::kQ3_K: fp16_at = {108}; break;
+    case WeightDType::kQ6_K: fp16_at = {208}; break;
+    default: fp16_at = {0};
+  }
+  std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
+  const int64_t bb = QuantMatrix::BlockBytes(dtype);
+  for (size_t b = 0; b < m.data.size(); b += bb) {
+    for (int at : fp16_at) {
+      const uint16_t h = model::F32ToF16(scale(rng));
+      std::memcpy(m.data.data() + b + at, &h, 2);
+    }
+  }
+  return m;
+}
+
+TEST(QuantLinearTest, GgufFormatsMatchDequantizeThenMatmul) {
+  const int64_t n = 70, k = 768;  // 3 super-blocks; k is not a multiple of the 512-weight chunk
+  const std::vector<float> bias = Random(n, 8);
+  for (WeightDType dtype : {WeightDType::kQ5_0, WeightDType::kQ5_1, WeightDType::kIQ4_NL,
+                            WeightDType::kQ2_K, WeightDType::kQ3_K, WeightDType::kQ4_K,
+                            WeightDType::kQ5_K, WeightDType::kQ6_K}) {
+    const QuantMatrix q = RandomBlocks(dtype, n, k, static_cast<uint64_t>(dtype));
+    const std::vector<float> dq = DequantizeMatrix(q);
+    double magnitude = 0;
+    for (float v : dq) magnitude += std::fabs(v);
+    EXPECT_GT(magnitude, 0.0) << WeightDTypeName(dtype);
+    for (int64_t m : {1, 2, 4, 9}) {
+      const std::vector<float> x = Random(m * k, 20 + m);
+      std::vector<float> want(m * n, 0.5f), got(m * n, 0.5f);
+      ASSERT_TRUE(Linear({.input = x.data(), .weight = dq.data(), .bias = bias.data(),
+                          .output = want.data(), .num_tokens = m, .in_features = k,
+                          .out_features = n, .accumulate = true})
+                      .ok());
+      ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &q, .bias = bias.data(),
+                               .output = got.data(), .num_tokens = m, .accumulate = true})
+                      .ok());
+      for (int64_t i = 0; i < m * n; ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-4f * (1.f + std::fabs(want[i])))
+            << WeightDTypeName(dtype) << " m=" << m << " i=" << i;
+      }
+    }
+  }
+  // K-quant rows must be whole super-blocks; QuantizeMatrix does not write these formats.
+  QuantMatrix bad = RandomBlocks(WeightDType::kQ4_K, 1, 256, 1);
+  bad.rows = 2;
+  bad.cols = 128;
+  std::vector<float> x(256), y(2);
+  EXPECT_EQ(QuantLinear({.input = x.data(), .weight = &bad, .output = y.data(), .num_tokens = 1})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(QuantizeMatrix(x.data(), 1, 256, WeightDType::kQ4_K).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(QuantLinearTest, BlockSizesAreGgmls) {
+  struct Case {
+    WeightDType dtype;
+    model::GgmlType ggml;
+    int64_t elements, bytes;
+  };
+  for (Case c : {Case{WeightDType::kQ5_0, model::GgmlType::kQ5_0, 32, 22},
+                 Case{WeightDType::kQ5_1, model::GgmlType::kQ5_1, 32, 24},
+                 Case{WeightDType::kIQ4_NL, model::GgmlType::kIQ4_NL, 32, 18},
+                 Case{WeightDType::kQ2_K, model::GgmlType::kQ2_K, 256, 84},
+                 Case{WeightDType::kQ3_K, model::GgmlType::kQ3_K, 256, 110},
+                 Case{WeightDType::kQ4_K, model::GgmlType::kQ4_K, 256, 144},
+                 Case{WeightDType::kQ5_K, model::GgmlType::kQ5_K, 256, 176},
+                 Case{WeightDType::kQ6_K, model::GgmlType::kQ6_K, 256, 210}}) {
+    EXPECT_EQ(QuantMatrix::BlockElements(c.dtype), c.elements) << WeightDTypeName(c.dtype);
+    EXPECT_EQ(QuantMatrix::BlockBytes(c.dtype), c.bytes) << WeightDTypeName(c.dtype);
+    EXPECT_EQ(model::GgmlBlockElements(c.ggml), c.elements);
+    EXPECT_EQ(model::GgmlBlockBytes(c.ggml), c.bytes);
+    EXPECT_EQ(WeightDTypeOfGgml(c.ggml), c.dtype);
   }
 }
 
