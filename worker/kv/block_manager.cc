@@ -107,14 +107,16 @@ void BlockManager::Release(int32_t b) {
   }
 }
 
-absl::StatusOr<int64_t> BlockManager::Allocate(SequenceId seq, std::span<const int32_t> tokens,
-                                               int64_t reserve_tokens) {
+template <typename FirstKept, typename ReserveEnd>
+absl::StatusOr<int64_t> BlockManager::AllocateShared(SequenceId seq,
+                                                     std::span<const int32_t> tokens,
+                                                     FirstKept first_kept,
+                                                     ReserveEnd reserve_end) {
   if (seqs_.contains(seq)) {
     return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " already has blocks"));
   }
   std::vector<int32_t> hits;
   uint64_t hash = 0;
-  int32_t hits_in_lru = 0;
   if (prefix_caching_ && !tokens.empty()) {
     const int64_t max_hits = (static_cast<int64_t>(tokens.size()) - 1) / block_size_;
     for (int64_t i = 0; i < max_hits; ++i) {
@@ -124,32 +126,90 @@ absl::StatusOr<int64_t> BlockManager::Allocate(SequenceId seq, std::span<const i
       if (b == kNone) break;
       hits.push_back(b);
       hash = h;
-      if (refcount_[b] == 0) ++hits_in_lru;
     }
   }
-  const int64_t total_blocks = std::max<int64_t>(BlocksFor(reserve_tokens), hits.size());
-  const int64_t fresh = total_blocks - static_cast<int64_t>(hits.size());
+  const int64_t num_hits = static_cast<int64_t>(hits.size());
+  const int64_t hit_tokens = num_hits * block_size_;
+  const int64_t kept_from = std::clamp<int64_t>(first_kept(hit_tokens), 0, num_hits);
+  int32_t hits_in_lru = 0;  // kept hits that come out of the evictable pool
+  for (int64_t i = kept_from; i < num_hits; ++i) {
+    if (refcount_[hits[i]] == 0) ++hits_in_lru;
+  }
+  const int64_t total_blocks = std::max<int64_t>(BlocksFor(reserve_end(hit_tokens)), num_hits);
+  const int64_t fresh = total_blocks - num_hits;
   if (fresh > num_free_blocks() - hits_in_lru) {
     return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", fresh, " more blocks needed, ",
                                                      num_free_blocks() - hits_in_lru,
                                                      " free of ", num_blocks_));
   }
   SeqState& state = seqs_[seq];
-  for (int32_t b : hits) {
+  for (int64_t i = 0; i < num_hits; ++i) {
+    const int32_t b = hits[i];
+    if (i < kept_from) {
+      state.blocks.push_back(kHole);
+      continue;
+    }
     if (refcount_[b] == 0) LruRemove(b);
     ++refcount_[b];
     state.blocks.push_back(b);
   }
-  state.committed_blocks = static_cast<int64_t>(hits.size());
+  state.committed_blocks = num_hits;
   state.last_hash = hash;
   for (int64_t i = 0; i < fresh; ++i) state.blocks.push_back(AllocateBlock());
   state.on_host.assign(state.blocks.size(), 0);
-  const int64_t hit_tokens = static_cast<int64_t>(hits.size()) * block_size_;
   if (prefix_caching_) {
     counters_.prefix_query_tokens += static_cast<int64_t>(tokens.size());
     counters_.prefix_hit_tokens += hit_tokens;
   }
   return hit_tokens;
+}
+
+absl::StatusOr<int64_t> BlockManager::Allocate(SequenceId seq, std::span<const int32_t> tokens,
+                                               int64_t reserve_tokens) {
+  return AllocateShared(
+      seq, tokens, [](int64_t) { return int64_t{0}; },
+      [reserve_tokens](int64_t) { return reserve_tokens; });
+}
+
+absl::StatusOr<int64_t> BlockManager::AllocateWindowed(SequenceId seq,
+                                                       std::span<const int32_t> tokens,
+                                                       int64_t window, int64_t chunk) {
+  if (window <= 0 || chunk <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AllocateWindowed: window ", window, " and chunk ", chunk, " must be > 0"));
+  }
+  const int64_t len = static_cast<int64_t>(tokens.size());
+  const int64_t bs = block_size_;
+  return AllocateShared(
+      seq, tokens,
+      // The first token to compute, at hit_tokens, sees keys from hit_tokens - window + 1.
+      [window, bs](int64_t hit_tokens) {
+        return std::max<int64_t>(0, hit_tokens - window + 1) / bs;
+      },
+      [len, chunk](int64_t hit_tokens) { return std::min(len, hit_tokens + chunk); });
+}
+
+int64_t BlockManager::ReleaseBefore(SequenceId seq, int64_t first_needed) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end() || it->second.swapped || first_needed <= 0) return 0;
+  SeqState& state = it->second;
+  const int64_t end = std::min<int64_t>(first_needed / block_size_,
+                                        static_cast<int64_t>(state.blocks.size()));
+  int64_t released = 0;
+  for (int64_t i = 0; i < end; ++i) {
+    if (state.blocks[i] == kHole) continue;
+    Release(state.blocks[i]);
+    state.blocks[i] = kHole;
+    ++released;
+  }
+  return released;
+}
+
+int64_t BlockManager::NumHoles(SequenceId seq) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) return 0;
+  const std::vector<int32_t>& b = it->second.blocks;
+  return std::find_if(b.begin(), b.end(), [](int32_t id) { return id != kHole; }) - b.begin();
 }
 
 absl::Status BlockManager::Reserve(SequenceId seq, int64_t num_tokens) {
@@ -185,6 +245,10 @@ absl::Status BlockManager::PrepareWrite(SequenceId seq, int64_t begin, int64_t e
   const int64_t grow = std::max<int64_t>(0, BlocksFor(end) - have);
   std::vector<int64_t> shared;
   for (int64_t i = begin / block_size_; i < std::min(have, BlocksFor(end)); ++i) {
+    if (state.blocks[i] == kHole) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence ", seq, ": positions from ", i * block_size_, " were released"));
+    }
     if (refcount_[state.blocks[i]] > 1) shared.push_back(i);
   }
   const int64_t needed = grow + static_cast<int64_t>(shared.size());
@@ -221,8 +285,9 @@ void BlockManager::CommitFullBlocks(SequenceId seq, std::span<const int32_t> tok
     const uint64_t h = ChainHash(state.last_hash, block_tokens);
     const int32_t b = state.blocks[i];
     // Another block may already hold the same content (two identical prompts computed side
-    // by side); this one then stays unregistered and is freed normally.
-    if (!has_hash_[b] && !cache_.contains(h)) {
+    // by side); this one then stays unregistered and is freed normally. A hole (released
+    // before it was registered) only extends the chain.
+    if (b != kHole && !has_hash_[b] && !cache_.contains(h)) {
       has_hash_[b] = 1;
       hash_[b] = h;
       block_tokens_[b].assign(block_tokens.begin(), block_tokens.end());
@@ -238,7 +303,9 @@ void BlockManager::Fork(SequenceId parent, SequenceId child) {
   ABSL_RAW_CHECK(it != seqs_.end() && !it->second.swapped, "Fork of an unknown or swapped parent");
   ABSL_RAW_CHECK(!seqs_.contains(child), "Fork into an existing sequence");
   SeqState copy = it->second;
-  for (int32_t b : copy.blocks) ++refcount_[b];
+  for (int32_t b : copy.blocks) {
+    if (b != kHole) ++refcount_[b];
+  }
   seqs_.emplace(child, std::move(copy));
 }
 
@@ -249,7 +316,7 @@ void BlockManager::Free(SequenceId seq) {
   for (size_t i = state.blocks.size(); i-- > 0;) {
     if (state.on_host[i]) {
       free_slots_.push_back(state.blocks[i]);
-    } else {
+    } else if (state.blocks[i] != kHole) {
       Release(state.blocks[i]);
     }
   }
@@ -261,7 +328,8 @@ int64_t BlockManager::ExclusiveBlocks(SequenceId seq) const {
   if (it == seqs_.end()) return 0;
   int64_t n = 0;
   for (size_t i = 0; i < it->second.blocks.size(); ++i) {
-    if (!it->second.on_host[i] && refcount_[it->second.blocks[i]] == 1) ++n;
+    const int32_t b = it->second.blocks[i];
+    if (!it->second.on_host[i] && b != kHole && refcount_[b] == 1) ++n;
   }
   return n;
 }
@@ -281,7 +349,8 @@ absl::Status BlockManager::SwapOut(SequenceId seq, std::vector<BlockCopy>* devic
   SeqState& state = seqs_[seq];
   for (size_t i = 0; i < state.blocks.size(); ++i) {
     const int32_t b = state.blocks[i];
-    if (refcount_[b] != 1) continue;  // shared: stays on the device, still referenced
+    // Shared: stays on the device, still referenced (holes stay holes).
+    if (b == kHole || refcount_[b] != 1) continue;
     const int32_t slot = free_slots_.back();
     free_slots_.pop_back();
     device_to_host->push_back({b, slot});
@@ -336,7 +405,8 @@ int64_t BlockManager::Slot(SequenceId seq, int64_t position) const {
   auto it = seqs_.find(seq);
   const int64_t index = position / block_size_;
   ABSL_RAW_CHECK(it != seqs_.end() && !it->second.swapped && position >= 0 &&
-                     index < static_cast<int64_t>(it->second.blocks.size()),
+                     index < static_cast<int64_t>(it->second.blocks.size()) &&
+                     it->second.blocks[index] != kHole,
                  "position outside the reserved blocks of the sequence");
   return static_cast<int64_t>(it->second.blocks[index]) * block_size_ + position % block_size_;
 }
@@ -348,8 +418,17 @@ absl::Status BlockManager::CheckInvariants() const {
     if (state.on_host.size() != state.blocks.size()) {
       return absl::InternalError(absl::StrCat("sequence ", seq, ": on_host size mismatch"));
     }
+    bool past_holes = false;
     for (size_t i = 0; i < state.blocks.size(); ++i) {
       const int32_t id = state.blocks[i];
+      if (id == kHole && !state.on_host[i]) {
+        if (past_holes) {
+          return absl::InternalError(
+              absl::StrCat("sequence ", seq, ": hole at table index ", i, " after a block"));
+        }
+        continue;
+      }
+      past_holes = true;
       if (state.on_host[i]) {
         if (!state.swapped || id < 0 || id >= num_swap_slots_) {
           return absl::InternalError(absl::StrCat("sequence ", seq, ": bad host slot ", id));

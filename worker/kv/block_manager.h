@@ -13,6 +13,14 @@
 // Allocation takes a free block first, else evicts the least recently used cached block.
 // The prefix cache keys each full block by a chained hash of (previous block's hash, its
 // tokens) and stores the tokens too, so a hash collision can never share wrong data.
+//
+// Sliding-window models (every layer slides, so no query reads a key more than `window`
+// positions back): ReleaseBefore gives back a running sequence's blocks that fall wholly
+// before the window of its next query, and AllocateWindowed never takes them, so a
+// sequence holds about window + one step's tokens however long it runs. A released position
+// of a table is a hole, kHole (-1): holes are always a prefix of the table, never written
+// (PrepareWrite refuses), never read by the attention kernels (which start at the window), and
+// skipped by every other operation (fork, swap, free, prefix-cache registration).
 #ifndef KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 #define KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 
@@ -66,6 +74,9 @@ class BlockManager {
   BlockManager(const BlockManager&) = delete;
   BlockManager& operator=(const BlockManager&) = delete;
 
+  // A released table position (sliding windows).
+  static constexpr int32_t kHole = -1;
+
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
   [[nodiscard]] int32_t block_size() const { return block_size_; }
   // Blocks an allocation can take now: free plus evictable cached blocks.
@@ -85,13 +96,34 @@ class BlockManager {
   absl::StatusOr<int64_t> Allocate(SequenceId seq, std::span<const int32_t> tokens,
                                    int64_t reserve_tokens);
 
+  // Allocate for a sliding-window model whose every layer attends `window` (> 0) positions
+  // back: shares the cached prefix like Allocate, but leaves holes where cached blocks lie
+  // wholly before the window of the first token to compute (they are not taken from the
+  // cache), and reserves blocks only up to `chunk` tokens past the cached prefix (capped at
+  // the tokens' end): the first prefill chunk. Returns how many leading tokens are already
+  // computed. All-or-nothing: RESOURCE_EXHAUSTED, and no change, when the blocks do not fit.
+  absl::StatusOr<int64_t> AllocateWindowed(SequenceId seq, std::span<const int32_t> tokens,
+                                           int64_t window, int64_t chunk);
+
+  // Releases the blocks of `seq` whose positions all lie before `first_needed` (for a window
+  // W and a next query at position p: p - W + 1), making them holes. A block another
+  // sequence shares just loses this reference; one in the prefix cache stays cached
+  // (evictable). Returns the number of blocks released; 0 for unknown or swapped-out
+  // sequences. Call only for models whose every layer slides.
+  int64_t ReleaseBefore(SequenceId seq, int64_t first_needed);
+
+  // Table entries released by ReleaseBefore (or never taken by AllocateWindowed) of `seq`:
+  // its leading holes.
+  [[nodiscard]] int64_t NumHoles(SequenceId seq) const;
+
   // Grows (never shrinks) `seq`'s table so it holds `num_tokens` tokens, creating the table on
   // first use (without prefix lookup). All-or-nothing: RESOURCE_EXHAUSTED with the numbers.
   absl::Status Reserve(SequenceId seq, int64_t num_tokens);
 
   // Makes positions [begin, end) of `seq` writable: grows the table to `end` tokens and gives
   // `seq` its own copy of any shared block in that range (copy-on-write), appending the data
-  // copies to `copies`. All-or-nothing: RESOURCE_EXHAUSTED, and no change.
+  // copies to `copies`. All-or-nothing: RESOURCE_EXHAUSTED, and no change;
+  // FAILED_PRECONDITION when the range reaches into a hole.
   absl::Status PrepareWrite(SequenceId seq, int64_t begin, int64_t end,
                             std::vector<BlockCopy>* copies);
 
@@ -118,16 +150,17 @@ class BlockManager {
   // Device blocks `seq` holds exclusively (what a swap out would move).
   [[nodiscard]] int64_t ExclusiveBlocks(SequenceId seq) const;
 
-  // The device block ids of `seq` in token order (empty for unknown ids). Meaningless while
-  // the sequence is swapped out.
+  // The device block ids of `seq` in token order (empty for unknown ids), kHole where
+  // released. Meaningless while the sequence is swapped out.
   [[nodiscard]] const std::vector<int32_t>& BlockTable(SequenceId seq) const;
 
   // Slot of token `position` of `seq`: block_id * block_size + position % block_size.
-  // The position must be inside the reserved capacity (ABSL_RAW_CHECK).
+  // The position must be inside the reserved capacity and not in a hole (ABSL_RAW_CHECK).
   [[nodiscard]] int64_t Slot(SequenceId seq, int64_t position) const;
 
   // Every invariant: each block in exactly one state, refcounts equal to the number of table
-  // references, cached blocks hashed and indexed, LRU consistent, swap slots owned once.
+  // references, cached blocks hashed and indexed, LRU consistent, swap slots owned once,
+  // holes only as a prefix of a table.
   // INTERNAL describing the first violation; for tests.
   absl::Status CheckInvariants() const;
 
@@ -141,6 +174,12 @@ class BlockManager {
   };
   static constexpr int32_t kNone = -1;
 
+  // Allocate and AllocateWindowed: shares cached blocks matching the start of `tokens`, leaves
+  // holes for the hits before block `first_kept` (a function of the hit length), and reserves
+  // blocks up to `reserve_end` tokens (a function of the hit length too).
+  template <typename FirstKept, typename ReserveEnd>
+  absl::StatusOr<int64_t> AllocateShared(SequenceId seq, std::span<const int32_t> tokens,
+                                         FirstKept first_kept, ReserveEnd reserve_end);
   // Takes a free block (or evicts the LRU cached one) with refcount 1. Caller checked space.
   int32_t AllocateBlock();
   void Release(int32_t block);  // refcount--, to free list or LRU at 0

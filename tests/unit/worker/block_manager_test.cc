@@ -1,6 +1,7 @@
 // Property test: random Reserve/Free sequences keep every block owned exactly once.
 #include "worker/kv/block_manager.h"
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -285,6 +286,244 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
     EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
     EXPECT_TRUE(m.CheckInvariants().ok());
+  }
+}
+
+// --- Sliding windows: blocks wholly before the window of the next query go back. ---
+
+// Blocks of `seq` that are not holes.
+int64_t HeldBlocks(const BlockManager& m, SequenceId seq) {
+  return static_cast<int64_t>(m.BlockTable(seq).size()) - m.NumHoles(seq);
+}
+
+TEST(SlidingWindowTest, DecodingHoldsOnlyTheWindow) {
+  constexpr int64_t kWindow = 24;
+  BlockManager m(8, 16);
+  ASSERT_TRUE(m.Reserve(1, 30).ok());  // a 30-token prompt, computed
+  int64_t computed = 30;
+  // The next query, at 30, sees 7..30: block 0 (0..15) is still needed.
+  EXPECT_EQ(m.ReleaseBefore(1, computed - kWindow + 1), 0);
+  for (; computed < 300; ++computed) {
+    std::vector<BlockCopy> copies;
+    ASSERT_TRUE(m.PrepareWrite(1, computed, computed + 1, &copies).ok()) << computed;
+    m.ReleaseBefore(1, computed + 1 - kWindow + 1);
+    // Held: the blocks overlapping [computed + 1 - 23, computed + 1).
+    const int64_t first = std::max<int64_t>(0, computed + 1 - kWindow + 1) / 16;
+    ASSERT_EQ(m.NumHoles(1), first);
+    ASSERT_EQ(HeldBlocks(m, 1), computed / 16 + 1 - first);
+    ASSERT_LE(HeldBlocks(m, 1), 3);
+    ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  }
+  EXPECT_EQ(m.num_free_blocks(), 8 - HeldBlocks(m, 1));
+  // Holes are never written again, and slots past them still work.
+  std::vector<BlockCopy> copies;
+  EXPECT_EQ(m.PrepareWrite(1, 0, 1, &copies).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m.Slot(1, 299) / 16, m.BlockTable(1)[299 / 16]);
+  m.Free(1);
+  EXPECT_EQ(m.num_free_blocks(), 8);
+  EXPECT_TRUE(m.CheckInvariants().ok());
+}
+
+TEST(SlidingWindowTest, ExactBoundary) {
+  BlockManager m(4, 8);
+  ASSERT_TRUE(m.Reserve(1, 24).ok());
+  // first_needed 15: position 15 is in block 1, block 0 (0..7) goes.
+  EXPECT_EQ(m.ReleaseBefore(1, 15), 1);
+  EXPECT_EQ(m.ReleaseBefore(1, 15), 0);  // idempotent
+  // first_needed 16: block 1 (8..15) goes too; 17 does not take block 2.
+  EXPECT_EQ(m.ReleaseBefore(1, 17), 1);
+  EXPECT_EQ(m.NumHoles(1), 2);
+  EXPECT_EQ(m.ReleaseBefore(1, 1000), 1);  // past the table: everything
+  EXPECT_EQ(m.num_free_blocks(), 4);
+  EXPECT_TRUE(m.CheckInvariants().ok());
+  EXPECT_EQ(m.ReleaseBefore(42, 100), 0);  // unknown
+}
+
+TEST(SlidingWindowTest, ReleasedBlocksStayInThePrefixCacheAndHitsSkipTheirHoles) {
+  constexpr int64_t kWindow = 10;
+  BlockManager m(Caching(12));
+  const std::vector<int32_t> prompt = Tokens(60, 3);  // 7 full blocks of 8 + 4 tokens
+  auto hit = m.AllocateWindowed(1, prompt, kWindow, 16);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(*hit, 0);
+  EXPECT_EQ(m.BlockTable(1).size(), 2u);  // only the first chunk is reserved
+  int64_t computed = 16;
+  m.CommitFullBlocks(1, prompt, computed);
+  m.ReleaseBefore(1, computed - kWindow + 1);
+  while (computed < 60) {
+    const int64_t n = std::min<int64_t>(16, 60 - computed);
+    std::vector<BlockCopy> copies;
+    ASSERT_TRUE(m.PrepareWrite(1, computed, computed + n, &copies).ok());
+    computed += n;
+    m.CommitFullBlocks(1, prompt, computed);
+    m.ReleaseBefore(1, computed - kWindow + 1);
+    ASSERT_LE(HeldBlocks(m, 1), 3);
+    ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  }
+  EXPECT_GT(m.Stats().blocks_cached, 0);  // released full blocks stay reusable
+  // The same prompt again: 7 cached blocks match; the first to compute (56) sees 47..56, so
+  // blocks 0..4 (0..39) are holes and only 5 and 6 are taken, plus one for the rest.
+  auto again = m.AllocateWindowed(2, prompt, kWindow, 16);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, 56);
+  EXPECT_EQ(m.NumHoles(2), 5);
+  EXPECT_EQ(m.BlockTable(2).size(), 8u);
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  m.Free(1);
+  m.Free(2);
+  EXPECT_EQ(m.num_free_blocks(), 12);
+  EXPECT_TRUE(m.CheckInvariants().ok());
+}
+
+TEST(SlidingWindowTest, AllocateWindowedIsAllOrNothing) {
+  BlockManager m(Caching(3));
+  ASSERT_TRUE(m.Reserve(1, 16).ok());
+  auto hit = m.AllocateWindowed(2, Tokens(40, 1), 8, 40);  // needs 5 blocks, 1 free
+  EXPECT_EQ(hit.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(m.HasSequence(2));
+  EXPECT_EQ(m.AllocateWindowed(2, Tokens(40, 1), 0, 8).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(m.CheckInvariants().ok());
+}
+
+TEST(SlidingWindowTest, ForkSwapAndFreeSkipHoles) {
+  BlockManager m(Caching(10, 10));
+  ASSERT_TRUE(m.Reserve(1, 40).ok());  // 5 blocks of 8
+  EXPECT_EQ(m.ReleaseBefore(1, 17), 2);
+  m.Fork(1, 2);
+  EXPECT_EQ(m.NumHoles(2), 2);
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  // Copy-on-write of the shared last block; holes are untouched.
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(m.PrepareWrite(2, 39, 41, &copies).ok());
+  EXPECT_EQ(copies.size(), 1u);
+  m.Free(1);
+  EXPECT_EQ(m.ExclusiveBlocks(2), 4);
+  std::vector<BlockCopy> out, in;
+  ASSERT_TRUE(m.SwapOut(2, &out).ok());
+  EXPECT_EQ(out.size(), 4u);
+  EXPECT_EQ(m.num_free_blocks(), 10);
+  ASSERT_TRUE(m.SwapIn(2, &in).ok());
+  EXPECT_EQ(in.size(), 4u);
+  EXPECT_EQ(m.NumHoles(2), 2);
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+  m.Free(2);
+  EXPECT_EQ(m.num_free_blocks(), 10);
+  EXPECT_EQ(m.Stats().swap_slots_used, 0);
+}
+
+// The property test of a sliding-window pool: windowed admissions (prefix hits included),
+// prefill chunks and decodes each followed by the release of what the next query cannot see,
+// forks, frees, swaps and pressure; after every operation every invariant holds and every
+// running sequence holds exactly the blocks its window needs.
+TEST(BlockManagerPropertyTest, SlidingWindowKeepsEveryInvariantAndTheBound) {
+  std::mt19937_64 rng(77);
+  for (int32_t block_size : {8, 16}) {
+    for (int64_t window : {5, 20, 40}) {
+      BlockManager m({.num_blocks = 40, .block_size = block_size, .prefix_caching = true,
+                      .num_swap_slots = 20});
+      struct Live {
+        std::vector<int32_t> tokens;
+        int64_t computed = 0;
+      };
+      absl::flat_hash_map<SequenceId, Live> live;
+      SequenceId next = 1;
+      int64_t released = 0;
+      auto release = [&](SequenceId s, const Live& l) {
+        released += m.ReleaseBefore(s, l.computed - window + 1);
+      };
+      for (int op = 0; op < 4000; ++op) {
+        const int kind = static_cast<int>(rng() % 7);
+        auto pick = [&]() -> SequenceId {
+          auto it = live.begin();
+          std::advance(it, rng() % live.size());
+          return it->first;
+        };
+        if (kind == 0 || live.empty()) {  // admit: prompts from a few shared prefixes
+          Live l;
+          l.tokens = Tokens(1 + rng() % 120, static_cast<int32_t>(rng() % 3));
+          const int64_t chunk = 1 + rng() % 40;
+          auto hit = m.AllocateWindowed(next, l.tokens, window, chunk);
+          if (hit.ok()) {
+            ASSERT_LT(*hit, static_cast<int64_t>(l.tokens.size()));
+            l.computed = std::min<int64_t>(l.tokens.size(), *hit + chunk);
+            ASSERT_EQ(static_cast<int64_t>(m.BlockTable(next).size()), m.BlocksFor(l.computed));
+            m.CommitFullBlocks(next, l.tokens, l.computed);
+            release(next, l);
+            live[next] = std::move(l);
+          }
+          ++next;
+        } else if (kind == 1) {  // a prefill chunk or decode tokens
+          const SequenceId s = pick();
+          if (m.IsSwapped(s)) continue;
+          Live& l = live[s];
+          int64_t add = 1 + rng() % 12;
+          const int64_t len = static_cast<int64_t>(l.tokens.size());
+          const bool prefill = l.computed < len;
+          if (prefill) add = std::min(add, len - l.computed);
+          std::vector<BlockCopy> copies;
+          const int32_t free_before = m.num_free_blocks();
+          if (m.PrepareWrite(s, l.computed, l.computed + add, &copies).ok()) {
+            if (!prefill) {
+              for (int64_t i = 0; i < add; ++i) {
+                l.tokens.push_back(static_cast<int32_t>(rng() % 9));
+              }
+            }
+            l.computed += add;
+            m.CommitFullBlocks(s, l.tokens, l.computed);
+            release(s, l);
+          } else {
+            ASSERT_EQ(m.num_free_blocks(), free_before);
+          }
+        } else if (kind == 2) {  // fork
+          const SequenceId s = pick();
+          if (m.IsSwapped(s)) continue;
+          m.Fork(s, next);
+          live[next] = live[s];
+          ++next;
+        } else if (kind == 3) {  // free
+          const SequenceId s = pick();
+          m.Free(s);
+          live.erase(s);
+        } else if (kind == 4) {  // swap out
+          const SequenceId s = pick();
+          std::vector<BlockCopy> copies;
+          if (m.CanSwapOut(s)) {
+            ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+          }
+        } else if (kind == 5) {  // swap in
+          const SequenceId s = pick();
+          std::vector<BlockCopy> copies;
+          if (m.CanSwapIn(s)) {
+            ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+          }
+        } else {  // pressure: a full-attention style reservation that may evict cached blocks
+          const int64_t want = static_cast<int64_t>(rng() % 100);
+          if (m.Reserve(next, want).ok() && m.HasSequence(next)) {
+            live[next] = Live{Tokens(want, 9), want};
+            release(next, live[next]);
+          }
+          ++next;
+        }
+        const BlockManagerStats st = m.Stats();
+        ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total);
+        ASSERT_TRUE(m.CheckInvariants().ok()) << "op " << op << ": " << m.CheckInvariants();
+        for (const auto& [s, l] : live) {
+          // Exactly the blocks overlapping [computed - window + 1, computed).
+          const int64_t first = std::max<int64_t>(0, l.computed - window + 1) / block_size;
+          ASSERT_EQ(m.NumHoles(s), first) << "op " << op;
+          ASSERT_EQ(static_cast<int64_t>(m.BlockTable(s).size()), m.BlocksFor(l.computed));
+          ASSERT_LE(HeldBlocks(m, s), m.BlocksFor(window - 1) + 1) << "op " << op;
+        }
+      }
+      EXPECT_GT(released, 0);
+      EXPECT_GT(m.Stats().prefix_hit_tokens, 0);
+      EXPECT_GT(m.Stats().blocks_swapped_out, 0);
+      for (const auto& [s, l] : live) m.Free(s);
+      EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
+      EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
+      EXPECT_TRUE(m.CheckInvariants().ok());
+    }
   }
 }
 
