@@ -1,6 +1,7 @@
 #include "worker/kv/kv_planner.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -132,10 +133,19 @@ absl::StatusOr<WeightFootprint> PlanWeights(const model::ModelConfig& c,
   return f;
 }
 
+int64_t SequenceBlocks(int64_t context, int64_t block_size, int64_t kv_window,
+                       int64_t prefill_chunk) {
+  auto blocks_for = [block_size](int64_t tokens) { return (tokens + block_size - 1) / block_size; };
+  const int64_t all = blocks_for(context);
+  if (kv_window <= 0) return all;
+  return std::min(all, blocks_for(kv_window - 1 + std::min(prefill_chunk, context)) + 1);
+}
+
 absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& config,
                                                       int64_t memory_bytes, int64_t context,
                                                       int64_t block_size,
-                                                      const WeightFootprint& weights) {
+                                                      const WeightFootprint& weights,
+                                                      int64_t prefill_chunk) {
   if (memory_bytes <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("memory must be positive, got ", memory_bytes));
   }
@@ -145,6 +155,10 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
   if (block_size != 8 && block_size != 16 && block_size != 32) {
     return absl::InvalidArgumentError(
         absl::StrCat("block size must be 8, 16 or 32, got ", block_size));
+  }
+  if (prefill_chunk <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill chunk must be positive, got ", prefill_chunk));
   }
   if (weights.bytes <= 0) {
     return absl::InvalidArgumentError(
@@ -160,7 +174,12 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
                      GiB(memory_bytes), ")"));
   }
   const int64_t kv_budget = memory_bytes - weight_bytes;
-  const int64_t blocks_per_sequence = context / block_size + (context % block_size != 0 ? 1 : 0);
+  const int64_t kv_window = config.KvWindow();
+  const int64_t blocks_per_sequence =
+      SequenceBlocks(context, block_size, kv_window, prefill_chunk);
+  // The most blocks a windowed sequence of any length holds.
+  const int64_t window_blocks =
+      SequenceBlocks(std::numeric_limits<int32_t>::max(), block_size, kv_window, prefill_chunk);
 
   std::vector<KvPlanRow> rows;
   for (const KvDTypePair& pair : PlannedKvDTypes()) {
@@ -181,6 +200,13 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
     row.context = context;
     row.blocks_per_sequence = blocks_per_sequence;
     row.max_sequences = row.blocks / blocks_per_sequence;
+    row.kv_window = kv_window;
+    row.prefill_chunk = prefill_chunk;
+    if (kv_window > 0) {
+      row.max_context = row.blocks >= window_blocks ? config.max_position_embeddings : 0;
+    } else {
+      row.max_context = row.max_tokens;
+    }
     rows.push_back(std::move(row));
   }
   return rows;

@@ -35,8 +35,17 @@ struct KvPlanRow {
   int64_t blocks = 0;               // floor(kv_budget_bytes / bytes_per_block)
   int64_t max_tokens = 0;           // blocks * block_size
   int64_t context = 0;              // tokens one sequence may reach
-  int64_t blocks_per_sequence = 0;  // ceil(context / block_size)
+  // Blocks one sequence holds at most: ceil(context / block_size); with a KV window, at most
+  // the blocks of window - 1 + prefill_chunk tokens plus one (never more than the former).
+  int64_t blocks_per_sequence = 0;
   int64_t max_sequences = 0;        // floor(blocks / blocks_per_sequence), each at full context
+  // The model's KV window (ModelConfig::KvWindow(): every layer slides); 0 when none.
+  int64_t kv_window = 0;
+  int64_t prefill_chunk = 0;        // tokens one step computes, as planned
+  // The longest context one sequence can reach by the KV cache alone: max_tokens; with a KV
+  // window the model's max_position_embeddings once one windowed sequence fits (the KV does
+  // not bound it), else 0.
+  int64_t max_context = 0;
 };
 
 // The (K, V) dtype pairs the planner reports, in output order: fp32, fp16, bf16, int8, int4,
@@ -68,6 +77,8 @@ struct WeightFootprint {
 
 // What the weights take for `weight_dtype`:
 //   fp32 / fp16 / bf16 (also float32, float16, bfloat16): every parameter at that size;
+//   (GGUF files, with ggml's other blocks — Q5_0, Q5_1, IQ4_NL, the K-quants Q2_K..Q6_K — are
+//   counted as stored by `kvgrid plan`, not here.)
 //   q8_0 / q4_0 / q4_1: the layers' linear weights in blocks of 32 (34, 18, 20 bytes; a matrix
 //     whose input width is not a multiple of 32 stays unquantized), the head in Q8_0 blocks (a
 //     copy beside the embedding when tied), everything else unquantized;
@@ -82,13 +93,27 @@ absl::StatusOr<WeightFootprint> PlanWeights(const model::ModelConfig& config,
 
 // One row per PlannedKvDTypes() entry for a budget of `memory_bytes` that must also hold
 // `weights`. A context larger than the KV budget gives max_sequences 0, not an error.
-// Errors: INVALID_ARGUMENT when memory_bytes, context or weights.bytes is not positive,
-// block_size is not 8, 16 or 32, or the weights leave no room for the KV cache (the message
-// gives both numbers).
+// `prefill_chunk` is the most tokens one engine step computes (--max-num-batched-tokens): a
+// sliding-window model's sequence (every layer slides) holds only its window and one step's
+// tokens, so its concurrency is bounded by window-sized sequences and its context not by the
+// KV at all. Models where only some layers slide are planned as full attention (their blocks
+// cannot be freed: one block id indexes every layer).
+// Errors: INVALID_ARGUMENT when memory_bytes, context, prefill_chunk or weights.bytes is not
+// positive, block_size is not 8, 16 or 32, or the weights leave no room for the KV cache (the
+// message gives both numbers).
 absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& config,
                                                       int64_t memory_bytes, int64_t context,
                                                       int64_t block_size,
-                                                      const WeightFootprint& weights);
+                                                      const WeightFootprint& weights,
+                                                      int64_t prefill_chunk = 8192);
+
+// Blocks one sequence of up to `context` tokens holds at most when a step computes at most
+// `prefill_chunk` of its tokens: ceil(context / block_size), or with a KV window `kv_window`
+// > 0 at most ceil((kv_window - 1 + min(prefill_chunk, context)) / block_size) + 1 (a step
+// computing [c, c + chunk) reads keys from c - kv_window + 1, which may start mid-block).
+// The bound the engine admits and the coordinator places by.
+[[nodiscard]] int64_t SequenceBlocks(int64_t context, int64_t block_size, int64_t kv_window,
+                                     int64_t prefill_chunk);
 
 // Device memory one forward step of `max_tokens` tokens returning `max_logit_rows` rows of
 // logits takes for activations (fp32 between ops, as CudaLlamaModel keeps them: residual,

@@ -2,6 +2,7 @@
 #include "worker/kv/kv_planner.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -35,6 +36,15 @@ constexpr char kLlama3_70B[] = R"({
   "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
   "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
   "tie_word_embeddings": false, "hidden_act": "silu", "torch_dtype": "bfloat16"})";
+
+// Mistral-7B v0.1: a 4096-token sliding window on every layer.
+constexpr char kMistral7B[] = R"({
+  "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+  "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+  "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+  "sliding_window": 4096, "tie_word_embeddings": false, "hidden_act": "silu",
+  "torch_dtype": "bfloat16"})";
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
@@ -167,6 +177,58 @@ TEST(KvPlannerTest, ContextRoundsUpToWholeBlocksAndMayNotFit) {
   ASSERT_TRUE(rows.ok());
   EXPECT_EQ(Row(*rows, "fp16").max_sequences, 0);
   EXPECT_GT(Row(*rows, "fp16").max_tokens, 0);
+}
+
+// A model whose every layer slides holds window + one step's tokens per sequence: its
+// concurrency is bounded by window-sized sequences, its context not by the KV at all.
+TEST(KvPlannerTest, SlidingWindowBoundsSequencesByTheWindow) {
+  const model::ModelConfig c = Parse(kMistral7B);
+  ASSERT_EQ(c.KvWindow(), 4096);
+  const int64_t budget = 24 * kGiB - 2 * CountParameters(c);
+  for (auto [chunk, per_seq] : {std::pair<int64_t, int64_t>{8192, 769},  // ceil(12287/16) + 1
+                                std::pair<int64_t, int64_t>{512, 289},   // ceil(4607/16) + 1
+                                std::pair<int64_t, int64_t>{1, 257}}) {  // ceil(4096/16) + 1
+    absl::StatusOr<std::vector<KvPlanRow>> rows =
+        PlanKvCapacity(c, 24 * kGiB, 32768, 16, Bf16(c), chunk);
+    ASSERT_TRUE(rows.ok()) << rows.status();
+    const KvPlanRow& fp16 = Row(*rows, "fp16");
+    EXPECT_EQ(fp16.kv_window, 4096);
+    EXPECT_EQ(fp16.prefill_chunk, chunk);
+    EXPECT_EQ(fp16.blocks, budget / (16 * 131072));
+    EXPECT_EQ(fp16.blocks_per_sequence, per_seq) << chunk;
+    EXPECT_EQ(fp16.max_sequences, fp16.blocks / per_seq) << chunk;
+    EXPECT_EQ(fp16.max_context, 32768);  // not bounded by the KV
+    EXPECT_EQ(SequenceBlocks(32768, 16, 4096, chunk), per_seq);
+  }
+  // The same model without the window: whole contexts, and the KV bounds the context.
+  model::ModelConfig full = c;
+  full.sliding_window = 0;
+  full.sliding_layers.clear();
+  absl::StatusOr<std::vector<KvPlanRow>> rows =
+      PlanKvCapacity(full, 24 * kGiB, 32768, 16, Bf16(c));
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(Row(*rows, "fp16").blocks_per_sequence, 2048);
+  EXPECT_EQ(Row(*rows, "fp16").max_sequences, Row(*rows, "fp16").blocks / 2048);
+  EXPECT_EQ(Row(*rows, "fp16").max_context, Row(*rows, "fp16").max_tokens);
+  EXPECT_EQ(Row(*rows, "fp16").kv_window, 0);
+  // A context shorter than the window is whole blocks as before.
+  rows = PlanKvCapacity(c, 24 * kGiB, 1000, 16, Bf16(c));
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(Row(*rows, "fp16").blocks_per_sequence, 63);
+  // Only some layers sliding (Qwen2 with max_window_layers): planned as full attention.
+  model::ModelConfig mixed = c;
+  mixed.sliding_layers[0] = false;
+  rows = PlanKvCapacity(mixed, 24 * kGiB, 32768, 16, Bf16(c));
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(Row(*rows, "fp16").kv_window, 0);
+  EXPECT_EQ(Row(*rows, "fp16").blocks_per_sequence, 2048);
+  // Too small a budget for even one window: no sequence, no context.
+  rows = PlanKvCapacity(c, 2 * CountParameters(c) + 100 * 16 * 131072, 32768, 16, Bf16(c));
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(Row(*rows, "fp16").max_sequences, 0);
+  EXPECT_EQ(Row(*rows, "fp16").max_context, 0);
+  EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 16, Bf16(c), 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(KvPlannerTest, RejectsBadArguments) {
