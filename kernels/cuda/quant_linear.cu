@@ -13,50 +13,89 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 // --- block decoding ---
 //
-// A block is handled by 4 lanes ("sub-blocks" 0..3) of 8 weights each. Q8_0's sub-block s
-// holds values 8s..8s+7; a 4-bit format's holds the nibbles of bytes 4s..4s+3, which are values
-// 4s..4s+3 (low nibbles) and 16+4s..16+4s+3 (high nibbles). Blocks are 18, 20 or 34 bytes, so
-// only 2-byte alignment holds: the bytes are read as 16-bit words.
+// A group of 32 weights (a block, or one of a K-quant super-block's 8 groups) is handled by 4
+// lanes ("sub-blocks" 0..3) of 8 weights each. Q8_0's and the K-quants' sub-block s holds
+// columns 8s..8s+7 of its group; a nibble format's (Q4_0, Q4_1, Q4_Z, Q5_0, Q5_1, IQ4_NL) holds
+// the nibbles of bytes 4s..4s+3, which are columns 4s..4s+3 (low nibbles) and 16+4s..16+4s+3
+// (high nibbles). Blocks are 18 to 210 bytes, so only 2-byte alignment holds: fp16 fields and
+// Q8_0's values are read as 16-bit words, the other formats' bits byte by byte.
 
 // Per-format constants as variable templates: usable in device code, unlike the host
 // constexpr function they come from.
 template <QuantFormat F>
 constexpr int64_t kBlockBytes = QuantBlockBytes(F);
 template <QuantFormat F>
+constexpr int64_t kBlockElems = QuantBlockElements(F);
+template <QuantFormat F>
 constexpr int kHeaderBytes = F == QuantFormat::kQ4_1 || F == QuantFormat::kQ4_Z ? 4 : 2;
+template <QuantFormat F>
+constexpr bool kNibbleOrder = F == QuantFormat::kQ4_0 || F == QuantFormat::kQ4_1 ||
+                              F == QuantFormat::kQ4_Z || F == QuantFormat::kQ5_0 ||
+                              F == QuantFormat::kQ5_1 || F == QuantFormat::kIQ4_NL;
 
 __device__ __forceinline__ uint16_t Load16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+
+__device__ __forceinline__ unsigned Load8(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned char*>(p));
 }
 
 __device__ __forceinline__ float HalfToFloat(uint16_t bits) {
   return __half2float(__ushort_as_half(bits));  // exact for every non-NaN fp16
 }
 
-// The column (0..31, within its block) of weight e (0..7) of sub-block `sub`.
+// The column (0..31, within its group) of weight e (0..7) of sub-block `sub`.
 template <QuantFormat F>
 __device__ __forceinline__ int ColumnOf(int sub, int e) {
-  if constexpr (F == QuantFormat::kQ8_0) {
-    return 8 * sub + e;
-  } else {
+  if constexpr (kNibbleOrder<F>) {
     return e < 4 ? 4 * sub + e : 16 + 4 * sub + (e - 4);
+  } else {
+    return 8 * sub + e;
   }
 }
 
-// w[e] = weight ColumnOf(sub, e) of `block`, computed as kernels/cpu/quant_linear.cc does
-// (products of an fp16 and a small integer are exact; Q4_1/Q4_Z fuse the offset with one fma).
+// IQ4_NL's levels (kernels/cpu/ggml_blocks.cc).
+__device__ __forceinline__ float Iq4NlLevel(unsigned q) {
+  constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                  1,    13,   25,  38,  53,  69,  89,  113};
+  return static_cast<float>(kLevels[q & 0xfu]);
+}
+
+// Q4_K's and Q5_K's 6-bit scale and minimum of group j (0..7) from the 12 scale bytes.
+__device__ __forceinline__ void ScaleMinK4(const uint8_t* sc, int j, float* scale, float* min) {
+  unsigned s, m;
+  if (j < 4) {
+    s = Load8(sc + j) & 63u;
+    m = Load8(sc + j + 4) & 63u;
+  } else {
+    const unsigned packed = Load8(sc + j + 4);
+    s = (packed & 0xfu) | (Load8(sc + j - 4) >> 6) << 4;
+    m = (packed >> 4) | (Load8(sc + j) >> 6) << 4;
+  }
+  *scale = static_cast<float>(s);
+  *min = static_cast<float>(m);
+}
+
+// w[e] = weight ColumnOf(sub, e) of group g of the row starting at `row`, computed as
+// kernels/cpu/quant_linear.cc and ggml_blocks.cc do (products of an fp16 and small integers are
+// exact in fp32, so fused or not, each weight is the CPU's float).
 template <QuantFormat F>
-__device__ __forceinline__ void DecodeEight(const uint8_t* block, int sub, float w[8]) {
-  const float d = HalfToFloat(Load16(block));
+__device__ __forceinline__ void DecodeEight(const uint8_t* row, int64_t g, int sub, float w[8]) {
+  const uint8_t* block = row + g * kQuantBlockSize / kBlockElems<F> * kBlockBytes<F>;
+  const int j = static_cast<int>(g % (kBlockElems<F> / kQuantBlockSize));  // group in the block
   if constexpr (F == QuantFormat::kQ8_0) {
+    const float d = HalfToFloat(Load16(block));
     const uint8_t* q = block + 2 + 8 * sub;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint16_t pair = Load16(q + 2 * j);  // little-endian: the first value is low
-      w[2 * j] = d * static_cast<float>(static_cast<int8_t>(pair & 0xffu));
-      w[2 * j + 1] = d * static_cast<float>(static_cast<int8_t>(pair >> 8));
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t pair = Load16(q + 2 * i);  // little-endian: the first value is low
+      w[2 * i] = d * static_cast<float>(static_cast<int8_t>(pair & 0xffu));
+      w[2 * i + 1] = d * static_cast<float>(static_cast<int8_t>(pair >> 8));
     }
-  } else {
+  } else if constexpr (F == QuantFormat::kQ4_0 || F == QuantFormat::kQ4_1 ||
+                       F == QuantFormat::kQ4_Z) {
+    const float d = HalfToFloat(Load16(block));
     const uint8_t* q = block + kHeaderBytes<F> + 4 * sub;
     const uint16_t p0 = Load16(q);
     const uint16_t p1 = Load16(q + 2);
@@ -76,6 +115,88 @@ __device__ __forceinline__ void DecodeEight(const uint8_t* block, int sub, float
         w[e] = fmaf(d, static_cast<float>(bytes[e] & 0xfu), m);
         w[4 + e] = fmaf(d, static_cast<float>(bytes[e] >> 4), m);
       }
+    }
+  } else if constexpr (F == QuantFormat::kQ5_0 || F == QuantFormat::kQ5_1) {
+    constexpr int kHigh = F == QuantFormat::kQ5_0 ? 2 : 4;  // offset of the 32 high bits
+    const float d = HalfToFloat(Load16(block));
+    const unsigned qh = Load16(block + kHigh) | static_cast<unsigned>(Load16(block + kHigh + 2))
+                                                    << 16;
+    const uint8_t* q = block + kHigh + 4 + 4 * sub;
+    const float m = F == QuantFormat::kQ5_1 ? HalfToFloat(Load16(block + 2)) : 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned byte = Load8(q + e);
+      const int lo_col = 4 * sub + e, hi_col = 16 + 4 * sub + e;
+      const int lo = static_cast<int>((byte & 0xfu) | ((qh >> lo_col) & 1u) << 4);
+      const int hi = static_cast<int>((byte >> 4) | ((qh >> hi_col) & 1u) << 4);
+      if constexpr (F == QuantFormat::kQ5_0) {
+        w[e] = static_cast<float>(lo - 16) * d;
+        w[4 + e] = static_cast<float>(hi - 16) * d;
+      } else {
+        w[e] = fmaf(static_cast<float>(lo), d, m);
+        w[4 + e] = fmaf(static_cast<float>(hi), d, m);
+      }
+    }
+  } else if constexpr (F == QuantFormat::kIQ4_NL) {
+    const float d = HalfToFloat(Load16(block));
+    const uint8_t* q = block + 2 + 4 * sub;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const unsigned byte = Load8(q + e);
+      w[e] = d * Iq4NlLevel(byte);
+      w[4 + e] = d * Iq4NlLevel(byte >> 4);
+    }
+  } else if constexpr (F == QuantFormat::kQ4_K || F == QuantFormat::kQ5_K) {
+    const float d = HalfToFloat(Load16(block)), dmin = HalfToFloat(Load16(block + 2));
+    float scale, min;
+    ScaleMinK4(block + 4, j, &scale, &min);
+    const float d1 = d * scale, m1 = dmin * min;
+    constexpr int kQs = F == QuantFormat::kQ4_K ? 16 : 48;
+    const uint8_t* q = block + kQs + 32 * (j / 2) + 8 * sub;
+    const int shift = 4 * (j % 2);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      unsigned v = (Load8(q + e) >> shift) & 0xfu;
+      if constexpr (F == QuantFormat::kQ5_K) v |= ((Load8(block + 16 + 8 * sub + e) >> j) & 1u) << 4;
+      w[e] = fmaf(d1, static_cast<float>(v), -m1);
+    }
+  } else if constexpr (F == QuantFormat::kQ6_K) {
+    const int h = j / 4, s = j % 4;
+    const float d = HalfToFloat(Load16(block + 208));
+    const float dl = d * static_cast<float>(static_cast<int8_t>(Load8(block + 192 + 2 * j + sub / 2)));
+    const uint8_t* lo = block + 64 * h + 32 * (s % 2) + 8 * sub;
+    const uint8_t* hi = block + 128 + 32 * h + 8 * sub;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int q = static_cast<int>(((Load8(lo + e) >> (4 * (s / 2))) & 0xfu) |
+                                     ((Load8(hi + e) >> (2 * s)) & 3u) << 4) - 32;
+      w[e] = dl * static_cast<float>(q);
+    }
+  } else if constexpr (F == QuantFormat::kQ3_K) {
+    const int h = j / 4, s = j % 4;
+    const int sj = 2 * j + sub / 2;  // scale of these 8 weights (of 16)
+    const uint8_t* sc = block + 96;
+    const unsigned lo4 = sj < 8 ? Load8(sc + sj) & 0xfu : Load8(sc + sj - 8) >> 4;
+    const unsigned hi2 = (Load8(sc + 8 + sj % 4) >> (2 * (sj / 4))) & 3u;
+    const float d = HalfToFloat(Load16(block + 108));
+    const float dl = d * static_cast<float>(static_cast<int>(lo4 | hi2 << 4) - 32);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int l = 8 * sub + e;
+      const int q = static_cast<int>((Load8(block + 32 + 32 * h + l) >> (2 * s)) & 3u) -
+                    (((Load8(block + l) >> j) & 1u) ? 0 : 4);
+      w[e] = dl * static_cast<float>(q);
+    }
+  } else {
+    static_assert(F == QuantFormat::kQ2_K, "every format decodes");
+    const int h = j / 4, s = j % 4;
+    const unsigned sc = Load8(block + 2 * j + sub / 2);
+    const float d = HalfToFloat(Load16(block + 80)), dmin = HalfToFloat(Load16(block + 82));
+    const float dl = d * static_cast<float>(sc & 0xfu), ml = dmin * static_cast<float>(sc >> 4);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const unsigned q = (Load8(block + 16 + 32 * h + 8 * sub + e) >> (2 * s)) & 3u;
+      w[e] = fmaf(dl, static_cast<float>(q), -ml);
     }
   }
 }
@@ -108,15 +229,15 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   if (row >= n) return;  // per warp: the shuffles below see whole warps only
-  const int64_t blocks = k / kQuantBlockSize;
-  const uint8_t* w_row = weight + row * blocks * kBlockBytes<F>;
+  const int64_t blocks = k / kQuantBlockSize;  // groups of 32 columns
+  const uint8_t* w_row = weight + row * (k / kBlockElems<F>) * kBlockBytes<F>;
   const int sub = lane % 4;
   float acc[T];
 #pragma unroll
   for (int t = 0; t < T; ++t) acc[t] = 0.f;
   for (int64_t b = lane / 4; b < blocks; b += 8) {
     float w[8];
-    DecodeEight<F>(w_row + b * kBlockBytes<F>, sub, w);
+    DecodeEight<F>(w_row, b, sub, w);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const int64_t src = InputColumn(perm, b * kQuantBlockSize + ColumnOf<F>(sub, e), k);
@@ -167,7 +288,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int dec_sub = tid % 4;
   const bool dec_valid = row0 + dec_row < n;
   const uint8_t* dec_base =
-      dec_valid ? weight + (row0 + dec_row) * blocks * kBlockBytes<F> : weight;
+      dec_valid ? weight + (row0 + dec_row) * (k / kBlockElems<F>) * kBlockBytes<F> : weight;
 
   float acc[4][4];
 #pragma unroll
@@ -193,7 +314,7 @@ __global__ void __launch_bounds__(kTileThreads)
     }
     float w[8];
     if (dec_valid) {
-      DecodeEight<F>(dec_base + b * kBlockBytes<F>, dec_sub, w);
+      DecodeEight<F>(dec_base, b, dec_sub, w);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) w[e] = 0.f;
@@ -283,18 +404,18 @@ absl::Status QuantLinearParams::Validate() const {
   if (!IsAligned(output, alignof(float))) {
     return absl::InvalidArgumentError("QuantLinearParams.output is not 4-byte aligned");
   }
-  if (format != QuantFormat::kQ8_0 && format != QuantFormat::kQ4_0 &&
-      format != QuantFormat::kQ4_1 && format != QuantFormat::kQ4_Z) {
+  if (QuantBlockBytes(format) == 0) {
     return absl::InvalidArgumentError("QuantLinearParams.format is not a known format");
   }
   if (num_tokens < 0 || num_tokens > kQuantLinearMaxTokens) {
     return absl::InvalidArgumentError(absl::StrCat("QuantLinearParams.num_tokens must be in [0, ",
                                                    kQuantLinearMaxTokens, "]: ", num_tokens));
   }
-  if (in_features <= 0 || in_features % kQuantBlockSize != 0 || in_features > INT32_MAX) {
+  if (in_features <= 0 || in_features % QuantBlockElements(format) != 0 ||
+      in_features > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "QuantLinearParams.in_features must be a positive multiple of 32 up to INT32_MAX: ",
-        in_features));
+        "QuantLinearParams.in_features must be a positive multiple of ",
+        QuantBlockElements(format), " up to INT32_MAX: ", in_features));
   }
   if (out_features <= 0 || out_features > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -311,6 +432,14 @@ absl::Status LaunchQuantLinear(const QuantLinearParams& p, cudaStream_t stream) 
     case QuantFormat::kQ4_0: return LaunchFormat<QuantFormat::kQ4_0>(p, stream);
     case QuantFormat::kQ4_1: return LaunchFormat<QuantFormat::kQ4_1>(p, stream);
     case QuantFormat::kQ4_Z: return LaunchFormat<QuantFormat::kQ4_Z>(p, stream);
+    case QuantFormat::kQ5_0: return LaunchFormat<QuantFormat::kQ5_0>(p, stream);
+    case QuantFormat::kQ5_1: return LaunchFormat<QuantFormat::kQ5_1>(p, stream);
+    case QuantFormat::kIQ4_NL: return LaunchFormat<QuantFormat::kIQ4_NL>(p, stream);
+    case QuantFormat::kQ2_K: return LaunchFormat<QuantFormat::kQ2_K>(p, stream);
+    case QuantFormat::kQ3_K: return LaunchFormat<QuantFormat::kQ3_K>(p, stream);
+    case QuantFormat::kQ4_K: return LaunchFormat<QuantFormat::kQ4_K>(p, stream);
+    case QuantFormat::kQ5_K: return LaunchFormat<QuantFormat::kQ5_K>(p, stream);
+    case QuantFormat::kQ6_K: return LaunchFormat<QuantFormat::kQ6_K>(p, stream);
   }
   return absl::InvalidArgumentError("QuantLinearParams.format is not a known format");
 }

@@ -1,9 +1,11 @@
 // CUDA quantized linear layers against cpu::QuantLinear for every block format, on the decode
-// (T <= 8) and prefill paths, with and without input_perm, bias and accumulation. Skipped,
-// with a message, where no GPU is visible.
+// (T <= 8) and prefill paths, with and without input_perm, bias and accumulation, and the
+// formats GGUF files bring (Q5_0 .. Q6_K) on random valid blocks. Skipped, with a message,
+// where no GPU is visible.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -12,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/quant_linear.h"
 #include "kernels/cuda/quant_linear.cuh"
+#include "model/dtype.h"
 #include "tests/gpu/device_buffer.h"
 
 namespace kvgrid::kernels {
@@ -25,16 +28,112 @@ cuda::QuantFormat FormatOf(cpu::WeightDType dtype) {
     case cpu::WeightDType::kQ4_0: return cuda::QuantFormat::kQ4_0;
     case cpu::WeightDType::kQ4_1: return cuda::QuantFormat::kQ4_1;
     case cpu::WeightDType::kQ4_Z: return cuda::QuantFormat::kQ4_Z;
+    case cpu::WeightDType::kQ5_0: return cuda::QuantFormat::kQ5_0;
+    case cpu::WeightDType::kQ5_1: return cuda::QuantFormat::kQ5_1;
+    case cpu::WeightDType::kIQ4_NL: return cuda::QuantFormat::kIQ4_NL;
+    case cpu::WeightDType::kQ2_K: return cuda::QuantFormat::kQ2_K;
+    case cpu::WeightDType::kQ3_K: return cuda::QuantFormat::kQ3_K;
+    case cpu::WeightDType::kQ4_K: return cuda::QuantFormat::kQ4_K;
+    case cpu::WeightDType::kQ5_K: return cuda::QuantFormat::kQ5_K;
+    case cpu::WeightDType::kQ6_K: return cuda::QuantFormat::kQ6_K;
     default: return cuda::QuantFormat::kQ8_0;
   }
 }
+
+// The formats GGUF files bring (ggml's, read as is).
+constexpr cpu::WeightDType kGgufFormats[] = {
+    cpu::WeightDType::kQ5_0, cpu::WeightDType::kQ5_1, cpu::WeightDType::kIQ4_NL,
+    cpu::WeightDType::kQ2_K, cpu::WeightDType::kQ3_K, cpu::WeightDType::kQ4_K,
+    cpu::WeightDType::kQ5_K, cpu::WeightDType::kQ6_K};
 
 TEST(QuantLinearCudaTest, BlockBytesMatchCpu) {
   for (cpu::WeightDType dtype : {cpu::WeightDType::kQ8_0, cpu::WeightDType::kQ4_0,
                                  cpu::WeightDType::kQ4_1, cpu::WeightDType::kQ4_Z}) {
     EXPECT_EQ(cuda::QuantBlockBytes(FormatOf(dtype)), cpu::QuantMatrix::BlockBytes(dtype));
   }
+  for (cpu::WeightDType dtype : kGgufFormats) {
+    EXPECT_EQ(cuda::QuantBlockBytes(FormatOf(dtype)), cpu::QuantMatrix::BlockBytes(dtype));
+    EXPECT_EQ(cuda::QuantBlockElements(FormatOf(dtype)), cpu::QuantMatrix::BlockElements(dtype));
+  }
   EXPECT_EQ(cuda::kQuantBlockSize, cpu::kQuantBlock);
+}
+
+// Random bytes with each fp16 field (ggml's block structs) a finite value: a valid block.
+cpu::QuantMatrix RandomBlocks(cpu::WeightDType dtype, int64_t rows, int64_t cols,
+                              std::mt19937& rng) {
+  cpu::QuantMatrix m{.dtype = dtype, .rows = rows, .cols = cols};
+  m.data.resize(static_cast<size_t>(rows * m.RowBytes()));
+  for (uint8_t& b : m.data) b = static_cast<uint8_t>(rng());
+  std::vector<int> fp16_at = {0};
+  if (dtype == cpu::WeightDType::kQ5_1 || dtype == cpu::WeightDType::kQ4_K ||
+      dtype == cpu::WeightDType::kQ5_K) {
+    fp16_at = {0, 2};
+  } else if (dtype == cpu::WeightDType::kQ2_K) {
+    fp16_at = {80, 82};
+  } else if (dtype == cpu::WeightDType::kQ3_K) {
+    fp16_at = {108};
+  } else if (dtype == cpu::WeightDType::kQ6_K) {
+    fp16_at = {208};
+  }
+  std::uniform_real_distribution<float> scale(-0.01f, 0.01f);
+  const int64_t bb = cpu::QuantMatrix::BlockBytes(dtype);
+  for (size_t b = 0; b < m.data.size(); b += static_cast<size_t>(bb)) {
+    for (int at : fp16_at) {
+      const uint16_t h = model::F32ToF16(scale(rng));
+      std::memcpy(m.data.data() + b + at, &h, sizeof(h));
+    }
+  }
+  return m;
+}
+
+// The GGUF formats on both paths (decode T = 1 and 5, prefill T = 70) with a bias and
+// accumulation, against cpu::QuantLinear, with the tolerance argued above. n = 67: a partial
+// decode block and tile; k = 512: two super-blocks, 16 groups of 32 (two per lane slot).
+TEST(QuantLinearCudaTest, GgufFormatsMatchCpuQuantLinear) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const int64_t n = 67, k = 512;
+  for (cpu::WeightDType dtype : kGgufFormats) {
+    std::mt19937 rng(static_cast<uint32_t>(dtype) * 31 + 3);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    const cpu::QuantMatrix m = RandomBlocks(dtype, n, k, rng);
+    const std::vector<float> dense = cpu::DequantizeMatrix(m);
+    DeviceBuffer<uint8_t> dw(m.data);
+    for (int64_t t : {1, 5, 70}) {
+      std::vector<float> x(t * k), bias(n), prev(t * n);
+      for (float& v : x) v = normal(rng);
+      for (float& v : bias) v = normal(rng);
+      for (float& v : prev) v = normal(rng);
+      std::vector<float> ref = prev;
+      ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &m, .bias = bias.data(),
+                                    .output = ref.data(), .num_tokens = t, .accumulate = true})
+                      .ok());
+      DeviceBuffer<float> dx(x), dbias(bias), dout(prev);
+      const absl::Status s = cuda::LaunchQuantLinear(
+          {.input = dx.get(), .weight = dw.get(), .bias = dbias.get(), .output = dout.get(),
+           .format = FormatOf(dtype), .num_tokens = t, .in_features = k, .out_features = n,
+           .accumulate = true},
+          nullptr);
+      ASSERT_TRUE(s.ok()) << s;
+      const std::vector<float> got = dout.Download();
+      for (int64_t i = 0; i < t; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double mag = std::fabs(bias[j]) + std::fabs(prev[i * n + j]);
+          for (int64_t c = 0; c < k; ++c) mag += std::fabs(dense[j * k + c] * x[i * k + c]);
+          ASSERT_NEAR(got[i * n + j], ref[i * n + j], 1e-5 * mag + 1e-6)
+              << cpu::WeightDTypeName(dtype) << " t=" << t << " at [" << i << ", " << j << "]";
+        }
+      }
+    }
+  }
+  // A K-quant row must be whole super-blocks.
+  cuda::QuantLinearParams p{.format = cuda::QuantFormat::kQ4_K, .num_tokens = 1,
+                            .in_features = 288, .out_features = 1};
+  alignas(4) uint8_t block[144] = {};
+  float io[288] = {};
+  p.input = io;
+  p.output = io;
+  p.weight = block;
+  EXPECT_NE(std::string(p.Validate().message()).find("in_features"), std::string::npos);
 }
 
 // Tolerance. Both sides multiply the same dequantized weights (the device decodes each weight

@@ -96,7 +96,7 @@ absl::Status CheckBatch(const ForwardBatch& b, int64_t block_size, int64_t num_b
 absl::Status CheckQuantized(const cpu::QuantMatrix& q, int64_t rows, int64_t cols,
                             const char* what) {
   if (q.dtype == cpu::WeightDType::kF32 || q.rows != rows || q.cols != cols ||
-      cols % cpu::kQuantBlock != 0 ||
+      cols % cpu::QuantMatrix::BlockElements(q.dtype) != 0 ||
       static_cast<int64_t>(q.data.size()) != rows * q.RowBytes() ||
       (!q.input_perm.empty() && static_cast<int64_t>(q.input_perm.size()) != cols)) {
     return absl::InvalidArgumentError(absl::StrCat("quantized weight ", what, " is malformed (",
@@ -127,6 +127,14 @@ cuda::QuantFormat FormatOf(cpu::WeightDType dtype) {
     case cpu::WeightDType::kQ8_0: return cuda::QuantFormat::kQ8_0;
     case cpu::WeightDType::kQ4_0: return cuda::QuantFormat::kQ4_0;
     case cpu::WeightDType::kQ4_1: return cuda::QuantFormat::kQ4_1;
+    case cpu::WeightDType::kQ5_0: return cuda::QuantFormat::kQ5_0;
+    case cpu::WeightDType::kQ5_1: return cuda::QuantFormat::kQ5_1;
+    case cpu::WeightDType::kIQ4_NL: return cuda::QuantFormat::kIQ4_NL;
+    case cpu::WeightDType::kQ2_K: return cuda::QuantFormat::kQ2_K;
+    case cpu::WeightDType::kQ3_K: return cuda::QuantFormat::kQ3_K;
+    case cpu::WeightDType::kQ4_K: return cuda::QuantFormat::kQ4_K;
+    case cpu::WeightDType::kQ5_K: return cuda::QuantFormat::kQ5_K;
+    case cpu::WeightDType::kQ6_K: return cuda::QuantFormat::kQ6_K;
     default: return cuda::QuantFormat::kQ4_Z;
   }
 }
