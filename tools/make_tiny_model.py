@@ -96,6 +96,33 @@ PRESETS = {
         "pad_token_id": 151643,
         "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.5, "norm_noise": 0.1},
     },
+    # Sliding-window attention on every layer, with a window short enough (24) that the
+    # tests' 200-token sequences reach far past it.
+    "mistral-window-tiny": {
+        "family": "mistral",
+        "tokenizer": ("llama3",),
+        "seed": 3,
+        "dtype": "bfloat16",
+        "vocab_size": 128256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 4096,
+        "sliding_window": 24,
+        "tie_word_embeddings": True,
+        "qkv_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "gen_eos_token_id": [128001],
+        "pad_token_id": None,
+        "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.0, "norm_noise": 0.1},
+    },
 }
 
 
@@ -143,7 +170,8 @@ def content_stamp(name, preset, tok_dir):
 
 
 def hf_config(p):
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[p["family"]]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "mistral": "MistralForCausalLM"}[p["family"]]
     cfg = {
         "architectures": [arch],
         "model_type": p["family"],
@@ -169,6 +197,8 @@ def hf_config(p):
     if p["family"] == "llama":
         cfg.update({"head_dim": p["head_dim"], "attention_bias": False, "mlp_bias": False,
                     "pretraining_tp": 1})
+    elif p["family"] == "mistral":
+        cfg.update({"head_dim": p["head_dim"], "sliding_window": p["sliding_window"]})
     else:
         # Qwen2 derives head_dim = hidden_size / num_attention_heads.
         assert p["head_dim"] * p["num_attention_heads"] == p["hidden_size"]

@@ -97,6 +97,22 @@ def rope_inv_freq(cfg, head_dim):
     raise NotImplementedError(f"rope_scaling type {kind!r}")
 
 
+def sliding_windows(cfg):
+    """Per-layer attention window in tokens (0: full attention), as transformers' configs
+    define it: Mistral's sliding_window applies to every layer; Qwen2's only when
+    use_sliding_window is true (its default is false), and then to layers >= max_window_layers
+    (default 28), unless a layer_types list ("sliding_attention" / "full_attention") says."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or 0
+    qwen = cfg.get("model_type", "").startswith("qwen")
+    if not window or not cfg.get("use_sliding_window", not qwen):
+        return [0] * n
+    if cfg.get("layer_types"):
+        return [window if t == "sliding_attention" else 0 for t in cfg["layer_types"]]
+    first = cfg.get("max_window_layers", 28) if (qwen or "max_window_layers" in cfg) else 0
+    return [window if i >= first else 0 for i in range(n)]
+
+
 class Model:
     """A causal LM forward pass with a per-instance KV cache made explicit to callers."""
 
@@ -105,6 +121,9 @@ class Model:
         them when they enter the cache, as an engine with that cache dtype does."""
         self.dir = Path(model_dir)
         self.kv_cache_dtype = kv_cache_dtype
+        # Optional: a function rounding K/V rows [T, n_kv, head_dim] as a quantized cache
+        # stores them (set by tests; wins over kv_cache_dtype).
+        self.kv_round = None
         self.cfg = json.loads((self.dir / "config.json").read_text())
         self.dtype = dtype
         c = self.cfg
@@ -142,6 +161,8 @@ class Model:
                 L[n] = w[p + f"self_attn.{n}_proj.weight"]
                 L[n + "_bias"] = w.get(p + f"self_attn.{n}_proj.bias")
             self.layers.append(L)
+        for L, window in zip(self.layers, sliding_windows(c)):
+            L["window"] = window
         self.inv_freq = rope_inv_freq(c, self.head_dim).astype(dtype)
 
     # -- pieces -------------------------------------------------------------------------
@@ -173,7 +194,9 @@ class Model:
         v = self.linear(x, L["v"], L["v_bias"]).reshape(T, self.n_kv, D)
         q = self.rope(q, positions)
         k = self.rope(k, positions)
-        if self.kv_cache_dtype is not None:
+        if self.kv_round is not None:
+            k, v = self.kv_round(k), self.kv_round(v)
+        elif self.kv_cache_dtype is not None:
             k = k.astype(self.kv_cache_dtype).astype(self.dtype)
             v = v.astype(self.kv_cache_dtype).astype(self.dtype)
         cache["k"] = np.concatenate([cache["k"], k], axis=0)
@@ -181,6 +204,8 @@ class Model:
         keys, vals = cache["k"], cache["v"]  # [S, n_kv, D]
         key_pos = np.arange(keys.shape[0])
         allowed = key_pos[None, :] <= positions[:, None]  # [T, S]
+        if L["window"]:  # query i sees keys i - window < j <= i
+            allowed &= key_pos[None, :] > positions[:, None] - L["window"]
         group = self.n_heads // self.n_kv
         out = np.empty((T, self.n_heads, D), dtype=self.dtype)
         for h in range(self.n_heads):

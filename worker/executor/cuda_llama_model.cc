@@ -58,7 +58,10 @@ absl::StatusOr<DeviceBuffer> UploadVector(const std::vector<T>& v) {
 
 // The checks LlamaModel::Forward gets from cpu::PagedAttentionParams::Validate, done on the host
 // copies before anything is uploaded: the kernels trust query_start and the block tables.
-absl::Status CheckBatch(const ForwardBatch& b, int64_t block_size, int64_t num_blocks) {
+// With a KV window (every layer slides) the blocks before the first query's window are never
+// read and may be holes.
+absl::Status CheckBatch(const ForwardBatch& b, int64_t block_size, int64_t num_blocks,
+                        int64_t kv_window) {
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   if (n > 0 && num_seqs == 0) return absl::InvalidArgumentError("ForwardBatch: tokens but no sequence");
@@ -79,7 +82,9 @@ absl::Status CheckBatch(const ForwardBatch& b, int64_t block_size, int64_t num_b
           "ForwardBatch: sequence ", s, " needs ", used, " blocks, the table holds ",
           b.max_blocks_per_seq));
     }
-    for (int64_t i = 0; i < used; ++i) {
+    const int64_t first_key =
+        kv_window > 0 ? std::max<int64_t>(0, len - q_len + 1 - kv_window) : 0;
+    for (int64_t i = first_key / block_size; i < used; ++i) {
       const int32_t block = b.block_tables[s * b.max_blocks_per_seq + i];
       if (block < 0 || block >= num_blocks) {
         return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: sequence ", s, " block ",
@@ -521,7 +526,7 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));  // the engine's thread, not the loader's
   if (logits != nullptr) logits->clear();
   if (n == 0) return absl::OkStatus();
-  KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks()));
+  KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks(), config_.KvWindow()));
   int32_t max_seq_len = 0, max_query_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     max_seq_len = std::max(max_seq_len, b.seq_lens[s]);
@@ -697,6 +702,7 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     attention.v_cache = pool.v(layer);
     attention.k_meta = pool.k_meta(layer);
     attention.v_meta = pool.v_meta(layer);
+    attention.window = c.LayerWindow(layer);
     KVGRID_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, stream_));
     // The residual adds are the GEMMs' accumulate.
     KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(),

@@ -763,6 +763,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .block_size = g.block_size,
          .head_dim = d.head_dim,
          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim))),
+         .window = config_.LayerWindow(layer),
          .precision = attention_precision_}));
     KVGRID_RETURN_IF_ERROR(RowParallelLinear(attn_.data(), l.o, l.o_q, l.o_bias, n, d.q_dim, d.hidden));
     KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
