@@ -317,8 +317,11 @@ absl::Status GgufFile::Parse() {
   const size_t data_start =
       (header_end + static_cast<size_t>(alignment) - 1) / static_cast<size_t>(alignment) *
       static_cast<size_t>(alignment);
-  if (data_start > size_) return bad("the data section starts past the end of the file");
-  const uint64_t data_size = size_ - data_start;
+  // A file without tensors (a vocabulary-only GGUF) may end before the padding.
+  if (data_start > size_ && !infos.empty()) {
+    return bad("the data section starts past the end of the file");
+  }
+  const uint64_t data_size = data_start > size_ ? 0 : size_ - data_start;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (Info& info : infos) {
     if (info.offset > data_size || static_cast<uint64_t>(info.bytes) > data_size - info.offset) {

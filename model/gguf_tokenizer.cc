@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -30,6 +31,9 @@ constexpr char kBosKey[] = "tokenizer.ggml.bos_token_id";
 constexpr char kEosKey[] = "tokenizer.ggml.eos_token_id";
 constexpr char kAddBosKey[] = "tokenizer.ggml.add_bos_token";
 constexpr char kAddEosKey[] = "tokenizer.ggml.add_eos_token";
+constexpr char kScoresKey[] = "tokenizer.ggml.scores";
+constexpr char kUnkKey[] = "tokenizer.ggml.unknown_token_id";
+constexpr char kAddSpacePrefixKey[] = "tokenizer.ggml.add_space_prefix";
 
 // Token ids are bounded as in tokenizer.json (the tables are sized by the largest id).
 constexpr size_t kMaxTokens = size_t{1} << 24;
@@ -168,6 +172,86 @@ absl::StatusOr<int64_t> SpecialId(const GgufFile& f, const char* key, const char
   return *id;
 }
 
+// A SentencePiece vocabulary (tokenizer.ggml.model "llama"), tokenized as llama.cpp does.
+// Its defaults when a key is missing: BOS 1, EOS 2, unk 0, add_bos true, add_eos false,
+// add_space_prefix true, every score 0, every type normal.
+absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile& f) {
+  const std::string path = f.path().string();
+  const auto invalid = [&path](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", parts...));
+  };
+  Tokenizer::SentencePieceVocab v;
+  KVGRID_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens, f.GetStringArray(kTokensKey));
+  if (tokens->empty()) return invalid(kTokensKey, " is empty");
+  if (tokens->size() > kMaxTokens) {
+    return invalid(kTokensKey, " has ", tokens->size(), " entries, more than ", kMaxTokens);
+  }
+  for (size_t i = 0; i < tokens->size(); ++i) {
+    if (!IsUtf8((*tokens)[i])) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
+  }
+  v.tokens = *tokens;
+  const size_t n = tokens->size();
+
+  v.scores.assign(n, 0.0f);
+  if (auto it = f.metadata().find(kScoresKey); it != f.metadata().end()) {
+    const auto* scores = std::get_if<std::vector<double>>(&it->second);
+    const auto* int_scores = std::get_if<std::vector<int64_t>>(&it->second);
+    const size_t size = scores != nullptr ? scores->size()
+                        : int_scores != nullptr ? int_scores->size()
+                                                : 0;
+    if (scores == nullptr && int_scores == nullptr) {
+      return invalid(kScoresKey, " is not an array of numbers");
+    }
+    if (size != n) {
+      return invalid(kScoresKey, " has ", size, " entries but ", kTokensKey, " has ", n);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      v.scores[i] = static_cast<float>(scores != nullptr ? (*scores)[i]
+                                                         : static_cast<double>((*int_scores)[i]));
+    }
+  }
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<const std::vector<int64_t>*> types,
+                          Optional(f.GetIntArray(kTypesKey)));
+  v.types.assign(n, kNormal);
+  if (types) {
+    if ((*types)->size() != n) {
+      return invalid(kTypesKey, " has ", (*types)->size(), " entries but ", kTokensKey, " has ",
+                     n);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t type = (**types)[i];
+      if (type < kUndefined || type > kByte) {
+        return invalid(kTypesKey, "[", i, "]: ", type, " is not a llama.cpp token type (0 to 6)");
+      }
+      v.types[i] = static_cast<int32_t>(type);
+    }
+  }
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<bool> add_space_prefix,
+                          Optional(f.GetBool(kAddSpacePrefixKey)));
+  v.add_space_prefix = add_space_prefix.value_or(true);
+
+  // A special id names a token of the list; an id the file sets to -1 (or omits for unk
+  // beyond the list) means none.
+  const auto special_id = [&](const char* key, int64_t fallback,
+                              bool required) -> absl::StatusOr<std::optional<int32_t>> {
+    KVGRID_ASSIGN_OR_RETURN(const std::optional<int64_t> id, Optional(f.GetInt(key)));
+    const int64_t value = id.value_or(fallback);
+    if (value >= 0 && static_cast<uint64_t>(value) < n) return static_cast<int32_t>(value);
+    if (!required) return std::optional<int32_t>();
+    return invalid(key, " ", value, " is not a token of ", kTokensKey, " (", n, " entries)");
+  };
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<bool> add_bos, Optional(f.GetBool(kAddBosKey)));
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<bool> add_eos, Optional(f.GetBool(kAddEosKey)));
+  if (add_bos.value_or(true)) {
+    KVGRID_ASSIGN_OR_RETURN(v.bos_id, special_id(kBosKey, 1, /*required=*/true));
+  }
+  if (add_eos.value_or(false)) {
+    KVGRID_ASSIGN_OR_RETURN(v.eos_id, special_id(kEosKey, 2, /*required=*/true));
+  }
+  KVGRID_ASSIGN_OR_RETURN(v.unk_id, special_id(kUnkKey, 0, /*required=*/false));
+  return Tokenizer::FromSentencePiece(v, absl::StrCat(path, " (embedded tokenizer)"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) {
@@ -177,10 +261,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
   };
 
   KVGRID_ASSIGN_OR_RETURN(const std::string model, f.GetString(kModelKey));
+  if (model == "llama") return SentencePieceFromGguf(f);
   if (model != "gpt2") {
     return absl::UnimplementedError(absl::StrCat(
         path, ": ", kModelKey, " '", model,
-        "' is not supported (kvgrid reads byte-level BPE tokenizers, 'gpt2')"));
+        "' is not supported (kvgrid reads byte-level BPE 'gpt2' and SentencePiece 'llama')"));
   }
   // llama.cpp reads a missing pre-tokenizer name as "default" (files from before the key).
   KVGRID_ASSIGN_OR_RETURN(const std::optional<std::string> pre,

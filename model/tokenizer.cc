@@ -22,6 +22,7 @@
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "unicode/normalizer2.h"
+#include "unicode/uchar.h"
 #include "unicode/unistr.h"
 
 namespace kvgrid::model {
@@ -112,9 +113,69 @@ bool IsWhiteSpace(char32_t c) {
          c == 0x3000;
 }
 
-// Canonical composition (NFC) of `in` appended to `out`. Ill-formed bytes pass through
-// unchanged and block composition across them. Defined at the end of this file.
-void NormalizeNfc(std::string_view in, std::string* out);
+// Canonical (NFC) or compatibility (NFKC, with `compatibility`) composition of `in` appended
+// to `out`. Ill-formed bytes pass through unchanged and block composition across them.
+// Defined at the end of this file.
+void NormalizeUnicode(std::string_view in, bool compatibility, std::string* out);
+
+// Unicode \w as the regex crate defines it (Alphabetic, M, Nd, Pc, Join_Control), for
+// single_word added tokens. Defined at the end of this file.
+bool IsWordChar(char32_t c);
+
+// The character that ends at s[end) (scanning back over continuation bytes), or nullopt
+// when the bytes there are not a well-formed character.
+std::optional<char32_t> CharBefore(std::string_view s, size_t end) {
+  if (end == 0) return std::nullopt;
+  size_t k = end - 1;
+  while (k > 0 && end - k < 4 && (static_cast<uint8_t>(s[k]) & 0xC0) == 0x80) --k;
+  const Utf8Scan scan = ScanUtf8(s, k);
+  if (!scan.valid || k + scan.len != end) return std::nullopt;
+  return DecodeUtf8(s, k, scan.len);
+}
+
+std::optional<char32_t> CharAt(std::string_view s, size_t pos) {
+  if (pos >= s.size()) return std::nullopt;
+  const Utf8Scan scan = ScanUtf8(s, pos);
+  if (!scan.valid) return std::nullopt;
+  return DecodeUtf8(s, pos, scan.len);
+}
+
+// Replaces every occurrence of `from` (non-empty) in `in` with `to`, appending to `out`.
+void ReplaceAll(std::string_view in, std::string_view from, std::string_view to,
+                std::string* out) {
+  size_t last = 0;
+  for (size_t at = in.find(from); at != std::string_view::npos; at = in.find(from, last)) {
+    out->append(in.substr(last, at - last));
+    out->append(to);
+    last = at + from.size();
+  }
+  out->append(in.substr(last));
+}
+
+// "<0xAB>" -> 0xAB, as the ByteFallback decoder reads byte tokens (either case of hex).
+std::optional<uint8_t> ByteTokenValue(std::string_view token) {
+  if (token.size() != 6 || token.substr(0, 3) != "<0x" || token[5] != '>') return std::nullopt;
+  int value = 0;
+  for (size_t i = 3; i < 5; ++i) {
+    const char c = token[i];
+    int digit;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else if (c >= 'A' && c <= 'F') {
+      digit = c - 'A' + 10;
+    } else {
+      return std::nullopt;
+    }
+    value = value * 16 + digit;
+  }
+  return static_cast<uint8_t>(value);
+}
+
+std::string ByteTokenText(uint8_t b) {
+  return absl::StrFormat("<0x%02X>", b);
+}
 
 // ---------------------------------------------------------------------------------------
 // Byte-level alphabet: every byte gets a printable character so that BPE vocabularies can
@@ -234,12 +295,41 @@ class Regex {
 
 enum class SplitBehavior { kIsolated, kRemoved, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
+enum class PrependScheme { kFirst, kAlways, kNever };
+
 struct PreTokenizerStep {
-  enum class Kind { kSplit, kByteLevel } kind;
+  enum class Kind { kSplit, kByteLevel, kMetaspace } kind;
   std::unique_ptr<Regex> regex;  // kSplit, or kByteLevel with use_regex
   SplitBehavior behavior = SplitBehavior::kIsolated;
   bool invert = false;
   bool add_prefix_space = false;  // kByteLevel
+  std::string replacement;        // kMetaspace: the character spaces become ("▁")
+  PrependScheme prepend = PrependScheme::kAlways;
+  bool split = true;
+};
+
+struct NormalizerStep {
+  enum class Kind { kNfc, kNfkc, kPrepend, kReplace };
+  explicit NormalizerStep(Kind k) : kind(k) {}
+  Kind kind;
+  std::string text;               // kPrepend: what to prepend; kReplace: the replacement
+  std::string literal;            // kReplace with a String pattern
+  std::unique_ptr<Regex> regex;   // kReplace with a Regex pattern
+};
+
+// One decoder step of a SentencePiece-style file. Per-token steps come before the first
+// Fuse; after it the tokens are one text, and only Strip is supported there.
+struct DecoderStep {
+  enum class Kind { kReplace, kByteFallback, kStrip, kMetaspace };
+  explicit DecoderStep(Kind k = Kind::kReplace) : kind(k) {}
+  Kind kind;
+  std::string literal;           // kReplace with a String pattern
+  std::unique_ptr<Regex> regex;  // kReplace with a Regex pattern
+  std::string content;           // kReplace: the replacement; kStrip: the character
+  int64_t start = 0;             // kStrip: up to this many leading `content` characters
+  int64_t stop = 0;              // kStrip: up to this many trailing ones
+  std::string replacement;       // kMetaspace
+  bool strip_first = true;       // kMetaspace: prepend_scheme is not never
 };
 
 struct AddedToken {
@@ -249,6 +339,8 @@ struct AddedToken {
   bool normalized;  // matched after the normalizer rather than on the raw text
   bool lstrip;
   bool rstrip;
+  bool single_word;  // only where no word character touches it
+  std::string match;  // what is matched: content, normalized when `normalized`
 };
 
 // Byte trie over added-token contents for leftmost-longest matching.
@@ -389,7 +481,18 @@ struct Tokenizer::Impl {
   int32_t unk_id = -1;
   bool ignore_merges = false;
 
-  bool nfc = false;
+  // What the initial BPE symbols are: bytes (ByteLevel files) or characters (SentencePiece-
+  // style files), or llama.cpp's score-driven SentencePiece merging (FromSentencePiece).
+  enum class Model { kByteBpe, kCharBpe, kSentencePiece } model = Model::kByteBpe;
+  bool byte_fallback = false;                 // kCharBpe: unknown characters -> <0xXX>
+  bool fuse_unk = false;                      // kCharBpe: consecutive unknowns -> one unk
+  std::array<int32_t, 256> fallback_token{};  // id of each byte's "<0xXX>" token, or -1
+  std::vector<float> scores;                  // kSentencePiece, by id
+  bool add_space_prefix = false;              // kSentencePiece
+  // kSentencePiece: tokens matched in the text before merging, longest first (llama.cpp).
+  std::vector<int32_t> partition_ids;
+
+  std::vector<NormalizerStep> normalizers;
   std::vector<PreTokenizerStep> pre_tokenizer;
   std::vector<AddedToken> added;
   TokenTrie raw_trie;         // added tokens matched on the raw input
@@ -397,6 +500,14 @@ struct Tokenizer::Impl {
 
   std::vector<int32_t> prefix_ids;  // post-processor, with add_special_tokens
   std::vector<int32_t> suffix_ids;
+
+  // Decoding. Byte-level files decode through id_to_bytes; the others through the steps,
+  // fed each id's decoder_text (a normalized added token decodes as its normalized form).
+  bool byte_level_decoder = true;
+  std::vector<DecoderStep> token_steps;  // before the first Fuse (or all, without one)
+  std::vector<DecoderStep> text_steps;   // after it: Strip only
+  bool fused = false;
+  std::vector<std::string> decoder_text;
 
   // Pre-token bytes -> ids. Pre-tokens repeat heavily in real text, so this saves most
   // merge work. Sharded so concurrent Encode calls rarely wait on one another; each shard
@@ -411,11 +522,31 @@ struct Tokenizer::Impl {
   mutable std::array<CacheShard, kCacheShards> cache;
 
   void EncodeSegment(std::string_view raw, std::vector<int32_t>* ids) const;
+  // Splits `text` on the trie's tokens; `on_gap` gets each non-empty text between them and
+  // its offset in `text`.
   void SplitAdded(const TokenTrie& trie, std::string_view text, std::vector<int32_t>* ids,
-                  const std::function<void(std::string_view)>& on_gap) const;
-  void PreTokenize(std::string_view text, std::vector<int32_t>* ids) const;
+                  const std::function<void(std::string_view, size_t)>& on_gap) const;
+  void Normalize(std::string_view in, std::string* out) const;
+  // `at_start`: the text begins at offset 0 of the input (Metaspace's prepend_scheme first).
+  void PreTokenize(std::string_view text, bool at_start, std::vector<int32_t>* ids) const;
   void Bpe(std::string_view piece, std::vector<int32_t>* ids) const;
   void Merge(std::string_view piece, std::vector<int32_t>* ids) const;
+  void MergeSymbols(std::vector<int32_t> initial, std::vector<int32_t>* ids) const;
+  void InitialChars(std::string_view piece, std::vector<int32_t>* symbols) const;
+  void EncodeSentencePiece(std::string_view text, std::vector<int32_t>* ids) const;
+  void MergeByScore(std::string_view text, std::vector<int32_t>* ids) const;
+
+  // Decoding through the steps. `raw_bytes`: a byte run that is not UTF-8 stays bytes
+  // (DecodeBytes) instead of one U+FFFD per byte (Decode).
+  void StartDecode(IncrementalDetokenizer* d, bool continues_text) const;
+  void DecodeToken(IncrementalDetokenizer* d, int32_t id, bool raw_bytes, std::string* out) const;
+  void FinishDecode(IncrementalDetokenizer* d, bool raw_bytes, std::string* out) const;
+  void FeedStep(IncrementalDetokenizer* d, size_t k, std::string_view token, bool raw_bytes,
+                std::string* out) const;
+  void FlushRun(IncrementalDetokenizer* d, size_t k, bool raw_bytes, std::string* out) const;
+  void FeedText(IncrementalDetokenizer* d, size_t k, std::string_view text,
+                std::string* out) const;
+  absl::Status CheckId(int32_t id, size_t position) const;
 };
 
 namespace {
@@ -510,14 +641,23 @@ absl::Status ParseModel(const FieldReader& r, const Json& root, Tokenizer::Impl*
   auto ignore_merges = r.Bool(*model, "ignore_merges", "model", false);
   if (!ignore_merges.ok()) return ignore_merges.status();
   impl->ignore_merges = *ignore_merges;
+  auto byte_fallback = r.Bool(*model, "byte_fallback", "model", false);
+  if (!byte_fallback.ok()) return byte_fallback.status();
+  impl->byte_fallback = *byte_fallback;
+  auto fuse_unk = r.Bool(*model, "fuse_unk", "model", false);
+  if (!fuse_unk.ok()) return fuse_unk.status();
+  impl->fuse_unk = *fuse_unk;
+  for (int b = 0; b < 256; ++b) {
+    auto it = impl->vocab.find(ByteTokenText(static_cast<uint8_t>(b)));
+    impl->fallback_token[b] = it == impl->vocab.end() ? -1 : it->second;
+  }
 
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     if (const Json* j = FieldReader::Find(*model, key)) {
       auto s = r.String(*j, absl::StrCat("model.", key));
       if (!s.ok()) return s.status();
       if (!s->empty()) {
-        return r.Error(absl::StrCat("model.", key),
-                       "not supported for byte-level BPE (only null or \"\")");
+        return r.Error(absl::StrCat("model.", key), "not supported (only null or \"\")");
       }
     }
   }
@@ -587,7 +727,8 @@ absl::Status ParseAddedTokens(const FieldReader& r, const Json& root, Tokenizer:
     token.rstrip = *rstrip;
     auto single_word = r.Bool(t, "single_word", path, false);
     if (!single_word.ok()) return single_word.status();
-    if (*single_word) return r.Error(path + ".single_word", "true is not supported");
+    token.single_word = *single_word;
+    token.match = token.content;
 
     if (static_cast<size_t>(token.id) >= impl->id_to_token.size()) {
       impl->id_to_token.resize(token.id + 1);
@@ -598,22 +739,102 @@ absl::Status ParseAddedTokens(const FieldReader& r, const Json& root, Tokenizer:
     impl->added_by_content[token.content] = token.id;
     impl->added.push_back(std::move(token));
   }
+  return absl::OkStatus();
+}
+
+// Builds the added-token tries once the normalizer is known: like `tokenizers` (0.23), a
+// normalized token is matched, and decoded, as the normalizer's output for its content
+// (with Llama 2's normalizer "<x>" becomes "▁<x>").
+void IndexAddedTokens(Tokenizer::Impl* impl) {
   impl->special.assign(impl->id_to_token.size(), false);
   for (size_t i = 0; i < impl->added.size(); ++i) {
-    const AddedToken& token = impl->added[i];
+    AddedToken& token = impl->added[i];
     if (token.special) impl->special[token.id] = true;
+    if (token.normalized && !impl->normalizers.empty()) {
+      token.match.clear();
+      impl->Normalize(token.content, &token.match);
+      if (token.match.empty()) token.match = token.content;
+    }
     (token.normalized ? impl->normalized_trie : impl->raw_trie)
-        .Insert(token.content, static_cast<int32_t>(i));
+        .Insert(token.match, static_cast<int32_t>(i));
   }
+}
+
+// A Replace normalizer or decoder: {"pattern": {"String": s} or {"Regex": r}, "content": c}.
+absl::Status ParseReplace(const FieldReader& r, const Json& j, absl::string_view path,
+                          std::string* literal, std::unique_ptr<Regex>* regex,
+                          std::string* content) {
+  const std::string pattern_path = absl::StrCat(path, ".pattern");
+  const Json* pattern = FieldReader::Find(j, "pattern");
+  const bool is_regex = pattern != nullptr && pattern->is_object() && pattern->contains("Regex");
+  const Json* text =
+      pattern != nullptr && pattern->is_object()
+          ? FieldReader::Find(*pattern, is_regex ? "Regex" : "String")
+          : nullptr;
+  if (text == nullptr) {
+    return r.Error(pattern_path, "expected {\"String\": ...} or {\"Regex\": ...}");
+  }
+  const std::string text_path = absl::StrCat(pattern_path, is_regex ? ".Regex" : ".String");
+  auto value = r.String(*text, text_path);
+  if (!value.ok()) return value.status();
+  if (value->empty()) return r.Error(text_path, "empty patterns are not supported");
+  if (is_regex) {
+    auto compiled = Regex::Compile(*value, /*literal=*/false);
+    if (!compiled.ok()) return r.Error(text_path, compiled.status().message());
+    *regex = *std::move(compiled);
+  } else {
+    *literal = *std::move(value);
+  }
+  const Json* c = FieldReader::Find(j, "content");
+  if (c == nullptr) return r.Error(absl::StrCat(path, ".content"), "missing");
+  auto content_value = r.String(*c, absl::StrCat(path, ".content"));
+  if (!content_value.ok()) return content_value.status();
+  *content = *std::move(content_value);
   return absl::OkStatus();
+}
+
+// Replaces the matches of a literal or a regex, as `tokenizers`' Replace does.
+void ApplyReplace(const std::string& literal, const Regex* regex, const std::string& content,
+                  std::string_view in, std::string* out) {
+  if (regex == nullptr) {
+    ReplaceAll(in, literal, content, out);
+    return;
+  }
+  std::vector<std::pair<size_t, size_t>> matches;
+  regex->FindAll(in, &matches);
+  size_t last = 0;
+  for (const auto& [begin, end] : matches) {
+    out->append(in.substr(last, begin - last));
+    out->append(content);
+    last = end;
+  }
+  out->append(in.substr(last));
 }
 
 absl::Status ParseNormalizer(const FieldReader& r, const Json& j, absl::string_view path,
                              Tokenizer::Impl* impl) {
   auto type = r.Type(j, path);
   if (!type.ok()) return type.status();
-  if (*type == "NFC") {
-    impl->nfc = true;
+  if (*type == "NFC" || *type == "NFKC") {
+    impl->normalizers.emplace_back(*type == "NFC" ? NormalizerStep::Kind::kNfc
+                                                  : NormalizerStep::Kind::kNfkc);
+    return absl::OkStatus();
+  }
+  if (*type == "Prepend") {
+    const Json* prepend = FieldReader::Find(j, "prepend");
+    if (prepend == nullptr) return r.Error(absl::StrCat(path, ".prepend"), "missing");
+    auto text = r.String(*prepend, absl::StrCat(path, ".prepend"));
+    if (!text.ok()) return text.status();
+    NormalizerStep step{NormalizerStep::Kind::kPrepend};
+    step.text = *std::move(text);
+    impl->normalizers.push_back(std::move(step));
+    return absl::OkStatus();
+  }
+  if (*type == "Replace") {
+    NormalizerStep step{NormalizerStep::Kind::kReplace};
+    absl::Status s = ParseReplace(r, j, path, &step.literal, &step.regex, &step.text);
+    if (!s.ok()) return s;
+    impl->normalizers.push_back(std::move(step));
     return absl::OkStatus();
   }
   if (*type == "Sequence") {
@@ -627,7 +848,51 @@ absl::Status ParseNormalizer(const FieldReader& r, const Json& j, absl::string_v
     return absl::OkStatus();
   }
   return r.Error(absl::StrCat(path, ".type"),
-                 absl::StrCat("'", *type, "' is not supported (only NFC or none)"));
+                 absl::StrCat("'", *type,
+                              "' is not supported (only NFC, NFKC, Prepend, Replace, Sequence "
+                              "or none)"));
+}
+
+// Metaspace's replacement and prepend scheme, shared by the pre-tokenizer and the decoder.
+// As `tokenizers` reads them: prepend_scheme defaults to always, and the legacy
+// add_prefix_space=false is accepted only with prepend_scheme never.
+absl::Status ParseMetaspace(const FieldReader& r, const Json& j, absl::string_view path,
+                            std::string* replacement, PrependScheme* prepend) {
+  const Json* rep = FieldReader::Find(j, "replacement");
+  const std::string rep_path = absl::StrCat(path, ".replacement");
+  if (rep == nullptr) return r.Error(rep_path, "missing");
+  auto text = r.String(*rep, rep_path);
+  if (!text.ok()) return text.status();
+  const Utf8Scan scan = text->empty() ? Utf8Scan{0, false, false} : ScanUtf8(*text, 0);
+  if (!scan.valid || scan.len != text->size()) {
+    return r.Error(rep_path, "expected one character");
+  }
+  *replacement = *std::move(text);
+  *prepend = PrependScheme::kAlways;
+  if (const Json* scheme = FieldReader::Find(j, "prepend_scheme")) {
+    auto name = r.String(*scheme, absl::StrCat(path, ".prepend_scheme"));
+    if (!name.ok()) return name.status();
+    if (*name == "first") {
+      *prepend = PrependScheme::kFirst;
+    } else if (*name == "always") {
+      *prepend = PrependScheme::kAlways;
+    } else if (*name == "never") {
+      *prepend = PrependScheme::kNever;
+    } else {
+      return r.Error(absl::StrCat(path, ".prepend_scheme"),
+                     absl::StrCat("unknown scheme '", *name, "' (first, always or never)"));
+    }
+  }
+  auto add_prefix_space = r.Bool(j, "add_prefix_space", path, true);
+  if (!add_prefix_space.ok()) return add_prefix_space.status();
+  if (!*add_prefix_space) {
+    if (*prepend != PrependScheme::kNever) {
+      return r.Error(absl::StrCat(path, ".add_prefix_space"),
+                     "false does not match prepend_scheme");
+    }
+    *prepend = PrependScheme::kNever;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ParsePreTokenizer(const FieldReader& r, const Json& j, absl::string_view path,
@@ -703,31 +968,106 @@ absl::Status ParsePreTokenizer(const FieldReader& r, const Json& j, absl::string
     auto invert = r.Bool(j, "invert", path, false);
     if (!invert.ok()) return invert.status();
     step.invert = *invert;
+  } else if (*type == "Metaspace") {
+    step.kind = PreTokenizerStep::Kind::kMetaspace;
+    absl::Status s = ParseMetaspace(r, j, path, &step.replacement, &step.prepend);
+    if (!s.ok()) return s;
+    auto split = r.Bool(j, "split", path, true);
+    if (!split.ok()) return split.status();
+    step.split = *split;
   } else {
-    return r.Error(
-        absl::StrCat(path, ".type"),
-        absl::StrCat("'", *type, "' is not supported (only Split, ByteLevel, Sequence)"));
+    return r.Error(absl::StrCat(path, ".type"),
+                   absl::StrCat("'", *type,
+                                "' is not supported (only Split, ByteLevel, Metaspace, Sequence)"));
   }
   impl->pre_tokenizer.push_back(std::move(step));
   return absl::OkStatus();
 }
 
-absl::Status ParseDecoder(const FieldReader& r, const Json& j, absl::string_view path) {
+// Decoder steps into impl->token_steps / text_steps; `byte_level` and `other` record which
+// family the steps belong to (the caller refuses a mix).
+absl::Status ParseDecoder(const FieldReader& r, const Json& j, absl::string_view path,
+                          Tokenizer::Impl* impl, bool* byte_level, bool* other) {
   auto type = r.Type(j, path);
   if (!type.ok()) return type.status();
-  if (*type == "ByteLevel") return absl::OkStatus();
+  if (*type == "ByteLevel") {
+    *byte_level = true;
+    return absl::OkStatus();
+  }
   if (*type == "Sequence") {
     const Json* list = FieldReader::Find(j, "decoders");
     const std::string list_path = absl::StrCat(path, ".decoders");
     if (list == nullptr || !list->is_array()) return r.Error(list_path, "expected an array");
     for (size_t i = 0; i < list->size(); ++i) {
-      absl::Status s = ParseDecoder(r, (*list)[i], absl::StrCat(list_path, "[", i, "]"));
+      absl::Status s = ParseDecoder(r, (*list)[i], absl::StrCat(list_path, "[", i, "]"), impl,
+                                    byte_level, other);
       if (!s.ok()) return s;
     }
     return absl::OkStatus();
   }
-  return r.Error(absl::StrCat(path, ".type"),
-                 absl::StrCat("'", *type, "' is not supported (only ByteLevel)"));
+  if (*type == "Fuse") {
+    *other = true;
+    impl->fused = true;
+    return absl::OkStatus();
+  }
+  DecoderStep step;
+  if (*type == "Replace") {
+    step.kind = DecoderStep::Kind::kReplace;
+    absl::Status s = ParseReplace(r, j, path, &step.literal, &step.regex, &step.content);
+    if (!s.ok()) return s;
+  } else if (*type == "ByteFallback") {
+    step.kind = DecoderStep::Kind::kByteFallback;
+    for (const DecoderStep& earlier : impl->token_steps) {
+      if (earlier.kind == DecoderStep::Kind::kByteFallback) {
+        return r.Error(path, "a second ByteFallback is not supported");
+      }
+    }
+  } else if (*type == "Strip") {
+    step.kind = DecoderStep::Kind::kStrip;
+    const Json* content = FieldReader::Find(j, "content");
+    const std::string content_path = absl::StrCat(path, ".content");
+    if (content == nullptr) return r.Error(content_path, "missing");
+    auto text = r.String(*content, content_path);
+    if (!text.ok()) return text.status();
+    const Utf8Scan scan = text->empty() ? Utf8Scan{0, false, false} : ScanUtf8(*text, 0);
+    if (!scan.valid || scan.len != text->size()) {
+      return r.Error(content_path, "expected one character");
+    }
+    step.content = *std::move(text);
+    for (const char* key : {"start", "stop"}) {
+      const Json* n = FieldReader::Find(j, key);
+      const std::string n_path = absl::StrCat(path, ".", key);
+      if (n == nullptr) return r.Error(n_path, "missing");
+      if (!n->is_number_unsigned() || n->get<uint64_t>() > (1u << 20)) {
+        return r.Error(n_path, "expected a count (integer in [0, 2^20])");
+      }
+      (std::string_view(key) == "start" ? step.start : step.stop) = n->get<int64_t>();
+    }
+  } else if (*type == "Metaspace") {
+    step.kind = DecoderStep::Kind::kMetaspace;
+    PrependScheme prepend;
+    absl::Status s = ParseMetaspace(r, j, path, &step.replacement, &prepend);
+    if (!s.ok()) return s;
+    step.strip_first = prepend != PrependScheme::kNever;
+  } else {
+    return r.Error(absl::StrCat(path, ".type"),
+                   absl::StrCat("'", *type,
+                                "' is not supported (only ByteLevel, or Replace, ByteFallback, "
+                                "Fuse, Strip, Metaspace, Sequence)"));
+  }
+  *other = true;
+  if (impl->fused) {
+    // After Fuse the tokens are one text; a Strip of it can stream (its end held back),
+    // the others could reach across tokens.
+    if (step.kind != DecoderStep::Kind::kStrip) {
+      return r.Error(absl::StrCat(path, ".type"),
+                     absl::StrCat("'", *type, "' after Fuse is not supported (only Strip)"));
+    }
+    impl->text_steps.push_back(std::move(step));
+  } else {
+    impl->token_steps.push_back(std::move(step));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int32_t> ParseIdPair(const FieldReader& r, const Json& j, absl::string_view path) {
@@ -816,9 +1156,9 @@ absl::Status ParsePostProcessor(const FieldReader& r, const Json& j, absl::strin
 
 void Tokenizer::Impl::SplitAdded(const TokenTrie& trie, std::string_view text,
                                  std::vector<int32_t>* ids,
-                                 const std::function<void(std::string_view)>& on_gap) const {
+                                 const std::function<void(std::string_view, size_t)>& on_gap) const {
   if (trie.empty()) {
-    if (!text.empty()) on_gap(text);
+    if (!text.empty()) on_gap(text, 0);
     return;
   }
   size_t gap_begin = 0;
@@ -831,6 +1171,16 @@ void Tokenizer::Impl::SplitAdded(const TokenTrie& trie, std::string_view text,
     }
     const AddedToken& token = added[index];
     size_t begin = pos, end = pos + len;
+    if (token.single_word) {
+      // Like `tokenizers`: a match touching a word character is dropped, and the text it
+      // covered stays text (the search goes on after it).
+      const std::optional<char32_t> before = CharBefore(text, begin);
+      const std::optional<char32_t> after = CharAt(text, end);
+      if ((before && IsWordChar(*before)) || (after && IsWordChar(*after))) {
+        pos = end;
+        continue;
+      }
+    }
     if (token.lstrip) {
       // Swallow whitespace before the token (back to the previous match at most).
       while (begin > gap_begin) {
@@ -850,28 +1200,56 @@ void Tokenizer::Impl::SplitAdded(const TokenTrie& trie, std::string_view text,
         end += scan.len;
       }
     }
-    if (begin > gap_begin) on_gap(text.substr(gap_begin, begin - gap_begin));
+    if (begin > gap_begin) on_gap(text.substr(gap_begin, begin - gap_begin), gap_begin);
     ids->push_back(token.id);
     pos = gap_begin = end;
   }
-  if (gap_begin < text.size()) on_gap(text.substr(gap_begin));
+  if (gap_begin < text.size()) on_gap(text.substr(gap_begin), gap_begin);
+}
+
+void Tokenizer::Impl::Normalize(std::string_view in, std::string* out) const {
+  std::string text(in);
+  std::string next;
+  for (const NormalizerStep& step : normalizers) {
+    next.clear();
+    switch (step.kind) {
+      case NormalizerStep::Kind::kNfc:
+      case NormalizerStep::Kind::kNfkc:
+        NormalizeUnicode(text, step.kind == NormalizerStep::Kind::kNfkc, &next);
+        break;
+      case NormalizerStep::Kind::kPrepend:
+        if (!text.empty()) next = absl::StrCat(step.text, text);  // only non-empty text
+        break;
+      case NormalizerStep::Kind::kReplace:
+        ApplyReplace(step.literal, step.regex.get(), step.text, text, &next);
+        break;
+    }
+    text.swap(next);
+  }
+  out->append(text);
 }
 
 void Tokenizer::Impl::EncodeSegment(std::string_view raw, std::vector<int32_t>* ids) const {
-  SplitAdded(raw_trie, raw, ids, [&](std::string_view gap) {
-    if (nfc) {
+  if (model == Model::kSentencePiece) {
+    EncodeSentencePiece(raw, ids);
+    return;
+  }
+  SplitAdded(raw_trie, raw, ids, [&](std::string_view gap, size_t gap_offset) {
+    const auto pre_tokenize = [&](std::string_view piece, size_t offset) {
+      PreTokenize(piece, gap_offset == 0 && offset == 0, ids);
+    };
+    if (!normalizers.empty()) {
       std::string normalized;
-      NormalizeNfc(gap, &normalized);
-      SplitAdded(normalized_trie, normalized, ids,
-                 [&](std::string_view piece) { PreTokenize(piece, ids); });
+      Normalize(gap, &normalized);
+      SplitAdded(normalized_trie, normalized, ids, pre_tokenize);
     } else {
-      SplitAdded(normalized_trie, gap, ids,
-                 [&](std::string_view piece) { PreTokenize(piece, ids); });
+      SplitAdded(normalized_trie, gap, ids, pre_tokenize);
     }
   });
 }
 
-void Tokenizer::Impl::PreTokenize(std::string_view text, std::vector<int32_t>* ids) const {
+void Tokenizer::Impl::PreTokenize(std::string_view text, bool at_start,
+                                  std::vector<int32_t>* ids) const {
   std::vector<std::string_view> pieces{text};
   std::vector<std::string_view> next;
   std::deque<std::string> arena;  // pieces that gained a prefix space; stable addresses
@@ -883,6 +1261,33 @@ void Tokenizer::Impl::PreTokenize(std::string_view text, std::vector<int32_t>* i
     for (std::string_view piece : pieces) {
       SplitBehavior behavior = step.behavior;
       bool invert = step.invert;
+      if (step.kind == PreTokenizerStep::Kind::kMetaspace) {
+        // Spaces become the replacement, which goes in front as the scheme says ("first":
+        // only where the piece starts the input, so not after an added token), then the
+        // text splits before each replacement.
+        std::string replaced;
+        ReplaceAll(piece, " ", step.replacement, &replaced);
+        const bool first = at_start && piece.data() == pieces.front().data();
+        const bool prepend = step.prepend == PrependScheme::kAlways ||
+                             (step.prepend == PrependScheme::kFirst && first);
+        if (prepend && !replaced.starts_with(step.replacement)) {
+          replaced.insert(0, step.replacement);
+        }
+        arena.push_back(std::move(replaced));
+        const std::string_view all = arena.back();
+        if (!step.split) {
+          next.push_back(all);
+          continue;
+        }
+        size_t begin = 0;
+        for (size_t at = all.find(step.replacement, 1); at != std::string_view::npos;
+             at = all.find(step.replacement, at + step.replacement.size())) {
+          if (at > begin) next.push_back(all.substr(begin, at - begin));
+          begin = at;
+        }
+        if (begin < all.size()) next.push_back(all.substr(begin));
+        continue;
+      }
       if (step.kind == PreTokenizerStep::Kind::kByteLevel) {
         if (step.add_prefix_space && piece[0] != ' ') {
           arena.push_back(absl::StrCat(" ", Sv(piece)));
@@ -969,13 +1374,14 @@ void Tokenizer::Impl::PreTokenize(std::string_view text, std::vector<int32_t>* i
 void Tokenizer::Impl::Bpe(std::string_view piece, std::vector<int32_t>* ids) const {
   if (piece.empty()) return;
   if (ignore_merges) {
-    auto it = vocab_by_bytes.find(Sv(piece));
-    if (it != vocab_by_bytes.end()) {
+    const auto& whole = model == Model::kByteBpe ? vocab_by_bytes : vocab;
+    auto it = whole.find(Sv(piece));
+    if (it != whole.end()) {
       ids->push_back(it->second);
       return;
     }
   }
-  if (piece.size() == 1) {
+  if (model == Model::kByteBpe && piece.size() == 1) {
     const int32_t id = byte_token[static_cast<uint8_t>(piece[0])];
     if (id >= 0) {
       ids->push_back(id);
@@ -1006,10 +1412,58 @@ void Tokenizer::Impl::Bpe(std::string_view piece, std::vector<int32_t>* ids) con
   }
 }
 
-// Applies merges by rank: always the lowest-ranked adjacent pair next, leftmost first among
-// equals. Symbols form a linked list over the piece's bytes; a heap holds candidate pairs,
-// and candidates made stale by an earlier merge are dropped when popped.
 void Tokenizer::Impl::Merge(std::string_view piece, std::vector<int32_t>* ids) const {
+  std::vector<int32_t> initial;
+  initial.reserve(piece.size());
+  if (model == Model::kCharBpe) {
+    InitialChars(piece, &initial);
+  } else {
+    for (const char ch : piece) {
+      int32_t id = byte_token[static_cast<uint8_t>(ch)];
+      if (id < 0) id = unk_id;
+      if (id >= 0) initial.push_back(id);  // no token for this byte and no unk: dropped
+    }
+  }
+  MergeSymbols(std::move(initial), ids);
+}
+
+// The symbols a character-level BPE starts from, as `tokenizers` builds them: a character's
+// token; else, with byte_fallback, its <0xXX> tokens when all exist; else unk (consecutive
+// ones fused into one with fuse_unk). As there, a pending unk is written only when a
+// character with a token (or the end) follows, so it goes after byte-fallback tokens that
+// come between. An ill-formed byte is a character of its own here (it can only fall back).
+void Tokenizer::Impl::InitialChars(std::string_view piece, std::vector<int32_t>* symbols) const {
+  bool unk_pending = false;
+  for (size_t i = 0; i < piece.size();) {
+    const Utf8Scan scan = ScanUtf8(piece, i);
+    const std::string_view ch = piece.substr(i, scan.len);
+    i += scan.len;
+    if (scan.valid) {
+      if (auto it = vocab.find(Sv(ch)); it != vocab.end()) {
+        if (unk_pending) symbols->push_back(unk_id);
+        unk_pending = false;
+        symbols->push_back(it->second);
+        continue;
+      }
+    }
+    if (byte_fallback && std::all_of(ch.begin(), ch.end(), [&](char b) {
+          return fallback_token[static_cast<uint8_t>(b)] >= 0;
+        })) {
+      for (const char b : ch) symbols->push_back(fallback_token[static_cast<uint8_t>(b)]);
+      continue;
+    }
+    if (unk_id < 0) continue;  // no unk_token: the character is dropped
+    if (unk_pending && !fuse_unk) symbols->push_back(unk_id);
+    unk_pending = true;
+  }
+  if (unk_pending) symbols->push_back(unk_id);
+}
+
+// Applies merges by rank: always the lowest-ranked adjacent pair next, leftmost first among
+// equals. Symbols form a linked list; a heap holds candidate pairs, and candidates made
+// stale by an earlier merge are dropped when popped.
+void Tokenizer::Impl::MergeSymbols(std::vector<int32_t> initial,
+                                   std::vector<int32_t>* ids) const {
   struct Symbol {
     int32_t id;  // -1 once merged into its left neighbour
     int32_t prev;
@@ -1025,16 +1479,13 @@ void Tokenizer::Impl::Merge(std::string_view piece, std::vector<int32_t>* ids) c
       return rank != o.rank ? rank > o.rank : left > o.left;
     }
   };
+  if (initial.empty()) return;
   std::vector<Symbol> symbols;
-  symbols.reserve(piece.size());
-  for (const char ch : piece) {
-    int32_t id = byte_token[static_cast<uint8_t>(ch)];
-    if (id < 0) id = unk_id;
-    if (id < 0) continue;  // no token for this byte and no unk: dropped
+  symbols.reserve(initial.size());
+  for (const int32_t id : initial) {
     const auto index = static_cast<int32_t>(symbols.size());
     symbols.push_back({id, index - 1, index + 1});
   }
-  if (symbols.empty()) return;
   symbols.back().next = -1;
 
   std::vector<Candidate> heap;
@@ -1068,6 +1519,266 @@ void Tokenizer::Impl::Merge(std::string_view piece, std::vector<int32_t>* ids) c
     push_pair(c.left);
   }
   for (int32_t i = 0; i >= 0; i = symbols[i].next) ids->push_back(symbols[i].id);
+}
+
+// ---------------------------------------------------------------------------------------
+// llama.cpp's SentencePiece tokenizer (FromSentencePiece).
+
+// Splits `raw` on the control, unknown and user-defined tokens, longest token first, each
+// at every occurrence in what is still text (the order llama.cpp partitions in); the text
+// between goes through MergeByScore, with a space in front where it follows a token or
+// starts the input (add_space_prefix), and every space written as "▁".
+void Tokenizer::Impl::EncodeSentencePiece(std::string_view raw, std::vector<int32_t>* ids) const {
+  struct Fragment {
+    int32_t id;  // -1: text
+    std::string_view text;
+  };
+  std::vector<Fragment> fragments;
+  if (!raw.empty()) fragments.push_back({-1, raw});
+  std::vector<Fragment> next;
+  for (const int32_t token_id : partition_ids) {
+    const std::string& token = id_to_token[token_id];
+    next.clear();
+    for (const Fragment& f : fragments) {
+      if (f.id >= 0) {
+        next.push_back(f);
+        continue;
+      }
+      size_t last = 0;
+      for (size_t at = f.text.find(token); at != std::string_view::npos;
+           at = f.text.find(token, last)) {
+        if (at > last) next.push_back({-1, f.text.substr(last, at - last)});
+        next.push_back({token_id, f.text.substr(at, token.size())});
+        last = at + token.size();
+      }
+      if (last < f.text.size()) next.push_back({-1, f.text.substr(last)});
+    }
+    fragments.swap(next);
+  }
+  bool after_token = true;  // the start of the input counts as after a token
+  std::string text;
+  for (const Fragment& f : fragments) {
+    if (f.id >= 0) {
+      ids->push_back(f.id);
+      after_token = true;
+      continue;
+    }
+    text.clear();
+    if (add_space_prefix && after_token) text = "\xE2\x96\x81";  // ▁
+    ReplaceAll(f.text, " ", "\xE2\x96\x81", &text);
+    MergeByScore(text, ids);
+    after_token = false;
+  }
+}
+
+// Symbols start as UTF-8 characters (by the lead byte's length, as llama.cpp cuts them);
+// the adjacent pair whose concatenation is a token with the highest score merges next,
+// leftmost first among equal scores. What is left that is no token becomes its bytes'
+// <0xXX> tokens (or the byte's own one-character token, or unk).
+void Tokenizer::Impl::MergeByScore(std::string_view text, std::vector<int32_t>* ids) const {
+  struct Symbol {
+    size_t begin;
+    size_t len;  // 0 once merged into its left neighbour
+    int32_t prev;
+    int32_t next;
+  };
+  struct Bigram {
+    float score;
+    int32_t left;
+    int32_t right;
+    size_t len;
+    bool operator<(const Bigram& o) const {  // for a max-heap: best on top
+      return score != o.score ? score < o.score : left > o.left;
+    }
+  };
+  static constexpr size_t kLeadLength[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
+  std::vector<Symbol> symbols;
+  for (size_t offset = 0; offset < text.size();) {
+    const size_t len = std::min(kLeadLength[static_cast<uint8_t>(text[offset]) >> 4],
+                                text.size() - offset);
+    const auto index = static_cast<int32_t>(symbols.size());
+    symbols.push_back({offset, len, index - 1, index + 1});
+    offset += len;
+  }
+  if (symbols.empty()) return;
+  symbols.back().next = -1;
+
+  std::vector<Bigram> heap;
+  const auto try_pair = [&](int32_t left, int32_t right) {
+    if (left < 0 || right < 0) return;
+    const size_t len = symbols[left].len + symbols[right].len;
+    auto it = vocab.find(Sv(text.substr(symbols[left].begin, len)));
+    if (it == vocab.end()) return;
+    heap.push_back({scores[it->second], left, right, len});
+    std::push_heap(heap.begin(), heap.end());
+  };
+  for (int32_t i = 1; i < static_cast<int32_t>(symbols.size()); ++i) try_pair(i - 1, i);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end());
+    const Bigram b = heap.back();
+    heap.pop_back();
+    Symbol& left = symbols[b.left];
+    Symbol& right = symbols[b.right];
+    if (left.len == 0 || right.len == 0 || left.len + right.len != b.len) continue;
+    left.len += right.len;
+    right.len = 0;
+    left.next = right.next;
+    if (right.next >= 0) symbols[right.next].prev = b.left;
+    try_pair(left.prev, b.left);
+    try_pair(b.left, left.next);
+  }
+  for (int32_t i = 0; i >= 0; i = symbols[i].next) {
+    const std::string_view piece = text.substr(symbols[i].begin, symbols[i].len);
+    if (auto it = vocab.find(Sv(piece)); it != vocab.end()) {
+      ids->push_back(it->second);
+      continue;
+    }
+    for (const char ch : piece) {
+      const auto b = static_cast<uint8_t>(ch);
+      const int32_t id = fallback_token[b] >= 0 ? fallback_token[b] : byte_token[b];
+      if (id >= 0) {
+        ids->push_back(id);
+      } else if (unk_id >= 0) {
+        ids->push_back(unk_id);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Decoding through SentencePiece-style decoder steps, one token at a time, so that Decode
+// and IncrementalDetokenizer are the same computation.
+
+absl::Status Tokenizer::Impl::CheckId(int32_t id, size_t position) const {
+  if (id < 0 || static_cast<size_t>(id) >= has_token.size() || !has_token[id]) {
+    return absl::InvalidArgumentError(absl::StrCat("token id ", id, " (at position ", position,
+                                                   ") is not in the vocabulary of ",
+                                                   has_token.size(), " ids"));
+  }
+  return absl::OkStatus();
+}
+
+void Tokenizer::Impl::StartDecode(IncrementalDetokenizer* d, bool continues_text) const {
+  d->pending_.clear();
+  // Continuing text: every step is past the first token, every Strip past the start.
+  d->step_count_.assign(token_steps.size(), continues_text ? 1 : 0);
+  d->stripped_.assign(text_steps.size(), continues_text ? -1 : 0);
+  d->held_.assign(text_steps.size(), std::string());
+}
+
+void Tokenizer::Impl::DecodeToken(IncrementalDetokenizer* d, int32_t id, bool raw_bytes,
+                                  std::string* out) const {
+  FeedStep(d, 0, decoder_text[id], raw_bytes, out);
+}
+
+void Tokenizer::Impl::FeedStep(IncrementalDetokenizer* d, size_t k, std::string_view token,
+                               bool raw_bytes, std::string* out) const {
+  if (k == token_steps.size()) {
+    FeedText(d, 0, token, out);
+    return;
+  }
+  const DecoderStep& step = token_steps[k];
+  std::string result;
+  switch (step.kind) {
+    case DecoderStep::Kind::kReplace:
+      ApplyReplace(step.literal, step.regex.get(), step.content, token, &result);
+      break;
+    case DecoderStep::Kind::kByteFallback:
+      if (const std::optional<uint8_t> b = ByteTokenValue(token)) {
+        d->pending_.push_back(static_cast<char>(*b));  // held until the run ends
+        return;
+      }
+      FlushRun(d, k, raw_bytes, out);
+      result.assign(token);
+      break;
+    case DecoderStep::Kind::kStrip: {
+      // Per token: up to `start` leading and `stop` trailing copies of the character.
+      std::string_view t = token;
+      for (int64_t n = 0; n < step.start && t.starts_with(step.content); ++n) {
+        t.remove_prefix(step.content.size());
+      }
+      for (int64_t n = 0; n < step.stop && t.ends_with(step.content); ++n) {
+        t.remove_suffix(step.content.size());
+      }
+      result.assign(t);
+      break;
+    }
+    case DecoderStep::Kind::kMetaspace: {
+      // The replacement is a space, except in the first token, where (unless the scheme
+      // is never) every replacement is dropped, as `tokenizers` does.
+      const bool first = d->step_count_[k]++ == 0;
+      if (first && step.strip_first) {
+        ReplaceAll(token, step.replacement, "", &result);
+      } else {
+        ReplaceAll(token, step.replacement, " ", &result);
+      }
+      break;
+    }
+  }
+  FeedStep(d, k + 1, result, raw_bytes, out);
+}
+
+void Tokenizer::Impl::FlushRun(IncrementalDetokenizer* d, size_t k, bool raw_bytes,
+                               std::string* out) const {
+  if (d->pending_.empty()) return;
+  std::string run;
+  run.swap(d->pending_);
+  bool valid = true;
+  for (size_t i = 0; i < run.size() && valid;) {
+    const Utf8Scan scan = ScanUtf8(run, i);
+    valid = scan.valid;
+    i += scan.len;
+  }
+  if (valid || raw_bytes) {
+    FeedStep(d, k + 1, run, raw_bytes, out);
+    return;
+  }
+  // Not UTF-8 as a whole: one U+FFFD per byte, each a token of its own.
+  for (size_t i = 0; i < run.size(); ++i) FeedStep(d, k + 1, kReplacement, raw_bytes, out);
+}
+
+void Tokenizer::Impl::FeedText(IncrementalDetokenizer* d, size_t k, std::string_view text,
+                               std::string* out) const {
+  if (k == text_steps.size()) {
+    out->append(text);
+    return;
+  }
+  const DecoderStep& step = text_steps[k];
+  int64_t& stripped = d->stripped_[k];
+  while (stripped >= 0 && !text.empty()) {
+    if (stripped < step.start && text.starts_with(step.content)) {
+      text.remove_prefix(step.content.size());
+      ++stripped;
+    } else {
+      stripped = -1;  // the start of the text is past
+    }
+  }
+  if (step.stop == 0) {
+    FeedText(d, k + 1, text, out);
+    return;
+  }
+  // Up to `stop` copies of the character at the end may be the end of the whole text: hold
+  // them until text that is not them follows.
+  std::string& held = d->held_[k];
+  held.append(text);
+  std::string_view all = held;
+  int64_t n = 0;
+  while (n < step.stop && all.ends_with(step.content)) {
+    all.remove_suffix(step.content.size());
+    ++n;
+  }
+  const std::string emit = held.substr(0, all.size());
+  held.erase(0, all.size());
+  FeedText(d, k + 1, emit, out);
+}
+
+void Tokenizer::Impl::FinishDecode(IncrementalDetokenizer* d, bool raw_bytes,
+                                   std::string* out) const {
+  for (size_t k = 0; k < token_steps.size(); ++k) {
+    if (token_steps[k].kind == DecoderStep::Kind::kByteFallback) FlushRun(d, k, raw_bytes, out);
+  }
+  // What the Strips held at the end is what they strip. Then start over.
+  StartDecode(d, d->continues_text_);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1116,20 +1827,35 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
     status = ParseNormalizer(r, *normalizer, "normalizer", impl.get());
     if (!status.ok()) return status;
   }
-  const Json* pre_tokenizer = FieldReader::Find(root, "pre_tokenizer");
-  if (pre_tokenizer == nullptr)
-    return r.Error("pre_tokenizer", "missing; byte-level BPE needs ByteLevel");
-  status = ParsePreTokenizer(r, *pre_tokenizer, "pre_tokenizer", impl.get());
-  if (!status.ok()) return status;
-  if (std::none_of(
-          impl->pre_tokenizer.begin(), impl->pre_tokenizer.end(),
-          [](const PreTokenizerStep& s) { return s.kind == PreTokenizerStep::Kind::kByteLevel; })) {
-    return r.Error("pre_tokenizer", "has no ByteLevel step; only byte-level BPE is supported");
+  IndexAddedTokens(impl.get());
+  // A ByteLevel step makes a byte-level file; without one (Llama 2: no pre-tokenizer at all,
+  // Mistral: Metaspace) BPE starts from characters.
+  if (const Json* pre_tokenizer = FieldReader::Find(root, "pre_tokenizer")) {
+    status = ParsePreTokenizer(r, *pre_tokenizer, "pre_tokenizer", impl.get());
+    if (!status.ok()) return status;
   }
+  const bool byte_level = std::any_of(
+      impl->pre_tokenizer.begin(), impl->pre_tokenizer.end(),
+      [](const PreTokenizerStep& s) { return s.kind == PreTokenizerStep::Kind::kByteLevel; });
+  impl->model = byte_level ? Impl::Model::kByteBpe : Impl::Model::kCharBpe;
   const Json* decoder = FieldReader::Find(root, "decoder");
-  if (decoder == nullptr) return r.Error("decoder", "missing; byte-level BPE needs ByteLevel");
-  status = ParseDecoder(r, *decoder, "decoder");
+  if (decoder == nullptr) {
+    return r.Error("decoder", byte_level ? "missing; byte-level BPE needs ByteLevel"
+                                         : "missing (a decoder such as Metaspace is needed)");
+  }
+  bool byte_level_decoder = false, other_decoder = false;
+  status = ParseDecoder(r, *decoder, "decoder", impl.get(), &byte_level_decoder, &other_decoder);
   if (!status.ok()) return status;
+  if (byte_level && other_decoder) {
+    return r.Error("decoder", "a byte-level file (ByteLevel pre-tokenizer) decodes with ByteLevel "
+                              "only");
+  }
+  if (!byte_level && byte_level_decoder) {
+    return r.Error("pre_tokenizer",
+                   "has no ByteLevel step, but the decoder is ByteLevel (byte-level BPE needs "
+                   "both)");
+  }
+  impl->byte_level_decoder = byte_level;
   if (const Json* post = FieldReader::Find(root, "post_processor")) {
     status = ParsePostProcessor(r, *post, "post_processor", impl.get());
     if (!status.ok()) return status;
@@ -1146,6 +1872,11 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
   }
 
   impl->special.resize(impl->id_to_token.size(), false);
+  if (!byte_level) {
+    impl->decoder_text = impl->id_to_token;
+    for (const AddedToken& token : impl->added) impl->decoder_text[token.id] = token.match;
+    return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+  }
   impl->id_to_bytes.resize(impl->id_to_token.size());
   const ByteAlphabet& alphabet = Alphabet();
   for (size_t id = 0; id < impl->id_to_token.size(); ++id) {
@@ -1157,6 +1888,88 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
     auto bytes = alphabet.ToBytes(token);
     impl->id_to_bytes[id] = bytes.has_value() ? *std::move(bytes) : token;
   }
+  return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(
+    const SentencePieceVocab& v, std::string_view source) {
+  const auto invalid = [&source](auto&&... parts) {
+    return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": ", parts...));
+  };
+  const size_t n = v.tokens.size();
+  if (n == 0) return invalid("the vocabulary is empty");
+  if (n > (size_t{1} << 24)) return invalid("the vocabulary has ", n, " tokens, more than 2^24");
+  if (v.scores.size() != n) {
+    return invalid("the scores have ", v.scores.size(), " entries but the tokens ", n);
+  }
+  if (v.types.size() != n) {
+    return invalid("the token types have ", v.types.size(), " entries but the tokens ", n);
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model = Impl::Model::kSentencePiece;
+  impl->byte_level_decoder = false;
+  impl->add_space_prefix = v.add_space_prefix;
+  impl->id_to_token = v.tokens;
+  impl->has_token.assign(n, true);
+  impl->special.assign(n, false);
+  impl->scores = v.scores;
+  impl->vocab.reserve(n);
+  std::optional<int32_t> first_unknown;
+  for (size_t i = 0; i < n; ++i) {
+    const auto id = static_cast<int32_t>(i);
+    impl->vocab.insert_or_assign(v.tokens[i], id);  // a repeated text: the last id, as llama.cpp
+    switch (v.types[i]) {
+      case 0:  // undefined: read as normal
+      case 1:  // normal
+      case 5:  // unused
+      case 6:  // byte
+        break;
+      case 2:  // unknown
+        if (!first_unknown) first_unknown = id;
+        [[fallthrough]];
+      case 3:  // control
+        impl->special[i] = true;
+        [[fallthrough]];
+      case 4:  // user-defined
+        if (!v.tokens[i].empty()) impl->partition_ids.push_back(id);
+        break;
+      default:
+        return invalid("token ", i, " has type ", v.types[i],
+                       ", not a llama.cpp token type (0 to 6)");
+    }
+  }
+  std::stable_sort(impl->partition_ids.begin(), impl->partition_ids.end(),
+                   [&](int32_t a, int32_t b) { return v.tokens[a].size() > v.tokens[b].size(); });
+  for (const auto& [name, id] : {std::pair<const char*, std::optional<int32_t>>{"BOS", v.bos_id},
+                                 {"EOS", v.eos_id},
+                                 {"unk", v.unk_id}}) {
+    if (id && (*id < 0 || static_cast<size_t>(*id) >= n)) {
+      return invalid("the ", name, " id ", *id, " is not in the vocabulary of ", n, " tokens");
+    }
+  }
+  impl->unk_id = v.unk_id.value_or(first_unknown.value_or(-1));
+  if (v.bos_id) impl->prefix_ids.push_back(*v.bos_id);
+  if (v.eos_id) impl->suffix_ids.push_back(*v.eos_id);
+  for (int b = 0; b < 256; ++b) {
+    auto it = impl->vocab.find(ByteTokenText(static_cast<uint8_t>(b)));
+    impl->fallback_token[b] = it == impl->vocab.end() ? -1 : it->second;
+    it = impl->vocab.find(std::string(1, static_cast<char>(b)));
+    impl->byte_token[b] = it == impl->vocab.end() ? -1 : it->second;
+  }
+  // The decoder of the tokenizer.json files these vocabularies come from (Llama 2's).
+  DecoderStep replace{DecoderStep::Kind::kReplace};
+  replace.literal = "\xE2\x96\x81";
+  replace.content = " ";
+  impl->token_steps.push_back(std::move(replace));
+  impl->token_steps.push_back(DecoderStep{DecoderStep::Kind::kByteFallback});
+  impl->fused = true;
+  if (v.add_space_prefix) {
+    DecoderStep strip{DecoderStep::Kind::kStrip};
+    strip.content = " ";
+    strip.start = 1;
+    impl->text_steps.push_back(std::move(strip));
+  }
+  impl->decoder_text = v.tokens;
   return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
 }
 
@@ -1172,13 +1985,19 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view text, bool add_special_t
 absl::StatusOr<std::string> Tokenizer::DecodeBytes(std::span<const int32_t> ids,
                                                    bool skip_special_tokens) const {
   std::string out;
+  if (!impl_->byte_level_decoder) {
+    IncrementalDetokenizer d(this, skip_special_tokens);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (absl::Status s = impl_->CheckId(ids[i], i); !s.ok()) return s;
+      if (skip_special_tokens && impl_->special[ids[i]]) continue;
+      impl_->DecodeToken(&d, ids[i], /*raw_bytes=*/true, &out);
+    }
+    impl_->FinishDecode(&d, /*raw_bytes=*/true, &out);
+    return out;
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
     const int32_t id = ids[i];
-    if (id < 0 || static_cast<size_t>(id) >= impl_->has_token.size() || !impl_->has_token[id]) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", id, " (at position ", i,
-                                                     ") is not in the vocabulary of ",
-                                                     impl_->has_token.size(), " ids"));
-    }
+    if (absl::Status s = impl_->CheckId(id, i); !s.ok()) return s;
     if (skip_special_tokens && impl_->special[id]) continue;
     out += impl_->id_to_bytes[id];
   }
@@ -1187,6 +2006,17 @@ absl::StatusOr<std::string> Tokenizer::DecodeBytes(std::span<const int32_t> ids,
 
 absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids,
                                               bool skip_special_tokens) const {
+  if (!impl_->byte_level_decoder) {
+    std::string out;
+    IncrementalDetokenizer d(this, skip_special_tokens);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (absl::Status s = impl_->CheckId(ids[i], i); !s.ok()) return s;
+      if (skip_special_tokens && impl_->special[ids[i]]) continue;
+      impl_->DecodeToken(&d, ids[i], /*raw_bytes=*/false, &out);
+    }
+    impl_->FinishDecode(&d, /*raw_bytes=*/false, &out);
+    return out;
+  }
   auto bytes = DecodeBytes(ids, skip_special_tokens);
   if (!bytes.ok()) return bytes.status();
   return ToValidUtf8(*bytes);
@@ -1213,10 +2043,28 @@ std::optional<int32_t> Tokenizer::bos_token_id() const {
 
 // ---------------------------------------------------------------------------------------
 
-IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer* tokenizer, bool skip_special_tokens)
-    : tokenizer_(tokenizer), skip_special_tokens_(skip_special_tokens) {}
+IncrementalDetokenizer::IncrementalDetokenizer(const Tokenizer* tokenizer, bool skip_special_tokens,
+                                               bool continues_text)
+    : tokenizer_(tokenizer),
+      skip_special_tokens_(skip_special_tokens),
+      continues_text_(continues_text) {
+  Reset();
+}
+
+void IncrementalDetokenizer::Reset() {
+  pending_.clear();
+  if (!tokenizer_->impl_->byte_level_decoder) tokenizer_->impl_->StartDecode(this, continues_text_);
+}
 
 absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
+  const Tokenizer::Impl& impl = *tokenizer_->impl_;
+  if (!impl.byte_level_decoder) {
+    if (absl::Status s = impl.CheckId(id, 0); !s.ok()) return s;
+    std::string out;
+    if (skip_special_tokens_ && impl.special[id]) return out;
+    impl.DecodeToken(this, id, /*raw_bytes=*/false, &out);
+    return out;
+  }
   auto bytes = tokenizer_->DecodeBytes(std::span<const int32_t>(&id, 1), skip_special_tokens_);
   if (!bytes.ok()) return bytes.status();
   pending_ += *bytes;
@@ -1237,13 +2085,18 @@ absl::StatusOr<std::string> IncrementalDetokenizer::Push(int32_t id) {
 }
 
 std::string IncrementalDetokenizer::Finish() {
-  std::string out = ToValidUtf8(pending_);
+  std::string out;
+  if (!tokenizer_->impl_->byte_level_decoder) {
+    tokenizer_->impl_->FinishDecode(this, /*raw_bytes=*/false, &out);
+    return out;
+  }
+  out = ToValidUtf8(pending_);
   pending_.clear();
   return out;
 }
 
 // ---------------------------------------------------------------------------------------
-// NFC normalization through ICU. ICU works on well-formed text only, so each run of valid
+// NFC/NFKC normalization through ICU. ICU works on well-formed text only, so each run of valid
 // UTF-8 is normalized on its own and ill-formed bytes pass through unchanged between runs
 // (they block composition across them, as a non-character would).
 
@@ -1267,15 +2120,19 @@ void NormalizeValidRun(std::string_view run, const icu::Normalizer2& nfc, std::s
   normalized.toUTF8String(*out);
 }
 
-void NormalizeNfc(std::string_view in, std::string* out) {
+void NormalizeUnicode(std::string_view in, bool compatibility, std::string* out) {
   // Below U+0300 nothing combines or reorders, so text made only of such characters (any
-  // byte under 0xCC) is already NFC. That covers ASCII and most Latin text.
-  if (std::all_of(in.begin(), in.end(), [](char ch) { return static_cast<uint8_t>(ch) < 0xCC; })) {
+  // byte under 0xCC) is already NFC. That covers ASCII and most Latin text. NFKC also
+  // changes Latin-1 characters (U+00A0 becomes a space), so only ASCII passes as it is.
+  const uint8_t limit = compatibility ? 0x80 : 0xCC;
+  if (std::all_of(in.begin(), in.end(),
+                  [limit](char ch) { return static_cast<uint8_t>(ch) < limit; })) {
     out->append(in);
     return;
   }
   UErrorCode status = U_ZERO_ERROR;
-  const icu::Normalizer2* nfc = icu::Normalizer2::getNFCInstance(status);
+  const icu::Normalizer2* nfc = compatibility ? icu::Normalizer2::getNFKCInstance(status)
+                                              : icu::Normalizer2::getNFCInstance(status);
   if (U_FAILURE(status) || nfc == nullptr) {  // ICU data missing: leave the text as it is
     out->append(in);
     return;
@@ -1291,6 +2148,23 @@ void NormalizeNfc(std::string_view in, std::string* out) {
     i += scan.len;
   }
   NormalizeValidRun(in.substr(run_start), *nfc, out);
+}
+
+bool IsWordChar(char32_t c) {
+  const auto u = static_cast<UChar32>(c);
+  if (u_hasBinaryProperty(u, UCHAR_ALPHABETIC) || u_hasBinaryProperty(u, UCHAR_JOIN_CONTROL)) {
+    return true;
+  }
+  switch (u_charType(u)) {
+    case U_NON_SPACING_MARK:
+    case U_COMBINING_SPACING_MARK:
+    case U_ENCLOSING_MARK:
+    case U_DECIMAL_DIGIT_NUMBER:
+    case U_CONNECTOR_PUNCTUATION:
+      return true;
+    default:
+      return false;
+  }
 }
 
 }  // namespace

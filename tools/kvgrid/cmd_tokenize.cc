@@ -3,6 +3,8 @@
 //
 //   encode (default): each stdin line is a JSON string; prints a JSON array of ids.
 //   --decode:         each stdin line is a JSON array of ids; prints a JSON string.
+//   --decode --stream: the same ids through IncrementalDetokenizer; prints the JSON array of
+//                     its deltas, one per id, then what Finish flushed.
 //
 // One output line per input line, in order, so a caller can batch many inputs into one
 // process. The first bad line stops the run with exit 1 (lines before it are printed).
@@ -25,7 +27,7 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid tokenize --tokenizer FILE [--decode] [--add-special-tokens]\n"
+    "usage: kvgrid tokenize --tokenizer FILE [--decode [--stream]] [--add-special-tokens]\n"
     "                       [--skip-special-tokens]\n"
     "\n"
     "FILE is a tokenizer.json, or a .gguf file whose embedded tokenizer is used.\n"
@@ -33,7 +35,9 @@ constexpr char kHelp[] =
     "  encode (default)       input: a JSON string; output: a JSON array of token ids\n"
     "  --decode               input: a JSON array of ids; output: the text as a JSON string\n"
     "  --add-special-tokens   encode: add what the post-processor adds (e.g. BOS)\n"
-    "  --skip-special-tokens  decode: drop special tokens from the text\n";
+    "  --skip-special-tokens  decode: drop special tokens from the text\n"
+    "  --stream               decode: print the streaming detokenizer's deltas as a JSON array\n"
+    "                         (one per id, then the final flush)\n";
 
 int Fail(const std::string& message) {
   std::fflush(stdout);
@@ -52,8 +56,9 @@ int TokenizeCommand(Args& args) {
   auto decode = args.GetBool("decode", false);
   auto add_special = args.GetBool("add-special-tokens", false);
   auto skip_special = args.GetBool("skip-special-tokens", false);
-  for (const absl::Status& s :
-       {decode.status(), add_special.status(), skip_special.status(), args.Finish()}) {
+  auto stream = args.GetBool("stream", false);
+  for (const absl::Status& s : {decode.status(), add_special.status(), skip_special.status(),
+                                stream.status(), args.Finish()}) {
     if (!s.ok()) {
       std::fprintf(stderr, "kvgrid tokenize: %s\n", std::string(s.message()).c_str());
       return 2;
@@ -100,10 +105,23 @@ int TokenizeCommand(Args& args) {
         }
         ids.push_back(static_cast<int32_t>(id.get<int64_t>()));
       }
-      auto text = (*tokenizer)->Decode(ids, *skip_special);
-      if (!text.ok()) return Fail(where + std::string(text.status().message()));
-      // Decode returns valid UTF-8, so dump() cannot throw; non-ASCII stays as UTF-8.
-      out = nlohmann::json(*text).dump();
+      if (*stream) {
+        model::IncrementalDetokenizer detok(tokenizer->get(), *skip_special);
+        nlohmann::json deltas = nlohmann::json::array();
+        for (const int32_t id : ids) {
+          auto delta = detok.Push(id);
+          if (!delta.ok()) return Fail(where + std::string(delta.status().message()));
+          deltas.push_back(*std::move(delta));
+        }
+        deltas.push_back(detok.Finish());
+        // Deltas are valid UTF-8 (whole characters or U+FFFD), so dump() cannot throw.
+        out = deltas.dump();
+      } else {
+        auto text = (*tokenizer)->Decode(ids, *skip_special);
+        if (!text.ok()) return Fail(where + std::string(text.status().message()));
+        // Decode returns valid UTF-8, so dump() cannot throw; non-ASCII stays as UTF-8.
+        out = nlohmann::json(*text).dump();
+      }
     }
     out.push_back('\n');
     std::fwrite(out.data(), 1, out.size(), stdout);

@@ -215,8 +215,10 @@ TEST(GgufTokenizerTest, UnknownPreIsRefused) {
 
 TEST(GgufTokenizerTest, OtherModelsAreRefused) {
   Spec spec;
-  spec.model = "llama";
-  ExpectError(spec, absl::StatusCode::kUnimplemented, "tokenizer.ggml.model 'llama'");
+  spec.model = "bert";
+  ExpectError(spec, absl::StatusCode::kUnimplemented, "tokenizer.ggml.model 'bert'");
+  spec.model = "t5";
+  ExpectError(spec, absl::StatusCode::kUnimplemented, "tokenizer.ggml.model 't5'");
   spec.model.reset();
   ExpectError(spec, absl::StatusCode::kNotFound, "tokenizer.ggml.model");
 }
