@@ -10,14 +10,19 @@
 
 namespace kvgrid::model {
 
-// general.architecture llama or qwen2 with its <arch>.* hyperparameters; vocab_size from
+// general.architecture llama, qwen2 or qwen3 (q/k norms) with its <arch>.* hyperparameters
+// (head_dim from attention.key_length, which value_length must equal); RoPE scaling from
+// <arch>.rope.scaling.type/factor/original_context_length (none, linear, yarn; yarn's beta and
+// attention factors when present) and the per-frequency divisors of rope_freqs.weight (Llama
+// 3.1); the context window extended as ModelConfig's is; vocab_size from
 // token_embd.weight's rows; tie_word_embeddings when there is no output.weight;
 // attention_bias when blk.0.attn_q.bias exists; <arch>.attention.sliding_window, when present
 // and positive, on every layer; BOS/EOS from tokenizer.ggml.bos_token_id and
 // eos_token_id when present. torch_dtype stays empty (GGUF tensors carry their own types).
-// Errors: NOT_FOUND naming a missing key or tensor; UNIMPLEMENTED for another architecture
-// or RoPE scaling (rope_freqs.weight); INVALID_ARGUMENT naming the file for inconsistent
-// hyperparameters or a token_embd.weight of the wrong shape.
+// Errors: NOT_FOUND naming a missing key or tensor; UNIMPLEMENTED for another architecture,
+// another rope.scaling.type or a value_length other than key_length; INVALID_ARGUMENT naming
+// the file and key for inconsistent hyperparameters, a bad head_dim, scaling factor or
+// rope_freqs.weight, or a token_embd.weight of the wrong shape.
 absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& file);
 
 }  // namespace kvgrid::model

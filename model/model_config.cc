@@ -158,6 +158,7 @@ struct ModelTypeDefaults {
 std::optional<ModelTypeDefaults> DefaultsFor(std::string_view model_type) {
   if (model_type == "llama") return ModelTypeDefaults{2048};
   if (model_type == "qwen2") return ModelTypeDefaults{32768};
+  if (model_type == "qwen3") return ModelTypeDefaults{32768};
   if (model_type == "mistral") return ModelTypeDefaults{4096 * 32};
   return std::nullopt;
 }
@@ -166,14 +167,17 @@ std::optional<ModelTypeDefaults> DefaultsFor(std::string_view model_type) {
 std::optional<std::string> ModelTypeFromArchitecture(std::string_view architecture) {
   if (architecture == "LlamaForCausalLM") return "llama";
   if (architecture == "Qwen2ForCausalLM") return "qwen2";
+  if (architecture == "Qwen3ForCausalLM") return "qwen3";
   if (architecture == "MistralForCausalLM") return "mistral";
   return std::nullopt;
 }
 
 // Parses one rope scaling description: the legacy `rope_scaling` object or the newer
 // `rope_parameters` object (which adds rope_theta, read by the caller). `rope_type` wins over
-// the legacy `type` key, as in transformers.
-absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, RopeScaling* out) {
+// the legacy `type` key, as in transformers. `max_position_embeddings` (config.json's) is the
+// original context of yarn and dynamic scaling when the object names none.
+absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required,
+                              int64_t max_position_embeddings, RopeScaling* out) {
   std::optional<std::string> type;
   std::string type_key = "rope_type";
   KVGRID_ASSIGN_OR_RETURN(type, reader.String("rope_type"));
@@ -219,9 +223,46 @@ absl::Status ParseRopeScaling(const FieldReader& reader, bool type_required, Rop
     }
     return absl::OkStatus();
   }
-  return reader.Error(type_key, absl::StrCat("unsupported RoPE scaling type \"", *type,
-                                             "\" (supported: default, linear, llama3)"));
+  if (*type == "dynamic" || *type == "yarn") {
+    const bool yarn = *type == "yarn";
+    out->type = yarn ? RopeScalingType::kYarn : RopeScalingType::kDynamic;
+    if (!reader.Has("factor")) {
+      return reader.Error("factor", absl::StrCat("missing (required by ", *type, " scaling)"));
+    }
+    KVGRID_ASSIGN_OR_RETURN(out->factor, reader.PositiveNumber("factor", 1.0));
+    out->original_max_position_embeddings = max_position_embeddings;
+    if (reader.Has("original_max_position_embeddings")) {
+      KVGRID_ASSIGN_OR_RETURN(out->original_max_position_embeddings,
+                              reader.PositiveInt("original_max_position_embeddings"));
+    }
+    if (!yarn) return absl::OkStatus();
+    // transformers treats a null or 0 beta as "use the default".
+    KVGRID_ASSIGN_OR_RETURN(std::optional<double> beta, reader.Number("beta_fast"));
+    if (beta.has_value() && *beta != 0) {
+      KVGRID_ASSIGN_OR_RETURN(out->beta_fast, reader.PositiveNumber("beta_fast", 32.0));
+    }
+    KVGRID_ASSIGN_OR_RETURN(beta, reader.Number("beta_slow"));
+    if (beta.has_value() && *beta != 0) {
+      KVGRID_ASSIGN_OR_RETURN(out->beta_slow, reader.PositiveNumber("beta_slow", 1.0));
+    }
+    KVGRID_ASSIGN_OR_RETURN(out->attention_factor, reader.PositiveNumber("attention_factor", 0.0));
+    KVGRID_ASSIGN_OR_RETURN(out->mscale, reader.PositiveNumber("mscale", 0.0));
+    KVGRID_ASSIGN_OR_RETURN(out->mscale_all_dim, reader.PositiveNumber("mscale_all_dim", 0.0));
+    KVGRID_ASSIGN_OR_RETURN(std::optional<bool> truncate, reader.Bool("truncate"));
+    out->truncate = truncate.value_or(true);
+    // The ramp runs from the beta_fast dimension up to the beta_slow one.
+    if (!(out->beta_fast > out->beta_slow)) {
+      return reader.Error("beta_fast", absl::StrCat(out->beta_fast,
+                                                    " must be greater than beta_slow ",
+                                                    out->beta_slow));
+    }
+    return absl::OkStatus();
+  }
+  return reader.Error(type_key,
+                      absl::StrCat("unsupported RoPE scaling type \"", *type,
+                                   "\" (supported: default, linear, dynamic, yarn, llama3)"));
 }
+
 
 // `quantization_config` as transformers writes it for AWQ (AutoAWQ's keys w_bit/q_group_size
 // are accepted too) and GPTQ checkpoints.
@@ -353,7 +394,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   const std::optional<ModelTypeDefaults> defaults = DefaultsFor(*model_type);
   if (!defaults.has_value()) {
     return r.Error("model_type", absl::StrCat("unsupported model type \"", *model_type,
-                                              "\" (supported: llama, qwen2, mistral)"));
+                                              "\" (supported: llama, qwen2, qwen3, mistral)"));
   }
   config.model_type = *model_type;
 
@@ -434,7 +475,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     const FieldReader pr(*params, source, "rope_parameters.");
     KVGRID_ASSIGN_OR_RETURN(const double legacy_theta, r.PositiveNumber("rope_theta", 10000.0));
     KVGRID_ASSIGN_OR_RETURN(config.rope_theta, pr.PositiveNumber("rope_theta", legacy_theta));
-    if (absl::Status s = ParseRopeScaling(pr, /*type_required=*/false, &config.rope_scaling);
+    if (absl::Status s = ParseRopeScaling(pr, /*type_required=*/false,
+                                          config.max_position_embeddings, &config.rope_scaling);
         !s.ok()) {
       return s;
     }
@@ -446,12 +488,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
                        absl::StrCat("expected an object or null, got ", DescribeJson(*scaling)));
       }
       const FieldReader sr(*scaling, source, "rope_scaling.");
-      if (absl::Status s = ParseRopeScaling(sr, /*type_required=*/true, &config.rope_scaling);
+      if (absl::Status s = ParseRopeScaling(sr, /*type_required=*/true,
+                                            config.max_position_embeddings, &config.rope_scaling);
           !s.ok()) {
         return s;
       }
     }
   }
+  config.max_position_embeddings =
+      ScaledContextLength(config.rope_scaling, config.max_position_embeddings);
 
   // The forward pass implements SwiGLU only.
   std::optional<std::string> hidden_act;
@@ -468,6 +513,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   config.attention_bias = flag.value_or(false);
   // Qwen2's q/k/v projections always carry a bias; its config.json has no key for it.
   if (config.model_type == "qwen2") config.attention_bias = true;
+  // Qwen3 always normalizes q and k per head; its config.json has no key for it either.
+  config.qk_norm = config.model_type == "qwen3";
   KVGRID_ASSIGN_OR_RETURN(flag, r.Bool("mlp_bias"));
   config.mlp_bias = flag.value_or(false);
 
@@ -503,6 +550,24 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
         ParseQuantization(FieldReader(*q, source, "quantization_config."), &config.quantization));
   }
   return config;
+}
+
+int64_t ScaledContextLength(const RopeScaling& s, int64_t max_position_embeddings) {
+  double extended = static_cast<double>(max_position_embeddings);
+  switch (s.type) {
+    case RopeScalingType::kLinear:
+      extended *= s.factor;
+      break;
+    case RopeScalingType::kDynamic:
+    case RopeScalingType::kYarn:
+      extended = static_cast<double>(s.original_max_position_embeddings) * s.factor;
+      break;
+    case RopeScalingType::kNone:
+    case RopeScalingType::kLlama3:
+      break;
+  }
+  constexpr double kMax = static_cast<double>(int64_t{1} << 24);
+  return std::max(max_position_embeddings, static_cast<int64_t>(std::min(extended, kMax)));
 }
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {

@@ -1,8 +1,21 @@
 // The architecture of a Llama-family checkpoint, read from Hugging Face's config.json.
 //
-// Supports Llama 2/3/3.1+ (rope_scaling type "llama3"), Qwen2/2.5 (q/k/v bias) and Mistral.
+// Supports Llama 2/3/3.1+ (rope_scaling type "llama3"), Qwen2/2.5 (q/k/v bias), Qwen3 (per-head
+// RMSNorm of q and k, no q/k/v bias, head_dim independent of hidden_size) and Mistral.
 // Both the classic `rope_theta` / `rope_scaling` keys and the newer `rope_parameters`
-// object are accepted. Plain value type; thread-compatible.
+// object are accepted. RoPE scaling types: default, linear, dynamic, yarn, llama3; others
+// (longrope, su, mrope, ...) are refused naming the field.
+//
+// "dynamic" (dynamic NTK) follows vLLM, not transformers: the base is scaled once, for a
+// context of original_max_position_embeddings * factor, so every position of a sequence uses
+// the same frequencies and cached keys stay valid. transformers recomputes the base from each
+// forward's sequence length (plain RoPE up to the original length), which a KV cache cannot
+// follow; logits of the two agree only where that length reaches original * factor.
+//
+// Context window: max_position_embeddings is config.json's, extended as vLLM extends it for
+// the scalings that stretch the trained window: linear and dynamic by `factor`, yarn to
+// original_max_position_embeddings * factor (when larger). Plain value type;
+// thread-compatible.
 #ifndef KVGRID_MODEL_MODEL_CONFIG_H_
 #define KVGRID_MODEL_MODEL_CONFIG_H_
 
@@ -20,6 +33,8 @@ enum class RopeScalingType : uint8_t {
   kNone,     // plain RoPE
   kLinear,   // positions divided by `factor`
   kLlama3,   // Llama 3.1 frequency-dependent scaling
+  kDynamic,  // NTK-aware base scaling, fixed for original * factor positions (see above)
+  kYarn,     // YaRN: per-frequency blend of interpolation and extrapolation, cos/sin scaled
 };
 
 struct RopeScaling {
@@ -27,7 +42,22 @@ struct RopeScaling {
   double factor = 1.0;
   double low_freq_factor = 1.0;                   // llama3
   double high_freq_factor = 4.0;                  // llama3
-  int64_t original_max_position_embeddings = 0;   // llama3
+  // llama3, yarn, dynamic: the context the model was pretrained for. yarn and dynamic default
+  // it to config.json's max_position_embeddings (before the window is extended).
+  int64_t original_max_position_embeddings = 0;
+  double beta_fast = 32.0;                        // yarn: rotations where extrapolation ends
+  double beta_slow = 1.0;                         // yarn: rotations where interpolation starts
+  // yarn: the factor cos and sin are multiplied by (transformers' attention_factor). 0 when
+  // the file gives none: then 0.1 * mscale * ln(factor) + 1 over the same with mscale_all_dim
+  // (both given), else 0.1 * ln(factor) + 1.
+  double attention_factor = 0.0;
+  double mscale = 0.0;                            // yarn (DeepSeek-style); 0 when absent
+  double mscale_all_dim = 0.0;                    // yarn; 0 when absent
+  bool truncate = true;                           // yarn: round the ramp's ends to integers
+  // GGUF `rope_freqs.weight` (llama.cpp's Llama 3.1 files): one divisor per frequency, the
+  // final inv_freq[i] = theta^(-2i/d) / freq_divisors[i]; empty when absent. Used instead of
+  // `type`'s own formula for the frequencies.
+  std::vector<double> freq_divisors;
 };
 
 // A pre-quantized checkpoint's `quantization_config`: 4-bit AWQ (GEMM layout) or GPTQ.
@@ -44,7 +74,7 @@ struct QuantizationConfig {
 };
 
 struct ModelConfig {
-  std::string model_type;        // "llama", "qwen2", "mistral"
+  std::string model_type;        // "llama", "qwen2", "qwen3", "mistral"
   std::vector<std::string> architectures;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -59,6 +89,9 @@ struct ModelConfig {
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   bool attention_bias = false;       // q/k/v projections carry a bias (Qwen2: always)
+  // Qwen3: q and k are RMS-normalized per head (weights [head_dim], eps rms_norm_eps) after
+  // the projection and before RoPE.
+  bool qk_norm = false;
   bool mlp_bias = false;
   std::vector<int64_t> eos_token_ids;  // from config.json; may be empty
   int64_t bos_token_id = -1;           // -1 when absent
@@ -96,6 +129,11 @@ struct ModelConfig {
 // quantization: methods other than awq/gptq, bits other than 4, group sizes that are not a
 // multiple of 32, AWQ layouts other than GEMM).
 absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_view source);
+
+// The context window of a model whose config gives `max_position_embeddings` and scaling `s`
+// (see the file comment): linear and dynamic multiply it by s.factor, yarn makes it
+// s.original_max_position_embeddings * s.factor when that is larger; capped at 2^24.
+int64_t ScaledContextLength(const RopeScaling& s, int64_t max_position_embeddings);
 
 // Reads `path` (a config.json, or a directory holding one).
 // Errors: NOT_FOUND when the file is missing; otherwise as ParseModelConfig.

@@ -1,5 +1,7 @@
 #include "kernels/cuda/rope.cuh"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/launch_util.h"
@@ -13,8 +15,9 @@ constexpr int kThreads = 128;
 // token's cos and sin (half entries each), then rotates every (head, i) pair of q and k with it,
 // so each cos/sin is computed once per token as on the CPU.
 __global__ void RopeKernel(float* query, float* key, const int32_t* __restrict__ positions,
-                           const double* __restrict__ inv_freq, int64_t num_tokens,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+                           const double* __restrict__ inv_freq, double scale,
+                           int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim) {
   extern __shared__ float cos_sin[];  // [2, half]: cos then sin
   const int64_t half = head_dim / 2;
   const int64_t q_pairs = num_heads * half;
@@ -24,8 +27,8 @@ __global__ void RopeKernel(float* query, float* key, const int32_t* __restrict__
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       double s, c;
       sincos(pos * inv_freq[i], &s, &c);
-      cos_sin[i] = static_cast<float>(c);
-      cos_sin[half + i] = static_cast<float>(s);
+      cos_sin[i] = static_cast<float>(c * scale);
+      cos_sin[half + i] = static_cast<float>(s * scale);
     }
     __syncthreads();
     for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -71,6 +74,9 @@ absl::Status RopeParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("RopeParams.num_kv_heads out of range: ", num_kv_heads));
   }
+  if (!(scale > 0) || !std::isfinite(scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("RopeParams.scale must be > 0: ", scale));
+  }
   if (head_dim <= 0 || head_dim % 2 != 0 || head_dim > kRopeMaxHeadDim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "RopeParams.head_dim must be even and in (0, ", kRopeMaxHeadDim, "]: ", head_dim));
@@ -83,8 +89,8 @@ absl::Status LaunchRope(const RopeParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0 || p.num_heads + p.num_kv_heads == 0) return absl::OkStatus();
   const size_t shared_bytes = sizeof(float) * static_cast<size_t>(p.head_dim);
   RopeKernel<<<GridStrideBlocks(p.num_tokens, 1), kThreads, shared_bytes, stream>>>(
-      p.query, p.key, p.positions, p.inv_freq, p.num_tokens, p.num_heads, p.num_kv_heads,
-      p.head_dim);
+      p.query, p.key, p.positions, p.inv_freq, p.scale, p.num_tokens, p.num_heads,
+      p.num_kv_heads, p.head_dim);
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -3,7 +3,9 @@
 // position * inv_freq[i]. Checked against kernels/cpu/rope.h.
 //
 // The frequencies come in as the table cpu::RopeInvFreq builds (double, [head_dim / 2]), so
-// plain, "linear" and "llama3" scaling are all the caller's choice of table. Precision follows
+// plain, "linear", "dynamic", "yarn" and "llama3" scaling and GGUF's rope_freqs divisors are all
+// the caller's choice of table; `scale` (cpu::RopeAttentionFactor: YaRN's mscale, else 1)
+// multiplies cos and sin in double before they are rounded, as on the CPU. Precision follows
 // the CPU reference step for step: the angle is formed in double, its cos and sin are taken in
 // double and rounded to float, and the rotation is done in float without FMA contraction. The
 // only difference left is CUDA's double sin/cos (<= 2 ulp of a double) against glibc's, which
@@ -28,6 +30,7 @@ struct RopeParams {
   float* key = nullptr;                // [num_tokens, num_kv_heads, head_dim], device, in place
   const int32_t* positions = nullptr;  // [num_tokens], device
   const double* inv_freq = nullptr;    // [head_dim / 2], device (cpu::RopeInvFreq's table)
+  double scale = 1.0;                  // > 0: cos and sin are multiplied by it
   int64_t num_tokens = 0;              // 0 launches nothing
   int64_t num_heads = 0;               // may be 0 (query then unused)
   int64_t num_kv_heads = 0;            // may be 0 (key then unused)

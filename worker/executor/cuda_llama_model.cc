@@ -250,6 +250,7 @@ absl::Status CudaLlamaModel::Init(const std::vector<double>& inv_freq) {
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&stream_));
   KVGRID_ASSIGN_OR_RETURN(cublas_, cuda::CublasHandle::Create());
   KVGRID_ASSIGN_OR_RETURN(inv_freq_, UploadVector(inv_freq));
+  rope_scale_ = cpu::RopeAttentionFactor(config_);
   KVGRID_ASSIGN_OR_RETURN(flags_, DeviceBuffer::Allocate(2 * sizeof(int32_t)));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemset(flags_.get(), 0, 2 * sizeof(int32_t)));
   return absl::OkStatus();
@@ -314,6 +315,8 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     KVGRID_ASSIGN_OR_RETURN(l.post_norm, UploadVector(lw.post_norm));
     KVGRID_ASSIGN_OR_RETURN(l.qkv_bias, UploadVector(lw.qkv_bias));
     KVGRID_ASSIGN_OR_RETURN(l.o_bias, UploadVector(lw.o_bias));
+    KVGRID_ASSIGN_OR_RETURN(l.q_norm, UploadVector(lw.q_norm));
+    KVGRID_ASSIGN_OR_RETURN(l.k_norm, UploadVector(lw.k_norm));
     KVGRID_ASSIGN_OR_RETURN(l.qkv, linear(lw.qkv, lw.qkv_q, q_dim + 2 * kv_dim, hidden));
     KVGRID_ASSIGN_OR_RETURN(l.o, linear(lw.o, lw.o_q, hidden, q_dim));
     KVGRID_ASSIGN_OR_RETURN(l.gate_up, linear(lw.gate_up, lw.gate_up_q, 2 * inter, hidden));
@@ -367,6 +370,10 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::Random(
     Layer l;
     KVGRID_ASSIGN_OR_RETURN(l.input_norm, ones(hidden));
     KVGRID_ASSIGN_OR_RETURN(l.post_norm, ones(hidden));
+    if (c.qk_norm) {
+      KVGRID_ASSIGN_OR_RETURN(l.q_norm, ones(hd));
+      KVGRID_ASSIGN_OR_RETURN(l.k_norm, ones(hd));
+    }
     if (c.attention_bias) {
       KVGRID_ASSIGN_OR_RETURN(l.qkv_bias, random(q_dim + 2 * kv_dim, model::DType::kF32, 0.02f));
     }
@@ -391,7 +398,8 @@ void CudaLlamaModel::TieHeadToEmbedding() {
 int64_t CudaLlamaModel::WeightBytes() const {
   int64_t n = embed_.bytes() + final_norm_.bytes() + head_.storage.bytes();
   for (const Layer& l : layers_) {
-    n += l.input_norm.bytes() + l.post_norm.bytes() + l.qkv_bias.bytes() + l.o_bias.bytes();
+    n += l.input_norm.bytes() + l.post_norm.bytes() + l.qkv_bias.bytes() + l.o_bias.bytes() +
+         l.q_norm.bytes() + l.k_norm.bytes();
     for (const Linear* x : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       n += x->storage.bytes() + x->input_perm.bytes();
     }
@@ -673,10 +681,27 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     KVGRID_RETURN_IF_ERROR(split(q_, 0, q_dim));
     KVGRID_RETURN_IF_ERROR(split(k_, q_dim, kv_dim));
     KVGRID_RETURN_IF_ERROR(split(v_, q_dim + kv_dim, kv_dim));
+    if (c.qk_norm) {  // Qwen3: each head's q and k RMS-normalized, before RoPE
+      KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = q_.as<float>(),
+                                                  .weight = l.q_norm.as<float>(),
+                                                  .output = q_.as<float>(),
+                                                  .num_tokens = n * heads,
+                                                  .hidden = hd,
+                                                  .eps = eps},
+                                                 stream_));
+      KVGRID_RETURN_IF_ERROR(cuda::LaunchRmsNorm({.input = k_.as<float>(),
+                                                  .weight = l.k_norm.as<float>(),
+                                                  .output = k_.as<float>(),
+                                                  .num_tokens = n * kv_heads,
+                                                  .hidden = hd,
+                                                  .eps = eps},
+                                                 stream_));
+    }
     KVGRID_RETURN_IF_ERROR(cuda::LaunchRope({.query = q_.as<float>(),
                                              .key = k_.as<float>(),
                                              .positions = positions_.as<int32_t>(),
                                              .inv_freq = inv_freq_.as<double>(),
+                                             .scale = rope_scale_,
                                              .num_tokens = n,
                                              .num_heads = heads,
                                              .num_kv_heads = kv_heads,

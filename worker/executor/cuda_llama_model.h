@@ -1,5 +1,7 @@
 // The Llama-family decoder on one GPU, composed from kernels/cuda: the same forward pass as
-// LlamaModel (CPU) — fused q/k/v and gate/up, RoPE, paged KV written in the pool's dtypes,
+// LlamaModel (CPU) — fused q/k/v and gate/up, Qwen3's per-head q/k RMSNorm (the rms_norm
+// kernel over [tokens * heads, head_dim] rows), RoPE with every scaling the CPU takes (the
+// same frequency table and YaRN attention factor), paged KV written in the pool's dtypes,
 // paged attention, SiLU-gated MLP, logits for the rows asked for — with device weights and a
 // device KV pool laid out as KvPool's.
 //
@@ -201,6 +203,7 @@ class CudaLlamaModel {
   };
   struct Layer {
     DeviceBuffer input_norm, post_norm, qkv_bias, o_bias;  // fp32
+    DeviceBuffer q_norm, k_norm;  // fp32 [head_dim] (Qwen3), else empty
     Linear qkv, o, gate_up, down;
   };
 
@@ -263,6 +266,7 @@ class CudaLlamaModel {
                  // follower whose head is replicated (rank 0 runs it alone)
   std::vector<Layer> layers_;
   DeviceBuffer inv_freq_;              // [head_dim / 2] double
+  double rope_scale_ = 1.0;            // cpu::RopeAttentionFactor(config_)
   DeviceBuffer flags_;                 // [2] int32: invalid token id, invalid slot
   // Per-step inputs and workspaces.
   DeviceBuffer ids_, positions_, slots_, query_start_, seq_lens_, block_tables_;

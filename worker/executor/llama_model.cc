@@ -64,6 +64,13 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
     };
     KVGRID_RETURN_IF_ERROR(check(l.qkv, l.qkv_q, d.qkv_dim, d.hidden, p + "qkv"));
     if (!l.qkv_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv_bias, d.qkv_dim, p + "qkv_bias"));
+    if (c.qk_norm) {
+      KVGRID_RETURN_IF_ERROR(CheckSize(l.q_norm, d.head_dim, p + "self_attn.q_norm"));
+      KVGRID_RETURN_IF_ERROR(CheckSize(l.k_norm, d.head_dim, p + "self_attn.k_norm"));
+    } else if (!l.q_norm.empty() || !l.k_norm.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights ", p, "self_attn.q_norm/k_norm given for a model without them"));
+    }
     if (!l.o_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.o_bias, d.hidden, p + "o_proj.bias"));
     KVGRID_RETURN_IF_ERROR(check(l.o, l.o_q, d.hidden, d.q_dim, p + "o_proj"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.post_norm, d.hidden, p + "post_attention_layernorm"));
@@ -346,6 +353,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
     const std::string p = absl::StrCat("model.layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "input_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.input_norm));
     KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "post_attention_layernorm.weight", std::vector<int64_t>{d.hidden}, &l.post_norm));
+    if (config->qk_norm) {  // Qwen3: one [head_dim] weight for every head, on every rank
+      KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.q_norm.weight", std::vector<int64_t>{hd}, &l.q_norm));
+      KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.k_norm.weight", std::vector<int64_t>{hd}, &l.k_norm));
+    }
     if (quant.quantized()) {
       // Whole layers (tp 1): q/k/v and gate/up stay in blocks when they agree, as in GGUF.
       std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> qkv(3), gate_up(2);
@@ -476,6 +487,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
     LayerWeights l;
     KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "attn_norm.weight", {d.hidden}, &l.input_norm));
     KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "ffn_norm.weight", {d.hidden}, &l.post_norm));
+    if (c.qk_norm) {
+      KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "attn_q_norm.weight", {hd}, &l.q_norm));
+      KVGRID_RETURN_IF_ERROR(GgufF32(f, b + "attn_k_norm.weight", {hd}, &l.k_norm));
+    }
     std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> qkv(3), gate_up(2);
     KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "attn_q.weight", d.q_dim, d.hidden, permute,
                                       &qkv[0].first, &qkv[0].second));
@@ -528,6 +543,8 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
     LayerWeights l;
     l.input_norm = f.input_norm;
     l.post_norm = f.post_norm;
+    l.q_norm = f.q_norm;
+    l.k_norm = f.k_norm;
     // The fused qkv rows are q (all heads), then k, then v: take this rank's rows of each.
     for (auto [b, e] : {std::pair{q0, q1}, std::pair{kv0, kv1}, std::pair{v0, v1}}) {
       const std::vector<float> rows = Rows(f.qkv, d.hidden, b, e);
@@ -567,7 +584,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromWeights(
 
 LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
                        std::vector<double> inv_freq, TensorParallel tp)
-    : config_(config), tp_(tp), w_(std::move(weights)), inv_freq_(std::move(inv_freq)) {}
+    : config_(config),
+      tp_(tp),
+      w_(std::move(weights)),
+      inv_freq_(std::move(inv_freq)),
+      rope_scale_(cpu::RopeAttentionFactor(config)) {}
 
 LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t seed) {
   const ShardDims d = ShardDimsOf(c);
@@ -589,6 +610,10 @@ LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t see
     l.post_norm = ones(d.hidden);
     l.qkv = fill(d.qkv_dim * d.hidden, 1.f / std::sqrt(static_cast<float>(d.hidden)));
     if (c.attention_bias) l.qkv_bias = fill(d.qkv_dim, 0.02f);
+    if (c.qk_norm) {
+      l.q_norm = ones(d.head_dim);
+      l.k_norm = ones(d.head_dim);
+    }
     l.o = fill(d.hidden * d.q_dim, 1.f / std::sqrt(static_cast<float>(d.q_dim)));
     l.gate_up = fill(2 * d.inter * d.hidden, 1.f / std::sqrt(static_cast<float>(d.hidden)));
     l.down = fill(d.hidden * d.inter, 1.f / std::sqrt(static_cast<float>(d.inter)));
@@ -606,7 +631,8 @@ int64_t LlamaModel::WeightBytes() const {
   int64_t quantized = 0;
   for (const LayerWeights& l : w_.layers) {
     n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
-         l.post_norm.size() + l.gate_up.size() + l.down.size();
+         l.post_norm.size() + l.gate_up.size() + l.down.size() + l.q_norm.size() +
+         l.k_norm.size();
     for (const cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
       quantized += static_cast<int64_t>(q->data.size());
     }
@@ -720,10 +746,25 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
       std::memcpy(k_.data() + t * d.kv_dim, row + d.q_dim, sizeof(float) * d.kv_dim);
       std::memcpy(v_.data() + t * d.kv_dim, row + d.q_dim + d.kv_dim, sizeof(float) * d.kv_dim);
     }
+    if (config_.qk_norm) {  // Qwen3: each head's q and k RMS-normalized, before RoPE
+      KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = q_.data(),
+                                           .weight = l.q_norm.data(),
+                                           .output = q_.data(),
+                                           .num_tokens = n * d.heads,
+                                           .hidden = d.head_dim,
+                                           .eps = eps}));
+      KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = k_.data(),
+                                           .weight = l.k_norm.data(),
+                                           .output = k_.data(),
+                                           .num_tokens = n * d.kv_heads,
+                                           .hidden = d.head_dim,
+                                           .eps = eps}));
+    }
     KVGRID_RETURN_IF_ERROR(cpu::Rope({.query = q_.data(),
                                       .key = k_.data(),
                                       .positions = b.positions.data(),
                                       .inv_freq = inv_freq_.data(),
+                                      .scale = rope_scale_,
                                       .num_tokens = n,
                                       .num_heads = d.heads,
                                       .num_kv_heads = d.kv_heads,

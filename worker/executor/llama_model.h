@@ -1,4 +1,6 @@
-// A Llama-family decoder (Llama 2/3, Qwen2, Mistral) on the CPU kernels, fp32 compute.
+// A Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) on the CPU kernels, fp32 compute.
+// Qwen3's per-head q/k RMSNorm runs after the projection and before RoPE; RoPE takes every
+// scaling model::ModelConfig parses (kernels/cpu/rope.h), YaRN's attention factor included.
 //
 // Weights are converted to fp32 at load, with q/k/v and gate/up fused so each layer runs three
 // GEMMs for attention input/output and two for the MLP. Forward() runs a batch of sequences
@@ -11,7 +13,8 @@
 // matching input slices of o_proj and down_proj, whose partial outputs are summed across the
 // group with an all-reduce. The embedding and the head are split by vocabulary rows when the
 // vocabulary divides evenly (the lookup is all-reduced, the head's logits gathered), else
-// replicated; norms are replicated. So a rank holds about 1/T of the weights. Every rank runs
+// replicated; norms (Qwen3's per-head q/k norms too) are replicated. So a rank holds about
+// 1/T of the weights. Every rank runs
 // the same Forward on the same batch and holds the KV of its own heads; only rank 0 gets
 // logits.
 #ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
@@ -67,6 +70,8 @@ struct LayerWeights {
   std::vector<float> input_norm;  // [hidden]
   std::vector<float> qkv;         // [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
   std::vector<float> qkv_bias;    // [(num_heads + 2 * num_kv_heads) * head_dim] or empty
+  std::vector<float> q_norm;      // [head_dim] (config.qk_norm) or empty: every q head's
+  std::vector<float> k_norm;      // [head_dim] (config.qk_norm) or empty: every k head's
   std::vector<float> o;           // [hidden, num_heads * head_dim]
   std::vector<float> o_bias;      // [hidden] or empty
   std::vector<float> post_norm;   // [hidden]
@@ -125,12 +130,13 @@ class LlamaModel {
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir,
                                                           TensorParallel tp = {});
 
-  // Reads a GGUF file from llama.cpp (architecture llama, mistral or qwen2): the config from its
+  // Reads a GGUF file from llama.cpp (architecture llama, mistral, qwen2 or qwen3 with its
+  // attn_q_norm/attn_k_norm): the config from its
   // metadata, F32/F16/BF16 tensors converted to fp32, Q8_0/Q4_0 linear weights kept in their
   // blocks (used directly by the quantized kernels), llama's q/k rows un-permuted from GGML's
   // interleaved RoPE order. Tensor parallelism is not supported for GGUF yet.
   // Errors: as model::GgufFile::Open; INVALID_ARGUMENT naming a missing or mis-shaped tensor or
-  // metadata key; UNIMPLEMENTED for other architectures, RoPE scaling tensors or tp > 1.
+  // metadata key; UNIMPLEMENTED for other architectures, RoPE scaling types or tp > 1.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadGguf(const std::filesystem::path& path,
                                                               TensorParallel tp = {});
 
@@ -206,6 +212,7 @@ class LlamaModel {
   TensorParallel tp_;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]
+  double rope_scale_ = 1.0;       // cpu::RopeAttentionFactor
   // Workspace, reused across steps.
   std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, partial_, gathered_;
 };

@@ -46,6 +46,7 @@ int64_t CountParameters(const model::ModelConfig& c) {
   layer += 3 * hidden * inter;  // gate, up, down
   if (c.mlp_bias) layer += 2 * inter + hidden;
   layer += 2 * hidden;  // input and post-attention RMSNorm
+  if (c.qk_norm) layer += 2 * c.head_dim;  // Qwen3's q and k norms, shared by the heads
 
   int64_t total = c.num_hidden_layers * layer + hidden;  // + final norm
   total += c.vocab_size * hidden;                        // embeddings

@@ -100,11 +100,11 @@ TEST(GgufConfigTest, OtherArchitecturesAreRefused) {
   EXPECT_THAT(c.status().message(), HasSubstr("gemma.gguf: architecture 'gemma'"));
 }
 
-TEST(GgufConfigTest, RopeScalingIsRefused) {
-  gguf_test::GgufTestWriter w = Llama();
-  w.F32Tensor("rope_freqs.weight", {1}, {1.f});
+TEST(GgufConfigTest, RopeFreqsOfTheWrongLengthAreRefused) {
+  gguf_test::GgufTestWriter w = Llama();  // head_dim 2: one frequency
+  w.F32Tensor("rope_freqs.weight", {2}, {1.f, 1.f});
   auto c = ConfigOf(w);
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(c.status().message(), HasSubstr("rope_freqs"));
 }
 

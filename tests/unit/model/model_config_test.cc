@@ -585,10 +585,10 @@ TEST(ModelConfigTest, RejectsUnsupportedModels) {
 }
 
 TEST(ModelConfigTest, RejectsBadRopeScaling) {
-  ExpectInvalid(Minimal(R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0})"),
-                "rope_scaling.rope_type: unsupported RoPE scaling type \"yarn\"");
-  ExpectInvalid(Minimal(R"("rope_scaling": {"type": "dynamic", "factor": 4.0})"),
-                "rope_scaling.type: unsupported RoPE scaling type \"dynamic\"");
+  ExpectInvalid(Minimal(R"("rope_scaling": {"rope_type": "longrope", "factor": 4.0})"),
+                "rope_scaling.rope_type: unsupported RoPE scaling type \"longrope\"");
+  ExpectInvalid(Minimal(R"("rope_scaling": {"type": "su", "factor": 4.0})"),
+                "rope_scaling.type: unsupported RoPE scaling type \"su\"");
   ExpectInvalid(Minimal(R"("rope_scaling": {"factor": 4.0})"), "rope_scaling.rope_type: missing");
   ExpectInvalid(Minimal(R"("rope_scaling": {"rope_type": "linear"})"),
                 "rope_scaling.factor: missing");
