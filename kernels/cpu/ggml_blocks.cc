@@ -1,5 +1,7 @@
 #include "kernels/cpu/ggml_blocks.h"
 
+#include <immintrin.h>
+
 #include <cstring>
 
 #include "model/dtype.h"
@@ -168,9 +170,7 @@ KVGRID_INLINE void DecodeQ6_K(const uint8_t* b, float* y) {
   }
 }
 
-// One body for both instantiations below: the portable one, and one compiled
-// for AVX2 so the loops above vectorize 8 wide. The arithmetic is the same
-// operations in the same order.
+// The portable decoders, and the reference the AVX2 ones are tested against.
 template <WeightDType D>
 KVGRID_INLINE void DecodeBlocks(const uint8_t* src, int64_t blocks, float* out) {
   const int64_t bb = QuantMatrix::BlockBytes(D), be = QuantMatrix::BlockElements(D);
@@ -194,10 +194,228 @@ void DecodePortable(const uint8_t* src, int64_t blocks, float* out) {
 }
 
 #if defined(__x86_64__)
+// AVX2 versions of the decoders above: the same integer values and the same two float
+// operations per weight (a product that is exact, then the minimum or offset), so the same
+// floats, 8 at a time.
+#define KVGRID_AVX2 __attribute__((target("avx2,fma,f16c"))) inline
+
+// The decoders hand each 8 weights to a sink, sink(position in the block, weights): one that
+// stores them (DecodeAvx2), or one that multiplies them into the tokens' sums (DotAvx2), so a
+// dot product keeps the weights in registers.
+struct StoreSink {
+  float* out;
+  KVGRID_AVX2 void operator()(int pos, __m256 w) const { _mm256_storeu_ps(out + pos, w); }
+};
+
+// Weights [pos, pos + 16) = scale * v[i] - offset (or + offset when kAdd), v 16 int8 values.
+template <bool kAdd = false, typename Sink>
+KVGRID_AVX2 void Store16(__m128i v, __m256 scale, __m256 offset, Sink& sink, int pos) {
+  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  if constexpr (kAdd) {
+    sink(pos, _mm256_add_ps(_mm256_mul_ps(scale, a), offset));
+    sink(pos + 8, _mm256_add_ps(_mm256_mul_ps(scale, b), offset));
+  } else {
+    sink(pos, _mm256_sub_ps(_mm256_mul_ps(scale, a), offset));
+    sink(pos + 8, _mm256_sub_ps(_mm256_mul_ps(scale, b), offset));
+  }
+}
+
+// 32 int8 values, one scale and offset for all.
+template <bool kAdd = false, typename Sink>
+KVGRID_AVX2 void Store32(__m256i v, float scale, float offset, Sink& sink, int pos) {
+  const __m256 d = _mm256_set1_ps(scale), m = _mm256_set1_ps(offset);
+  Store16<kAdd>(_mm256_castsi256_si128(v), d, m, sink, pos);
+  Store16<kAdd>(_mm256_extracti128_si256(v, 1), d, m, sink, pos + 16);
+}
+
+// An fp16 field through F16C (exact, as model::F16ToF32, without its branches).
+KVGRID_AVX2 float F16C(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return _cvtsh_ss(h);
+}
+
+KVGRID_AVX2 __m256i Load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Byte i (0..31) = 0xFF when bit i of x is set, else 0.
+KVGRID_AVX2 __m256i BitsToBytes(uint32_t x) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(x)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+}
+
+// A 32-element block's 16 bytes of nibbles as 32 values in element order (value i low and
+// value i + 16 high in byte i).
+KVGRID_AVX2 __m256i Nibbles32(const uint8_t* qs) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  return _mm256_setr_m128i(_mm_and_si128(packed, mask),
+                           _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+}
+
+template <WeightDType D, typename Sink>
+KVGRID_AVX2 void DecodeOneAvx2(const uint8_t* b, Sink& y) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (D == WeightDType::kQ5_0 || D == WeightDType::kQ5_1) {
+    constexpr int kHigh = D == WeightDType::kQ5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + kHigh, sizeof(qh));
+    __m256i q = _mm256_or_si256(Nibbles32(b + kHigh + 4),
+                                _mm256_and_si256(BitsToBytes(qh), _mm256_set1_epi8(16)));
+    if constexpr (D == WeightDType::kQ5_0) {
+      Store32(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), F16C(b), 0.f, y, 0);  // q d - 0 = q d
+    } else {
+      Store32<true>(q, F16C(b), F16C(b + 2), y, 0);
+    }
+  } else if constexpr (D == WeightDType::kIQ4_NL) {
+    const __m256i levels = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4NlLevels)));
+    Store32(_mm256_shuffle_epi8(levels, Nibbles32(b + 2)), F16C(b), 0.f, y, 0);
+  } else if constexpr (D == WeightDType::kQ4_K || D == WeightDType::kQ5_K) {
+    const float d = F16C(b), dmin = F16C(b + 2);
+    constexpr int kQs = D == WeightDType::kQ4_K ? 16 : 48;
+    const __m256i qh = D == WeightDType::kQ5_K ? Load32(b + 16) : _mm256_setzero_si256();
+    for (int pair = 0; pair < 4; ++pair) {
+      const __m256i packed = Load32(b + kQs + 32 * pair);
+      for (int half = 0; half < 2; ++half) {
+        const int g = 2 * pair + half;
+        __m256i q = _mm256_and_si256(half ? _mm256_srli_epi16(packed, 4) : packed, low4);
+        if constexpr (D == WeightDType::kQ5_K) {
+          const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << g));
+          const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+          q = _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+        }
+        int scale, min;
+        ScaleMinK4(b + 4, g, &scale, &min);
+        Store32(q, d * static_cast<float>(scale), dmin * static_cast<float>(min), y, 32 * g);
+      }
+    }
+  } else if constexpr (D == WeightDType::kQ6_K) {
+    const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = F16C(b + 208);
+    const __m256i three = _mm256_set1_epi8(3), bias = _mm256_set1_epi8(32);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i ql[2] = {Load32(b + 64 * h), Load32(b + 64 * h + 32)};
+      const __m256i qh = Load32(b + 128 + 32 * h);
+      for (int s = 0; s < 4; ++s) {
+        const __m256i lo =
+            _mm256_and_si256(s < 2 ? ql[s % 2] : _mm256_srli_epi16(ql[s % 2], 4), low4);
+        const __m256i hi = _mm256_slli_epi16(
+            _mm256_and_si256(_mm256_srli_epi16(qh, 2 * s), three), 4);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, hi), bias);
+        const int j = 8 * h + 2 * s;
+        const int o = 16 * j;
+        Store16(_mm256_castsi256_si128(q), _mm256_set1_ps(d * static_cast<float>(scales[j])),
+                zero, y, o);
+        Store16(_mm256_extracti128_si256(q, 1),
+                _mm256_set1_ps(d * static_cast<float>(scales[j + 1])), zero, y, o + 16);
+      }
+    }
+  } else if constexpr (D == WeightDType::kQ3_K) {
+    const uint8_t* sc = b + 96;
+    const float d = F16C(b + 108);
+    const __m256i hmask = Load32(b), three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    const __m256 zero = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i packed = Load32(b + 32 + 32 * h);
+      for (int s = 0; s < 4; ++s) {
+        const int bit = 4 * h + s;
+        const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << bit));
+        const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, m), _mm256_setzero_si256());
+        const __m256i q = _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(packed, 2 * s), three),
+                                          _mm256_and_si256(clear, four));
+        float dl[2];
+        for (int half = 0; half < 2; ++half) {
+          const int j = 2 * bit + half;
+          const int lo = j < 8 ? sc[j] & 0x0F : sc[j - 8] >> 4;
+          const int hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+          dl[half] = d * static_cast<float>((lo | hi << 4) - 32);
+        }
+        const int o = 32 * bit;
+        Store16(_mm256_castsi256_si128(q), _mm256_set1_ps(dl[0]), zero, y, o);
+        Store16(_mm256_extracti128_si256(q, 1), _mm256_set1_ps(dl[1]), zero, y, o + 16);
+      }
+    }
+  } else {
+    static_assert(D == WeightDType::kQ2_K, "every format decodes");
+    const float d = F16C(b + 80), dmin = F16C(b + 82);
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i packed = Load32(b + 16 + 32 * h);
+      for (int s = 0; s < 4; ++s) {
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi16(packed, 2 * s), three);
+        const int j = 8 * h + 2 * s;
+        const int o = 16 * j;
+        Store16(_mm256_castsi256_si128(q), _mm256_set1_ps(d * static_cast<float>(b[j] & 0x0F)),
+                _mm256_set1_ps(dmin * static_cast<float>(b[j] >> 4)), y, o);
+        Store16(_mm256_extracti128_si256(q, 1),
+                _mm256_set1_ps(d * static_cast<float>(b[j + 1] & 0x0F)),
+                _mm256_set1_ps(dmin * static_cast<float>(b[j + 1] >> 4)), y, o + 16);
+      }
+    }
+  }
+}
+
 template <WeightDType D>
-__attribute__((target("avx2,f16c"))) void DecodeAvx2(const uint8_t* src, int64_t blocks,
-                                                     float* out) {
-  DecodeBlocks<D>(src, blocks, out);
+__attribute__((target("avx2,fma,f16c"))) void DecodeAvx2(const uint8_t* src, int64_t blocks,
+                                                      float* out) {
+  const int64_t bb = QuantMatrix::BlockBytes(D), be = QuantMatrix::BlockElements(D);
+  for (int64_t i = 0; i < blocks; ++i) {
+    StoreSink sink{out + i * be};
+    DecodeOneAvx2<D>(src + i * bb, sink);
+  }
+}
+
+template <int T>
+struct DotSink {
+  const float* x;  // the block's first column of token 0
+  int64_t stride;  // between tokens
+  __m256* acc;     // [T]
+  KVGRID_AVX2 void operator()(int pos, __m256 w) const {
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * stride + pos), acc[t]);
+    }
+  }
+};
+
+template <WeightDType D, int T>
+__attribute__((target("avx2,fma,f16c"))) void DotAvx2(const uint8_t* row, int64_t blocks,
+                                                       const float* x, int64_t stride, float* y) {
+  const int64_t bb = QuantMatrix::BlockBytes(D), be = QuantMatrix::BlockElements(D);
+  // Two sets of sums, alternating by block, so consecutive blocks' FMAs do not wait on each
+  // other.
+  __m256 acc[2][T];
+  for (int t = 0; t < T; ++t) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < blocks; ++i) {
+    DotSink<T> sink{x + i * be, stride, acc[i % 2]};
+    DecodeOneAvx2<D>(row + i * bb, sink);
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m256 sum = _mm256_add_ps(acc[0][t], acc[1][t]);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    y[t] = _mm_cvtss_f32(v);
+  }
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*);
+
+template <WeightDType D>
+DotFn DotFor(int64_t tokens) {
+  switch (tokens) {
+    case 1: return DotAvx2<D, 1>;
+    case 2: return DotAvx2<D, 2>;
+    case 3: return DotAvx2<D, 3>;
+    default: return DotAvx2<D, 4>;
+  }
 }
 #endif
 
@@ -206,7 +424,10 @@ using DecodeFn = void (*)(const uint8_t*, int64_t, float*);
 template <WeightDType D>
 DecodeFn Best() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return DecodeAvx2<D>;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return DecodeAvx2<D>;
+  }
 #endif
   return DecodePortable<D>;
 }
@@ -226,6 +447,46 @@ bool IsGgmlBlockFormat(WeightDType dtype) {
       return true;
     default:
       return false;
+  }
+}
+
+bool DotGgmlRow(WeightDType dtype, const uint8_t* row, int64_t cols, const float* x,
+                int64_t x_stride, int64_t tokens, float* y) {
+#if defined(__x86_64__)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  if (!avx2 || tokens < 1 || tokens > 4) return false;
+  DotFn fn = nullptr;
+  switch (dtype) {
+    case WeightDType::kQ5_0: fn = DotFor<WeightDType::kQ5_0>(tokens); break;
+    case WeightDType::kQ5_1: fn = DotFor<WeightDType::kQ5_1>(tokens); break;
+    case WeightDType::kIQ4_NL: fn = DotFor<WeightDType::kIQ4_NL>(tokens); break;
+    case WeightDType::kQ2_K: fn = DotFor<WeightDType::kQ2_K>(tokens); break;
+    case WeightDType::kQ3_K: fn = DotFor<WeightDType::kQ3_K>(tokens); break;
+    case WeightDType::kQ4_K: fn = DotFor<WeightDType::kQ4_K>(tokens); break;
+    case WeightDType::kQ5_K: fn = DotFor<WeightDType::kQ5_K>(tokens); break;
+    case WeightDType::kQ6_K: fn = DotFor<WeightDType::kQ6_K>(tokens); break;
+    default: return false;
+  }
+  fn(row, cols / QuantMatrix::BlockElements(dtype), x, x_stride, y);
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool DecodeGgmlBlocksPortable(WeightDType dtype, const uint8_t* src, int64_t blocks,
+                              float* out) {
+  switch (dtype) {
+    case WeightDType::kQ5_0: DecodePortable<WeightDType::kQ5_0>(src, blocks, out); return true;
+    case WeightDType::kQ5_1: DecodePortable<WeightDType::kQ5_1>(src, blocks, out); return true;
+    case WeightDType::kIQ4_NL: DecodePortable<WeightDType::kIQ4_NL>(src, blocks, out); return true;
+    case WeightDType::kQ2_K: DecodePortable<WeightDType::kQ2_K>(src, blocks, out); return true;
+    case WeightDType::kQ3_K: DecodePortable<WeightDType::kQ3_K>(src, blocks, out); return true;
+    case WeightDType::kQ4_K: DecodePortable<WeightDType::kQ4_K>(src, blocks, out); return true;
+    case WeightDType::kQ5_K: DecodePortable<WeightDType::kQ5_K>(src, blocks, out); return true;
+    case WeightDType::kQ6_K: DecodePortable<WeightDType::kQ6_K>(src, blocks, out); return true;
+    default: return false;
   }
 }
 

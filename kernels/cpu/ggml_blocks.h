@@ -49,6 +49,17 @@ namespace kvgrid::kernels::cpu {
 // IsGgmlBlockFormat.
 bool DecodeGgmlBlocks(WeightDType dtype, const uint8_t* src, int64_t blocks, float* out);
 
+// y[t] = sum over c < cols of w[c] * x[t * x_stride + c], t < tokens, for one row of `cols`
+// weights (whole blocks) at `row`: each block decoded in registers (AVX2) as DecodeGgmlBlocks
+// decodes it and multiplied in, never stored. The sums' order is the kernel's own. Returns false,
+// computing nothing, without AVX2/FMA, for tokens outside 1..4 or a dtype that is not
+// IsGgmlBlockFormat (the caller then decodes the row and dots it).
+bool DotGgmlRow(WeightDType dtype, const uint8_t* row, int64_t cols, const float* x,
+                int64_t x_stride, int64_t tokens, float* y);
+
+// The same without SIMD, whatever the CPU: for tests comparing the two.
+bool DecodeGgmlBlocksPortable(WeightDType dtype, const uint8_t* src, int64_t blocks, float* out);
+
 }  // namespace kvgrid::kernels::cpu
 
 #endif  // KVGRID_KERNELS_CPU_GGML_BLOCKS_H_

@@ -148,53 +148,8 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, c
   }
 }
 
-// As DotRowAvx2 for the formats of ggml_blocks.h: a few blocks at a time are decoded into an
-// L1-resident buffer, which is then dotted with each token.
-template <int T>
-__attribute__((target("avx2,fma,f16c"))) void DotRowBufferedAvx2(const QuantMatrix& m,
-                                                                   const uint8_t* row,
-                                                                   const float* x, float* y) {
-  constexpr int64_t kChunk = 512;  // weights decoded at a time: 2 KiB
-  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);
-  alignas(32) float buf[kChunk];
-  const int64_t be = QuantMatrix::BlockElements(m.dtype), bb = QuantMatrix::BlockBytes(m.dtype);
-  const int64_t k = m.cols;
-  __m256 acc[T][A];
-  for (int t = 0; t < T; ++t) {
-    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
-  }
-  for (int64_t c0 = 0; c0 < k; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, k - c0);  // whole blocks: k and kChunk are
-    DecodeGgmlBlocks(m.dtype, row + c0 / be * bb, n / be, buf);
-    for (int64_t i = 0; i < n; i += 32) {
-      for (int t = 0; t < T; ++t) {
-        const float* xt = x + t * k + c0 + i;
-        for (int v = 0; v < 4; ++v) {
-          acc[t][v % A] = _mm256_fmadd_ps(_mm256_load_ps(buf + i + 8 * v),
-                                          _mm256_loadu_ps(xt + 8 * v), acc[t][v % A]);
-        }
-      }
-    }
-  }
-  for (int t = 0; t < T; ++t) {
-    __m256 sum = acc[t][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    y[t] = _mm_cvtss_f32(v);
-  }
-}
-
 void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t tokens, float* y) {
-  if (IsGgmlBlockFormat(m.dtype)) {
-    switch (tokens) {
-      case 1: return DotRowBufferedAvx2<1>(m, row, x, y);
-      case 2: return DotRowBufferedAvx2<2>(m, row, x, y);
-      case 3: return DotRowBufferedAvx2<3>(m, row, x, y);
-      default: return DotRowBufferedAvx2<4>(m, row, x, y);
-    }
-  }
+  if (DotGgmlRow(m.dtype, row, m.cols, x, m.cols, tokens, y)) return;  // ggml_blocks.h's
   switch (tokens) {
     case 1: return DotRowAvx2<1>(m, row, x, y);
     case 2: return DotRowAvx2<2>(m, row, x, y);

@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/ggml_blocks.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -213,6 +214,28 @@ TEST(QuantLinearTest, GgufFormatsMatchDequantizeThenMatmul) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(QuantizeMatrix(x.data(), 1, 256, WeightDType::kQ4_K).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST(QuantLinearTest, SimdDecodersGiveThePortableFloats) {
+  for (WeightDType dtype : {WeightDType::kQ5_0, WeightDType::kQ5_1, WeightDType::kIQ4_NL,
+                            WeightDType::kQ2_K, WeightDType::kQ3_K, WeightDType::kQ4_K,
+                            WeightDType::kQ5_K, WeightDType::kQ6_K}) {
+    const QuantMatrix q = RandomBlocks(dtype, 3, 1024, 40 + static_cast<uint64_t>(dtype));
+    const int64_t blocks = 3 * 1024 / QuantMatrix::BlockElements(dtype);
+    std::vector<float> best(3 * 1024), portable(3 * 1024);
+    ASSERT_TRUE(DecodeGgmlBlocks(dtype, q.data.data(), blocks, best.data()));
+    ASSERT_TRUE(DecodeGgmlBlocksPortable(dtype, q.data.data(), blocks, portable.data()));
+    for (size_t i = 0; i < best.size(); ++i) {
+      uint32_t a, b;
+      std::memcpy(&a, &best[i], 4);
+      std::memcpy(&b, &portable[i], 4);
+      ASSERT_EQ(a, b) << WeightDTypeName(dtype) << " element " << i << ": " << best[i] << " vs "
+                      << portable[i];
+    }
+  }
+  std::vector<float> out(32);
+  const uint8_t block[34] = {};
+  EXPECT_FALSE(DecodeGgmlBlocks(WeightDType::kQ8_0, block, 1, out.data()));
 }
 
 TEST(QuantLinearTest, BlockSizesAreGgmls) {
