@@ -1,10 +1,12 @@
 // The tokenizer embedded in a GGUF file's metadata, on small hand-written files: merges by
 // rank, control and user-defined tokens, unused ids, BOS from add_bos_token and from the Llama 3
-// default, NFC for qwen2, and a tokenizer.json beside a .gguf overriding it. Malformed metadata
+// default, NFC for qwen2, SentencePiece ("llama") vocabularies with their defaults and flags,
+// and a tokenizer.json beside a .gguf overriding it. Malformed metadata
 // must give an error naming the key and the file. Agreement with Hugging Face `tokenizers` on
 // the real Llama 3, Qwen2 and kjv-tiny vocabularies is tests/reference/test_gguf_tokenizer.py.
 #include "model/gguf_tokenizer.h"
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -188,6 +190,75 @@ TEST(GgufTokenizerTest, MissingTypesMeanNormal) {
   ASSERT_NE(t, nullptr);
   EXPECT_FALSE(t->IsSpecial(kBos));
   EXPECT_THAT(t->Encode("hello"), ElementsAre(kHell, 'o'));
+}
+
+// --- SentencePiece ("llama") --------------------------------------------------------------
+
+// <unk> <s> </s>, the 256 byte tokens, then "▁", "a", "b", "ab", "▁a"; no scores (all 0).
+std::filesystem::path WriteSentencePiece(const std::string& name, std::optional<bool> space_prefix,
+                                         std::optional<bool> add_bos,
+                                         std::optional<std::vector<int32_t>> types_override = {}) {
+  std::vector<std::string> tokens = {"<unk>", "<s>", "</s>"};
+  std::vector<int32_t> types = {2, 3, 3};
+  for (int b = 0; b < 256; ++b) {
+    char text[8];
+    std::snprintf(text, sizeof(text), "<0x%02X>", b);
+    tokens.push_back(text);
+    types.push_back(6);
+  }
+  for (const char* p : {"▁", "a", "b", "ab", "▁a"}) {
+    tokens.push_back(p);
+    types.push_back(1);
+  }
+  gguf_test::GgufTestWriter w;
+  w.String("general.architecture", "llama");
+  w.String("tokenizer.ggml.model", "llama");
+  w.StringArray("tokenizer.ggml.tokens", tokens);
+  w.I32Array("tokenizer.ggml.token_type", types_override ? *types_override : types);
+  if (space_prefix) w.Bool("tokenizer.ggml.add_space_prefix", *space_prefix);
+  if (add_bos) w.Bool("tokenizer.ggml.add_bos_token", *add_bos);
+  return w.Write(name);
+}
+
+absl::StatusOr<std::unique_ptr<Tokenizer>> OpenSentencePiece(const std::filesystem::path& path) {
+  absl::StatusOr<std::unique_ptr<GgufFile>> file = GgufFile::Open(path);
+  if (!file.ok()) return file.status();
+  return TokenizerFromGguf(**file);
+}
+
+constexpr int32_t kSpace = 259, kA = 260, kB = 261, kAb = 262, kSpaceA = 263;
+
+TEST(GgufSentencePieceTest, DefaultsAddBosAndSpacePrefix) {
+  auto t = OpenSentencePiece(WriteSentencePiece("spm.gguf", std::nullopt, std::nullopt));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT((*t)->Encode("ab a"), ElementsAre(kSpaceA, kB, kSpaceA));
+  EXPECT_THAT((*t)->Encode("a", /*add_special_tokens=*/true), ElementsAre(1, kSpaceA));
+  EXPECT_THAT((*t)->Encode("</s>a"), ElementsAre(2, kSpaceA));
+  EXPECT_THAT((*t)->Encode("\n"), ElementsAre(kSpace, 3 + '\n'));
+  EXPECT_EQ(*(*t)->Decode((*t)->Encode("ab a\n")), "ab a\n");
+  EXPECT_TRUE((*t)->IsSpecial(2));
+  EXPECT_EQ((*t)->bos_token_id(), 1);
+}
+
+TEST(GgufSentencePieceTest, FlagsTurnPrefixAndBosOff) {
+  auto t = OpenSentencePiece(WriteSentencePiece("spm.gguf", false, false));
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT((*t)->Encode("ab a", true), ElementsAre(kAb, kSpaceA));
+  // Without the prefix nothing is stripped when decoding either.
+  const std::vector<int32_t> ids = {kSpaceA};
+  EXPECT_EQ(*(*t)->Decode(ids), " a");
+}
+
+TEST(GgufSentencePieceTest, BadTypesAreRefused) {
+  std::vector<int32_t> types(259 + 5, 1);
+  types[7] = 11;
+  auto t = OpenSentencePiece(WriteSentencePiece("bad.gguf", std::nullopt, std::nullopt, types));
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("bad.gguf: tokenizer.ggml.token_type[7]: 11"));
+  types.pop_back();
+  t = OpenSentencePiece(WriteSentencePiece("bad.gguf", std::nullopt, std::nullopt, types));
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("tokenizer.ggml.token_type has 263 entries"));
 }
 
 // --- errors -------------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-// Byte-level BPE tokenizer: merge order, added/special tokens, post-processor, decoding and
-// streaming detokenization on small hand-built files; the real Llama 3 and Qwen2 files for
-// known ids; and malformed files, which must give errors naming the field, never crash.
+// BPE tokenizer: merge order, added/special tokens, post-processor, decoding and streaming
+// detokenization on small hand-built byte-level and SentencePiece-style files and on
+// llama.cpp-style SentencePiece vocabularies; the real Llama 3 and Qwen2 files for known ids;
+// and malformed files, which must give errors naming the field, never crash.
 // Agreement with Hugging Face `tokenizers` on hundreds of strings is
-// tests/reference/test_tokenizer.py.
+// tests/reference/test_tokenizer.py and test_sentencepiece_tokenizer.py; with llama.cpp,
+// test_llama_cpp_vocab.py.
 #include "model/tokenizer.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -352,6 +356,323 @@ TEST(IncrementalDetokenizerTest, SpecialTokensAndBadIds) {
   auto bad = keeping.Push(200000);
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --- SentencePiece-style files ------------------------------------------------------------
+
+// Llama 2's layout: <unk> 0, <s> 1, </s> 2, the byte tokens <0x00>..<0xFF> at 3..258, then
+// the pieces below from kPiece on.
+constexpr int32_t kPiece = 259;
+const std::vector<std::string> kPieces = {"▁", "h", "e", "l", "o", "w", "r", "d", "▁h",
+                                          "ll", "▁he", "▁hell", "▁hello", "<x>"};
+int32_t Piece(const std::string& p) {
+  for (size_t i = 0; i < kPieces.size(); ++i) {
+    if (kPieces[i] == p) return kPiece + static_cast<int32_t>(i);
+  }
+  return -1;
+}
+int32_t ByteId(int b) { return 3 + b; }
+
+constexpr char kLlama2Normalizer[] = R"({"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": "▁"},
+    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]})";
+constexpr char kLlama2Decoder[] = R"({"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+    {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]})";
+
+struct SpmSpec {
+  std::string normalizer = kLlama2Normalizer;
+  std::string pre_tokenizer = "null";
+  std::string decoder = kLlama2Decoder;
+  bool byte_fallback = true;
+  bool fuse_unk = true;
+  std::string extra_added;  // more added_tokens entries, each starting with ", "
+
+  std::string Json() const {
+    std::string vocab = R"("<unk>": 0, "<s>": 1, "</s>": 2)";
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      vocab += ", " + JsonString(name) + ": " + std::to_string(ByteId(b));
+    }
+    for (size_t i = 0; i < kPieces.size(); ++i) {
+      vocab += ", " + JsonString(kPieces[i]) + ": " + std::to_string(kPiece + i);
+    }
+    return std::string(R"({"version": "1.0", "added_tokens": [
+        {"id": 0, "content": "<unk>", "special": true, "normalized": false},
+        {"id": 1, "content": "<s>", "special": true, "normalized": false},
+        {"id": 2, "content": "</s>", "special": true, "normalized": false})") +
+           extra_added + "], \"normalizer\": " + normalizer +
+           ", \"pre_tokenizer\": " + pre_tokenizer + R"(, "post_processor": {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": )" + decoder + R"(, "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": )" +
+           (byte_fallback ? "true" : "false") + ", \"fuse_unk\": " + (fuse_unk ? "true" : "false") +
+           ", \"vocab\": {" + vocab +
+           R"(}, "merges": ["▁ h", "l l", "▁h e", "▁he ll", "▁hell o"]}})";
+  }
+};
+
+std::unique_ptr<Tokenizer> LoadSpm(const SpmSpec& spec) {
+  auto tokenizer = Tokenizer::FromJson(spec.Json(), "spm.json");
+  EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
+  return tokenizer.ok() ? *std::move(tokenizer) : nullptr;
+}
+
+std::string Stream(const Tokenizer& t, const std::vector<int32_t>& ids, bool skip = true,
+                   bool continues_text = false) {
+  IncrementalDetokenizer detok(&t, skip, continues_text);
+  std::string out;
+  for (int32_t id : ids) out += *detok.Push(id);
+  return out + detok.Finish();
+}
+
+TEST(SentencePieceTest, Llama2NormalizerMergesAndByteFallback) {
+  auto t = LoadSpm(SpmSpec());
+  ASSERT_NE(t, nullptr);
+  EXPECT_THAT(t->Encode("hello"), ElementsAre(Piece("▁hello")));
+  EXPECT_THAT(t->Encode("hello world"),
+              ElementsAre(Piece("▁hello"), Piece("▁"), Piece("w"), Piece("o"), Piece("r"),
+                          Piece("l"), Piece("d")));
+  // é is not a piece: its two bytes' tokens. The space before "he" is the Prepend's "▁".
+  EXPECT_THAT(t->Encode("hé"), ElementsAre(Piece("▁h"), ByteId(0xC3), ByteId(0xA9)));
+  EXPECT_THAT(t->Encode("hello", /*add_special_tokens=*/true), ElementsAre(1, Piece("▁hello")));
+  EXPECT_THAT(t->Encode(""), IsEmpty());
+  EXPECT_THAT(t->Encode("", true), ElementsAre(1));
+  // Legacy behaviour: the text after a special token gets its own "▁".
+  EXPECT_THAT(t->Encode("<s>hello"), ElementsAre(1, Piece("▁hello")));
+  // An ill-formed byte falls back to its byte token and decodes back to the byte.
+  EXPECT_THAT(t->Encode("h\xFF"), ElementsAre(Piece("▁h"), ByteId(0xFF)));
+  EXPECT_EQ(*t->DecodeBytes(t->Encode("h\xFF")), "h\xFF");
+}
+
+TEST(SentencePieceTest, DecodeStripsTheFirstSpaceOnly) {
+  auto t = LoadSpm(SpmSpec());
+  ASSERT_NE(t, nullptr);
+  for (const std::string text : {"hello world", "  hello", "hé llo", "héé\nwé"}) {
+    EXPECT_EQ(*t->Decode(t->Encode(text)), text);
+    EXPECT_EQ(Stream(*t, t->Encode(text)), text);
+  }
+  const std::vector<int32_t> ids = {1, Piece("▁hello")};
+  EXPECT_EQ(*t->Decode(ids), "<s> hello");  // the text starts with "<s>": nothing stripped
+  EXPECT_EQ(*t->Decode(ids, /*skip_special_tokens=*/true), "hello");
+  EXPECT_EQ(Stream(*t, ids, /*skip=*/true), "hello");
+  EXPECT_EQ(Stream(*t, ids, /*skip=*/false), "<s> hello");
+  // Text that continues a prompt keeps its space.
+  EXPECT_EQ(Stream(*t, ids, /*skip=*/true, /*continues_text=*/true), " hello");
+}
+
+TEST(SentencePieceTest, ByteRunsAreHeldAndInvalidRunsReplacedPerByte) {
+  auto t = LoadSpm(SpmSpec());
+  ASSERT_NE(t, nullptr);
+  IncrementalDetokenizer detok(t.get());
+  EXPECT_EQ(*detok.Push(Piece("▁h")), "h");
+  EXPECT_EQ(*detok.Push(ByteId(0xE2)), "");  // '€' is E2 82 AC
+  EXPECT_EQ(*detok.Push(ByteId(0x82)), "");
+  EXPECT_EQ(*detok.Push(ByteId(0xAC)), "");   // the run may go on
+  EXPECT_EQ(*detok.Push(Piece("e")), "\u20ac" "e");
+  EXPECT_EQ(*detok.Push(ByteId(0xF0)), "");
+  EXPECT_EQ(*detok.Push(ByteId(0x9F)), "");
+  EXPECT_EQ(detok.Finish(), "\xEF\xBF\xBD\xEF\xBF\xBD");  // not UTF-8: one U+FFFD per byte
+  const std::vector<int32_t> broken = {ByteId(0xF0), ByteId(0x9F), Piece("e")};
+  EXPECT_EQ(*t->Decode(broken), "\xEF\xBF\xBD\xEF\xBF\xBD" "e");
+  EXPECT_EQ(*t->DecodeBytes(broken), "\xF0\x9F" "e");
+  // A valid run is one character even when a wrong byte follows later in another run.
+  const std::vector<int32_t> ok = {ByteId(0xC3), ByteId(0xA9), Piece("e"), ByteId(0xFF)};
+  EXPECT_EQ(*t->Decode(ok), "\u00e9" "e\xEF\xBF\xBD");
+  EXPECT_EQ(Stream(*t, ok), *t->Decode(ok));
+}
+
+TEST(SentencePieceTest, UnknownCharactersWithoutByteFallback) {
+  SpmSpec spec;
+  spec.byte_fallback = false;
+  auto fused = LoadSpm(spec);
+  ASSERT_NE(fused, nullptr);
+  EXPECT_THAT(fused->Encode("héé"), ElementsAre(Piece("▁h"), 0));
+  spec.fuse_unk = false;
+  auto unfused = LoadSpm(spec);
+  ASSERT_NE(unfused, nullptr);
+  EXPECT_THAT(unfused->Encode("héé"), ElementsAre(Piece("▁h"), 0, 0));
+}
+
+TEST(SentencePieceTest, MetaspacePrependSchemes) {
+  SpmSpec spec;
+  spec.normalizer = "null";
+  spec.pre_tokenizer =
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": false})";
+  auto first = LoadSpm(spec);
+  ASSERT_NE(first, nullptr);
+  EXPECT_THAT(first->Encode("hello"), ElementsAre(Piece("▁hello")));
+  // "first": only where the text starts the input, not after a special token.
+  EXPECT_THAT(first->Encode("<s>hello"), ElementsAre(1, Piece("h"), Piece("e"), Piece("ll"),
+                                                     Piece("o")));
+  spec.pre_tokenizer =
+      R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})";
+  auto always = LoadSpm(spec);
+  ASSERT_NE(always, nullptr);
+  EXPECT_THAT(always->Encode("<s>hello"), ElementsAre(1, Piece("▁hello")));
+  // split: each "▁" starts a piece, so "▁" + "▁hello"; a leading "▁" is not doubled.
+  EXPECT_THAT(always->Encode("  hello"), ElementsAre(Piece("▁"), Piece("▁hello")));
+  EXPECT_THAT(always->Encode(" hello"), ElementsAre(Piece("▁hello")));
+  spec.pre_tokenizer = R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "never"})";
+  auto never = LoadSpm(spec);
+  ASSERT_NE(never, nullptr);
+  EXPECT_THAT(never->Encode("he"), ElementsAre(Piece("h"), Piece("e")));
+}
+
+TEST(SentencePieceTest, MetaspaceDecoderDropsReplacementsOfTheFirstToken) {
+  SpmSpec spec;
+  spec.decoder = R"({"type": "Sequence", "decoders": [{"type": "ByteFallback"},
+      {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true}]})";
+  auto t = LoadSpm(spec);
+  ASSERT_NE(t, nullptr);
+  const std::vector<int32_t> ids = {Piece("▁hello"), Piece("▁"), Piece("w")};
+  EXPECT_EQ(*t->Decode(ids), "hello w");
+  EXPECT_EQ(Stream(*t, ids), "hello w");
+  EXPECT_EQ(Stream(*t, ids, true, /*continues_text=*/true), " hello w");
+}
+
+TEST(SentencePieceTest, StripAtTheEndIsHeldBack) {
+  SpmSpec spec;
+  spec.decoder = R"({"type": "Sequence", "decoders": [
+      {"type": "Replace", "pattern": {"String": "▁"}, "content": " "}, {"type": "Fuse"},
+      {"type": "Strip", "content": " ", "start": 0, "stop": 2}]})";
+  auto t = LoadSpm(spec);
+  ASSERT_NE(t, nullptr);
+  const std::vector<int32_t> ids = {Piece("▁h"), Piece("▁"), Piece("▁"), Piece("▁")};
+  EXPECT_EQ(*t->Decode(ids), " h ");
+  IncrementalDetokenizer detok(t.get());
+  EXPECT_EQ(*detok.Push(Piece("▁h")), " h");
+  EXPECT_EQ(*detok.Push(Piece("▁")), "");
+  EXPECT_EQ(*detok.Push(Piece("▁")), "");
+  EXPECT_EQ(*detok.Push(Piece("▁")), " ");  // three spaces: at most two can be stripped
+  EXPECT_EQ(*detok.Push(Piece("w")), "  w");
+  EXPECT_EQ(detok.Finish(), "");
+}
+
+TEST(SentencePieceTest, AddedTokenFlags) {
+  SpmSpec spec;
+  spec.extra_added = R"(, {"id": 272, "content": "<x>", "special": false, "normalized": false,
+                          "single_word": true, "lstrip": false, "rstrip": false})";
+  auto t = LoadSpm(spec);
+  ASSERT_NE(t, nullptr);
+  const int32_t x = Piece("<x>");
+  ASSERT_EQ(x, 272);
+  EXPECT_THAT(t->Encode("he <x>"), ElementsAre(Piece("▁he"), Piece("▁"), x));
+  // Touching a word character, the text is not the token (it falls back to bytes here).
+  const std::vector<int32_t> glued = t->Encode("he<x>");
+  EXPECT_EQ(std::count(glued.begin(), glued.end(), x), 0);
+  EXPECT_EQ(*t->Decode(glued), "he<x>");
+}
+
+TEST(SentencePieceTest, UnsupportedDecodersAndBadFields) {
+  SpmSpec spec;
+  spec.decoder = R"({"type": "Sequence", "decoders": [{"type": "Fuse"},
+      {"type": "Replace", "pattern": {"String": "a"}, "content": "b"}]})";
+  auto status = Tokenizer::FromJson(spec.Json(), "spm.json").status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("spm.json: decoder.decoders[1].type: 'Replace' after Fuse"));
+  spec = SpmSpec();
+  spec.decoder = R"({"type": "ByteLevel"})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: pre_tokenizer: has no ByteLevel step"));
+  spec = SpmSpec();
+  spec.decoder = R"({"type": "Strip", "content": " ", "start": 1})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: decoder.stop: missing"));
+  spec = SpmSpec();
+  spec.pre_tokenizer = R"({"type": "Metaspace", "replacement": "ab"})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: pre_tokenizer.replacement: expected one character"));
+  spec.pre_tokenizer = R"({"type": "Metaspace", "replacement": "▁", "add_prefix_space": false})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: pre_tokenizer.add_prefix_space"));
+  spec = SpmSpec();
+  spec.normalizer = R"({"type": "Replace", "pattern": {"Regex": "("}, "content": ""})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: normalizer.pattern.Regex"));
+  spec.normalizer = R"({"type": "Prepend"})";
+  EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
+              HasSubstr("spm.json: normalizer.prepend: missing"));
+}
+
+// --- llama.cpp's SentencePiece (FromSentencePiece) ---------------------------------------
+
+Tokenizer::SentencePieceVocab SmallVocab() {
+  Tokenizer::SentencePieceVocab v;
+  v.tokens = {"<unk>", "<s>", "</s>"};
+  v.types = {2, 3, 3};
+  for (int b = 0; b < 256; ++b) {
+    char name[8];
+    std::snprintf(name, sizeof(name), "<0x%02X>", b);
+    v.tokens.push_back(name);
+    v.types.push_back(6);
+  }
+  for (const char* p : {"▁", "a", "b", "c", "ab", "bc", "▁a", "<t>"}) {
+    v.tokens.push_back(p);
+    v.types.push_back(std::string(p) == "<t>" ? 4 : 1);
+  }
+  v.scores.assign(v.tokens.size(), 0.0f);
+  v.bos_id = 1;
+  return v;
+}
+
+int32_t SpmId(const Tokenizer::SentencePieceVocab& v, const std::string& token) {
+  for (size_t i = 0; i < v.tokens.size(); ++i) {
+    if (v.tokens[i] == token) return static_cast<int32_t>(i);
+  }
+  return -1;
+}
+
+TEST(SentencePieceScoresTest, HighestScoreMergesFirstLeftmostAmongEquals) {
+  Tokenizer::SentencePieceVocab v = SmallVocab();
+  v.add_space_prefix = false;
+  auto equal = Tokenizer::FromSentencePiece(v, "v");
+  ASSERT_TRUE(equal.ok()) << equal.status();
+  EXPECT_THAT((*equal)->Encode("abc"), ElementsAre(SpmId(v, "ab"), SpmId(v, "c")));
+  v.scores[SpmId(v, "bc")] = 1.0f;
+  auto scored = Tokenizer::FromSentencePiece(v, "v");
+  ASSERT_TRUE(scored.ok());
+  EXPECT_THAT((*scored)->Encode("abc"), ElementsAre(SpmId(v, "a"), SpmId(v, "bc")));
+}
+
+TEST(SentencePieceScoresTest, SpacePrefixSpecialsBytesAndDecode) {
+  const Tokenizer::SentencePieceVocab v = SmallVocab();
+  auto t = Tokenizer::FromSentencePiece(v, "v");
+  ASSERT_TRUE(t.ok()) << t.status();
+  const Tokenizer& tok = **t;
+  EXPECT_THAT(tok.Encode("a"), ElementsAre(SpmId(v, "▁a")));
+  EXPECT_THAT(tok.Encode("a", true), ElementsAre(1, SpmId(v, "▁a")));
+  // After a control or user-defined token the text gets a space prefix again.
+  EXPECT_THAT(tok.Encode("a</s>a<t>a"),
+              ElementsAre(SpmId(v, "▁a"), 2, SpmId(v, "▁a"), SpmId(v, "<t>"), SpmId(v, "▁a")));
+  // No token for "é" or "d": byte tokens.
+  EXPECT_THAT(tok.Encode("éd"), ElementsAre(SpmId(v, "▁"), 3 + 0xC3, 3 + 0xA9, 3 + 'd'));
+  EXPECT_EQ(*tok.Decode(tok.Encode("ab éd a")), "ab éd a");
+  EXPECT_EQ(Stream(tok, tok.Encode("ab éd a")), "ab éd a");
+  EXPECT_TRUE(tok.IsSpecial(1));
+  EXPECT_TRUE(tok.IsSpecial(0));
+  EXPECT_FALSE(tok.IsSpecial(SpmId(v, "<t>")));
+  EXPECT_EQ(*tok.Decode(tok.Encode("<s>a"), /*skip_special_tokens=*/true), "a");
+}
+
+TEST(SentencePieceScoresTest, BadVocabulariesAreRefused) {
+  Tokenizer::SentencePieceVocab v = SmallVocab();
+  v.scores.pop_back();
+  EXPECT_THAT(Tokenizer::FromSentencePiece(v, "v.gguf").status().message(),
+              HasSubstr("v.gguf: the scores have"));
+  v = SmallVocab();
+  v.types[5] = 9;
+  EXPECT_THAT(Tokenizer::FromSentencePiece(v, "v.gguf").status().message(),
+              HasSubstr("token 5 has type 9"));
+  v = SmallVocab();
+  v.bos_id = 100000;
+  EXPECT_EQ(Tokenizer::FromSentencePiece(v, "v.gguf").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Tokenizer::FromSentencePiece({}, "v.gguf").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // --- malformed files -----------------------------------------------------------------------
