@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""Exports a kvgrid-readable Llama/Qwen2 checkpoint (config.json + safetensors) to GGUF, the
-way llama.cpp's converter lays it out: `general.architecture` llama or qwen2 with its
-hyperparameters, tensors named token_embd / blk.N.attn_q ... / output, and (for llama) the
-q/k rows permuted into GGML's interleaved-RoPE order. Linear weights are quantized to Q8_0 or
+"""Exports a kvgrid-readable Llama/Qwen2/Qwen3 checkpoint (config.json + safetensors) to GGUF,
+the way llama.cpp's converter lays it out: `general.architecture` llama, qwen2 or qwen3 with
+its hyperparameters, tensors named token_embd / blk.N.attn_q ... / output (Qwen3's q/k norms
+as blk.N.attn_q_norm / attn_k_norm), and (for llama only) the q/k rows permuted into GGML's
+interleaved-RoPE order. RoPE scaling as the converter writes it: linear and yarn as
+<arch>.rope.scaling.* keys, llama3 as the rope_freqs.weight tensor of per-frequency divisors;
+dynamic NTK scaling has no GGUF form and is refused. Linear weights are quantized to Q8_0 or
 Q4_0 with llama.cpp's own `gguf.quants` (rows whose width is not a multiple of 32 stay F32);
 embeddings and norms stay F32. The model's tokenizer.json is embedded under llama.cpp's
 tokenizer.ggml.* keys (byte-level BPE only: model "gpt2", the pre-tokenizer named by its split
@@ -13,6 +16,7 @@ regex), so the .gguf file needs nothing beside it.
 
 import argparse
 import json
+import math
 import struct
 import sys
 from pathlib import Path
@@ -230,6 +234,50 @@ def add_tokenizer(w, meta):
     w.add_add_eos_token(meta["add_eos"])
 
 
+def rope_scaling_metadata(w, cfg, head_dim):
+    """Writes the config's RoPE scaling as llama.cpp's converter does; returns the
+    rope_freqs.weight tensor (llama3) or None."""
+    scaling = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        return None
+    if kind == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(scaling["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(scaling.get("original_max_position_embeddings")
+                                            or cfg["max_position_embeddings"]))
+        if scaling.get("attention_factor") is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(scaling["attention_factor"]))
+        if scaling.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(scaling["beta_fast"]))
+        if scaling.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(scaling["beta_slow"]))
+        return None
+    if kind == "llama3":
+        # One divisor per frequency: 1 for short wavelengths, `factor` for long ones, and the
+        # inverse of the smooth blend between.
+        theta = float(cfg.get("rope_theta", 10000.0))
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        ctx = float(scaling["original_max_position_embeddings"])
+        divisors = []
+        for i in range(0, head_dim, 2):
+            wavelen = 2 * math.pi * theta ** (i / head_dim)
+            if wavelen < ctx / high:
+                divisors.append(1.0)
+            elif wavelen > ctx / low:
+                divisors.append(factor)
+            else:
+                smooth = (ctx / wavelen - low) / (high - low)
+                divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+        return np.asarray(divisors, dtype=np.float32)
+    raise SystemExit(f"rope_scaling type {kind!r} has no GGUF form (linear, yarn and llama3 do)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=Path)
@@ -241,9 +289,9 @@ def main():
 
     cfg = json.loads((args.model / "config.json").read_text())
     arch = cfg["model_type"]
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise SystemExit(f"{arch}: only llama, mistral and qwen2 export")
-    gguf_arch = "qwen2" if arch == "qwen2" else "llama"
+    if arch not in ("llama", "qwen2", "qwen3", "mistral"):
+        raise SystemExit(f"{arch}: only llama, mistral, qwen2 and qwen3 export")
+    gguf_arch = arch if arch in ("qwen2", "qwen3") else "llama"
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads",
                                                          cfg["num_attention_heads"])
     w = gguf.GGUFWriter(str(args.out), arch=gguf_arch)
@@ -260,6 +308,7 @@ def main():
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    rope_freqs = rope_scaling_metadata(w, cfg, head_dim)
     tok_path = args.model / "tokenizer.json"
     if not args.no_tokenizer and tok_path.exists():
         try:
@@ -289,6 +338,8 @@ def main():
     src = load_tensors(args.model)
     add("token_embd.weight", src["model.embed_tokens.weight"])
     add("output_norm.weight", src["model.norm.weight"])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
     if "lm_head.weight" in src and not cfg.get("tie_word_embeddings", False):
         add("output.weight", src["lm_head.weight"], linear=True)
     for i in range(cfg["num_hidden_layers"]):
@@ -297,6 +348,9 @@ def main():
         if gguf_arch == "llama":
             q, k = permute(to_f32(q), n_head), permute(to_f32(k), n_kv)
         add(b + "attn_norm.weight", src[p + "input_layernorm.weight"])
+        if arch == "qwen3":
+            add(b + "attn_q_norm.weight", src[p + "self_attn.q_norm.weight"])
+            add(b + "attn_k_norm.weight", src[p + "self_attn.k_norm.weight"])
         add(b + "attn_q.weight", q, linear=True)
         add(b + "attn_k.weight", k, linear=True)
         add(b + "attn_v.weight", src[p + "self_attn.v_proj.weight"], linear=True)

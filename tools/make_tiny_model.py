@@ -35,7 +35,8 @@ STAMP_FILE = ".kvgrid-stamp"
 # so the greedy choice leads clearly); `proj` multiplies a 1/sqrt(fan_in) init of the
 # attention and MLP projections (keeps the residual stream O(1) to O(5) over two layers,
 # with attention sharp enough to depend on positions); `bias` is the std of q/k/v biases;
-# norm weights are 1 + `norm_noise` * N(0, 1), so a missing or misplaced norm weight shows.
+# norm weights are 1 + `norm_noise` * N(0, 1), so a missing or misplaced norm weight shows
+# (Qwen3's per-head q/k norm weights: 1 + `qk_norm_noise` * N(0, 1)).
 # The seeds were chosen so every greedy step of the tests/reference prompts leads the
 # runner-up by >= 9e-3 (tests/reference/test_forward.py checks this).
 PRESETS = {
@@ -95,6 +96,89 @@ PRESETS = {
         "gen_eos_token_id": [151645, 151643],
         "pad_token_id": 151643,
         "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.5, "norm_noise": 0.1},
+    },
+    # Qwen3: per-head q/k RMSNorm (noisy weights, so a missing or misplaced norm shows), no
+    # q/k/v bias, head_dim 32 while hidden / heads is 16, and a tied head as Qwen3-0.6B has.
+    "qwen3-tiny": {
+        "family": "qwen3",
+        "tokenizer": ("qwen3", "qwen2", "qwen"),
+        "seed": 7,
+        "dtype": "bfloat16",
+        "vocab_size": 151936,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 96,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+        "qkv_bias": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "gen_eos_token_id": [151645, 151643],
+        "pad_token_id": 151643,
+        "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.0, "norm_noise": 0.1,
+                 "qk_norm_noise": 0.3},
+    },
+    # YaRN: at head_dim 16, theta 1e4 and an original context of 64 the ramp keeps dimension 0,
+    # blends 1 and 2 and divides the rest by `factor`; the attention factor (0.1 ln 4 + 1)
+    # scales cos and sin. max_position_embeddings is original * factor, so transformers
+    # versions that take the factor from their ratio agree.
+    "llama-yarn-tiny": {
+        "family": "llama",
+        "tokenizer": ("llama3",),
+        "seed": 11,
+        "dtype": "bfloat16",
+        "vocab_size": 128256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                         "original_max_position_embeddings": 64,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "qkv_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "gen_eos_token_id": [128001],
+        "pad_token_id": None,
+        "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.0, "norm_noise": 0.1},
+    },
+    # Dynamic NTK, fixed for original * factor positions (vLLM's semantics, see
+    # model/model_config.h): theta 1e4 becomes 1e4 * 7^(16/14) at factor 3.
+    "llama-dynamic-tiny": {
+        "family": "llama",
+        "tokenizer": ("llama3",),
+        "seed": 13,
+        "dtype": "bfloat16",
+        "vocab_size": 128256,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {"rope_type": "dynamic", "factor": 3.0},
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": True,
+        "qkv_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "gen_eos_token_id": [128001],
+        "pad_token_id": None,
+        "gain": {"embed": 1.0, "proj": 1.6, "head": 1.0, "bias": 0.0, "norm_noise": 0.1},
     },
     # Sliding-window attention on every layer, with a window short enough (24) that the
     # tests' 200-token sequences reach far past it.
@@ -171,7 +255,7 @@ def content_stamp(name, preset, tok_dir):
 
 def hf_config(p):
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "mistral": "MistralForCausalLM"}[p["family"]]
+            "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}[p["family"]]
     cfg = {
         "architectures": [arch],
         "model_type": p["family"],
@@ -197,6 +281,11 @@ def hf_config(p):
     if p["family"] == "llama":
         cfg.update({"head_dim": p["head_dim"], "attention_bias": False, "mlp_bias": False,
                     "pretraining_tp": 1})
+    elif p["family"] == "qwen3":
+        # Qwen3 states head_dim (here not hidden / heads) and has no q/k/v bias.
+        cfg.update({"head_dim": p["head_dim"], "attention_bias": False,
+                    "use_sliding_window": False, "sliding_window": None,
+                    "max_window_layers": p["num_hidden_layers"]})
     elif p["family"] == "mistral":
         cfg.update({"head_dim": p["head_dim"], "sliding_window": p["sliding_window"]})
     else:
@@ -253,6 +342,9 @@ def make_weights(p, tokenizer_size):
         w[pre + "mlp.gate_proj.weight"] = linear(I, H)
         w[pre + "mlp.up_proj.weight"] = linear(I, H)
         w[pre + "mlp.down_proj.weight"] = linear(H, I)
+        if p["family"] == "qwen3":  # drawn last, so the other presets' weights stay as they were
+            w[pre + "self_attn.q_norm.weight"] = 1.0 + normal((D,), g["qk_norm_noise"])
+            w[pre + "self_attn.k_norm.weight"] = 1.0 + normal((D,), g["qk_norm_noise"])
     w["model.norm.weight"] = norm_weight()
     if not p["tie_word_embeddings"]:
         head = normal((V, H), g["head"])

@@ -1,7 +1,8 @@
 """An independent numpy forward pass for Llama-family checkpoints in Hugging Face layout.
 
-Covers what the kvgrid fixtures use: Llama 2/3 (optionally with Llama-3 RoPE scaling) and
-Qwen2 (q/k/v biases, tied embeddings). Written for clarity, not speed; it computes in
+Covers what the kvgrid fixtures use: Llama 2/3 (RoPE scaling llama3, linear, dynamic, yarn),
+Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (per-head RMSNorm of q and k, head_dim
+independent of hidden_size). Written for clarity, not speed; it computes in
 float64 by default so that it is a tighter reference than any float32 engine.
 
     m = Model("build/fixtures/llama3-tiny")
@@ -65,16 +66,68 @@ def load_weights(model_dir):
     return weights
 
 
+def _rope_scaling(cfg):
+    scaling = cfg.get("rope_scaling") or {}
+    return scaling, scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _yarn_mscale(factor, mscale=1.0):
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(cfg):
+    """What cos and sin are multiplied by: YaRN's attention factor (transformers'
+    `attention_factor`, or its default from factor, mscale and mscale_all_dim); 1 otherwise."""
+    scaling, kind = _rope_scaling(cfg)
+    if kind != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
 def rope_inv_freq(cfg, head_dim):
     """Per-pair rotation frequencies, [head_dim / 2], with the config's RoPE scaling."""
     theta = float(cfg.get("rope_theta", 10000.0))
+    scaling, kind = _rope_scaling(cfg)
+    if kind == "dynamic":
+        # Dynamic NTK as vLLM fixes it: transformers' per-length base evaluated once, for a
+        # sequence of original * factor positions (the base then no longer depends on how long
+        # the current sequence is, so cached keys stay valid).
+        factor = float(scaling["factor"])
+        orig = float(scaling.get("original_max_position_embeddings")
+                     or cfg["max_position_embeddings"])
+        seq_len = orig * factor
+        theta *= (factor * seq_len / orig - (factor - 1.0)) ** (head_dim / (head_dim - 2))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
+    if kind in ("default", "dynamic"):
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
+    if kind == "yarn":
+        # YaRN: dimensions whose wavelength turns more than beta_fast times over the original
+        # context keep their frequency, those turning fewer than beta_slow times are divided
+        # by `factor`, and a linear ramp over the dimension index blends the band between.
+        factor = float(scaling["factor"])
+        orig = float(scaling.get("original_max_position_embeddings")
+                     or cfg["max_position_embeddings"])
+        beta_fast = float(scaling.get("beta_fast") or 32.0)
+        beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+        def dim_of(rotations):
+            return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        return inv_freq / factor * ramp + inv_freq * (1.0 - ramp)
     if kind == "llama3":
         # Llama 3.1: wavelengths longer than original_ctx / low_freq_factor are stretched
         # by `factor`; shorter than original_ctx / high_freq_factor are kept; the band in
@@ -131,6 +184,7 @@ class Model:
         self.n_layers = c["num_hidden_layers"]
         self.n_heads = c["num_attention_heads"]
         self.n_kv = c.get("num_key_value_heads", self.n_heads)
+        # Qwen3 and Mistral-Nemo state head_dim, which need not be hidden / heads.
         self.head_dim = c.get("head_dim") or self.hidden // self.n_heads
         self.eps = float(c.get("rms_norm_eps", 1e-6))
         self.vocab = c["vocab_size"]
@@ -160,10 +214,15 @@ class Model:
             for n in ("q", "k", "v"):
                 L[n] = w[p + f"self_attn.{n}_proj.weight"]
                 L[n + "_bias"] = w.get(p + f"self_attn.{n}_proj.bias")
+            if c.get("model_type") == "qwen3":  # RMSNorm over each head's head_dim values
+                L["q_norm"] = w[p + "self_attn.q_norm.weight"]
+                L["k_norm"] = w[p + "self_attn.k_norm.weight"]
+                assert L["q_norm"].shape == (self.head_dim,), L["q_norm"].shape
             self.layers.append(L)
         for L, window in zip(self.layers, sliding_windows(c)):
             L["window"] = window
         self.inv_freq = rope_inv_freq(c, self.head_dim).astype(dtype)
+        self.rope_scale = rope_attention_factor(c)
 
     # -- pieces -------------------------------------------------------------------------
 
@@ -175,8 +234,9 @@ class Model:
     def rope(self, x, positions):
         # x: [T, heads, head_dim]; the pair (j, j + head_dim/2) rotates by pos * inv_freq[j].
         ang = positions[:, None].astype(self.dtype) * self.inv_freq[None, :]  # [T, D/2]
-        cos = np.cos(ang)[:, None, :]
-        sin = np.sin(ang)[:, None, :]
+        # YaRN scales cos and sin (so every q.k by the factor squared); 1 otherwise.
+        cos = np.cos(ang)[:, None, :] * self.rope_scale
+        sin = np.sin(ang)[:, None, :] * self.rope_scale
         half = self.head_dim // 2
         a, b = x[..., :half], x[..., half:]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
@@ -192,6 +252,9 @@ class Model:
         q = self.linear(x, L["q"], L["q_bias"]).reshape(T, self.n_heads, D)
         k = self.linear(x, L["k"], L["k_bias"]).reshape(T, self.n_kv, D)
         v = self.linear(x, L["v"], L["v_bias"]).reshape(T, self.n_kv, D)
+        if "q_norm" in L:  # Qwen3: per-head RMSNorm after the projection, before RoPE
+            q = self.rms_norm(q, L["q_norm"])
+            k = self.rms_norm(k, L["k_norm"])
         q = self.rope(q, positions)
         k = self.rope(k, positions)
         if self.kv_round is not None:
