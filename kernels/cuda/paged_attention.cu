@@ -255,7 +255,8 @@ struct KernelArgs {
   int block_shift;   // log2(block_size)
   int max_ctx;       // every context is cut here (see Plan)
   int chunk_tokens;  // decode chunk
-  int max_chunks;    // ceil(max_ctx / chunk_tokens)
+  int max_chunks;    // ceil(min(max_ctx, window or max_ctx) / chunk_tokens)
+  int window;        // sliding window in tokens; 0 = full causal attention
   float scale;
 };
 
@@ -271,10 +272,16 @@ __device__ __forceinline__ int SequenceContext(const KernelArgs& a, int s) {
   return min(a.seq_lens[s], a.max_ctx);
 }
 
-// Decode chunks of a sequence with context `ctx`; at least 1, so that a sequence with an empty
-// (invalid) context still gets its output written (as zeros).
+// First key a query at position ctx - 1 sees: ctx - window with a window, else 0.
+__device__ __forceinline__ int WindowStart(const KernelArgs& a, int ctx) {
+  return a.window > 0 ? max(0, ctx - a.window) : 0;
+}
+
+// Decode chunks of a sequence with context `ctx` (cut from its window start on); at least 1, so
+// that a sequence with an empty (invalid) context still gets its output written (as zeros).
 __device__ __forceinline__ int DecodeChunks(const KernelArgs& a, int ctx) {
-  return ctx <= 0 ? 1 : static_cast<int>(CeilDiv(ctx, a.chunk_tokens));
+  const int span = ctx - WindowStart(a, ctx);
+  return span <= 0 ? 1 : static_cast<int>(CeilDiv(span, a.chunk_tokens));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -322,7 +329,9 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs 
   const int chunk = blockIdx.x;
   const int num_chunks = DecodeChunks(a, ctx);
   if (chunk >= num_chunks) return;  // shorter than the longest sequence: nothing here
-  const int begin = chunk * a.chunk_tokens;
+  // Chunks start at the window: positions before it (holes in the table once the block
+  // manager freed them) are never read.
+  const int begin = WindowStart(a, ctx) + chunk * a.chunk_tokens;
   const int end = max(begin, min(ctx, begin + a.chunk_tokens));  // begin + chunk < 2^31
   const int n = end - begin;
   const int g = blockIdx.y / a.row_tiles;
@@ -648,13 +657,18 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
   }
 
   int pos[kRowsPerThread];  // the last key each of this thread's rows sees; -1: none
+  int lo[kRowsPerThread];   // the first (the window's start; 0 without a window)
 #pragma unroll
   for (int i = 0; i < kRowsPerThread; ++i) {
     const int m = m0 + ty * kRowsPerThread + i;
     pos[i] = m < total_rows ? max(first_pos + m / group, -1) : -1;
+    lo[i] = WindowStart(a, pos[i] + 1);
   }
   const int last_m = min(m0 + kTileM, total_rows) - 1;
   const int kv_end = max(0, min(ctx, first_pos + last_m / group + 1));
+  // The tile's first row sees the lowest keys; with a window, keys before its window are
+  // skipped (never read: they may be holes in the table).
+  const int kv_begin = min(kv_end, WindowStart(a, max(0, first_pos + m0 / group + 1)));
 
   float row_max[kRowsPerThread], row_sum[kRowsPerThread];
   float4 o[kRowsPerThread][kChunks4];
@@ -667,7 +681,7 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
   }
   const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
 
-  for (int n0 = 0; n0 < kv_end; n0 += kTileN) {  // uniform over the block
+  for (int n0 = kv_begin; n0 < kv_end; n0 += kTileN) {  // uniform over the block
     __syncthreads();  // the previous tile's k_s, v_s and p_s are consumed (and q_s is written)
     for (int i = tid; i < kTileN * kSlices; i += kPrefillThreads) {
       const int kj = i / kSlices;
@@ -744,7 +758,7 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int kj = tx + 8 * jj;
-        const bool visible = n0 + kj <= pos[i] && key_ok_s[kj];
+        const bool visible = n0 + kj <= pos[i] && n0 + kj >= lo[i] && key_ok_s[kj];
         sc[i][jj] = visible ? sc[i][jj] * a.scale : -INFINITY;
         tile_max = fmaxf(tile_max, sc[i][jj]);
       }
@@ -848,13 +862,15 @@ Plan MakePlan(const PagedAttentionParams& p) {
   // fill the rest), larger groups in tiles of 8.
   plan.rows = group == 1 ? 1 : group <= 4 ? 4 : 8;
   plan.row_tiles = CeilDiv(group, plan.rows);
-  const double work = static_cast<double>(plan.max_ctx) *
+  // A windowed query reads at most `window` keys.
+  const int64_t span = p.window > 0 ? std::min(plan.max_ctx, p.window) : plan.max_ctx;
+  const double work = static_cast<double>(span) *
                       static_cast<double>(p.num_seqs * p.num_kv_heads * plan.row_tiles);
   while (plan.chunk_tokens < kMaxChunk &&
          static_cast<double>(plan.chunk_tokens) * kDecodeTargetBlocks < work) {
     plan.chunk_tokens *= 2;
   }
-  plan.max_chunks = std::max<int64_t>(1, CeilDiv(plan.max_ctx, plan.chunk_tokens));
+  plan.max_chunks = std::max<int64_t>(1, CeilDiv(span, plan.chunk_tokens));
   plan.prefill_tiles = CeilDiv(plan.max_query_len * group, kTileM);
   return plan;
 }
@@ -1013,6 +1029,9 @@ absl::Status PagedAttentionParams::Validate() const {
   }
   if (!(scale > 0.f) || !std::isfinite(scale)) return invalid("scale must be finite and > 0");
   if (max_seq_len < 0) return invalid("max_seq_len must be >= 0: ", max_seq_len);
+  if (window < 0 || window > kMaxContext) {
+    return invalid("window out of range [0, 2^30]: ", window);
+  }
   if (max_query_len < 0 || max_query_len > num_tokens) {
     return invalid("max_query_len out of range [0, num_tokens]: ", max_query_len);
   }
@@ -1072,6 +1091,7 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   args.max_ctx = static_cast<int>(plan.max_ctx);
   args.chunk_tokens = static_cast<int>(plan.chunk_tokens);
   args.max_chunks = static_cast<int>(plan.max_chunks);
+  args.window = static_cast<int>(p.window);
   args.scale = p.scale;
   return p.head_dim == 64 ? DispatchK<64>(p, plan, args, stream)
                           : DispatchK<128>(p, plan, args, stream);

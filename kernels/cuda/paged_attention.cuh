@@ -5,8 +5,10 @@
 // Same contract as kernels/cpu/attention.h (the reference these kernels are checked against,
 // tests labelled `gpu`): sequence s owns query tokens [query_start[s], query_start[s+1]), the
 // last tokens of its context of seq_lens[s] tokens, so its query token i sits at position
-// seq_lens[s] - q_len + i and attends to positions 0..that position; query head h reads KV
-// head h / (num_heads / num_kv_heads).
+// seq_lens[s] - q_len + i and attends to positions 0..that position (with a sliding window W:
+// to positions p - W < j <= p only); query head h reads KV head h / (num_heads / num_kv_heads).
+// Block-table entries before the window of a sequence's first query are never read, so the
+// block manager's holes (-1) there are fine.
 //
 // Two kernel families, both templated on the K and V dtypes and head_dim, chosen per sequence
 // on the device (the host never reads the device arrays, so the call does not synchronize):
@@ -63,6 +65,10 @@ struct PagedAttentionParams {
   int64_t block_size = 0;                // a power of two, at most 256
   int64_t head_dim = 0;                  // 64 or 128
   float scale = 0.f;                     // usually 1 / sqrt(head_dim)
+  // Sliding window in tokens (the layer's; 0 = full causal attention): query position p sees
+  // keys p - window < j <= p. Decode chunks start at the window, so a windowed sequence needs
+  // ceil(window / chunk) chunks however long its context.
+  int64_t window = 0;
 
   // Host-side bounds on the device arrays, which the host does not read. They size the grids
   // (and the workspace), so they must hold for every sequence; 0 picks the loosest bound.
@@ -76,7 +82,8 @@ struct PagedAttentionParams {
   // INVALID_ARGUMENT naming the field: null pointers (a meta plane is required exactly when
   // its dtype has metadata), misaligned pointers, sizes out of range, a head_dim other than
   // 64 or 128, a block_size that is not a power of two <= 256, heads not divisible by KV heads,
-  // a non-positive scale, bounds out of range, or a workspace smaller than needed.
+  // a non-positive scale, a window outside [0, 2^30], bounds out of range, or a workspace
+  // smaller than needed.
   //
   // The contents of the device arrays cannot be checked without a copy, so the kernels
   // defend memory instead: a context is cut at max_seq_len, max_blocks_per_seq * block_size

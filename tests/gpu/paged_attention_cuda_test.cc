@@ -142,6 +142,7 @@ HostCache MakeHostCache(const Geometry& geo, const std::vector<int32_t>& context
 struct Batch {
   std::vector<int32_t> query_start;  // [num_seqs + 1]
   std::vector<float> query;          // [num_tokens, num_heads, head_dim]
+  int64_t window = 0;                // sliding window of both sides; 0 = full attention
   int64_t num_tokens() const { return query_start.back(); }
 };
 
@@ -180,6 +181,7 @@ std::vector<float> CpuAttention(const HostCache& c, const Batch& b) {
                            .block_size = c.geo.block_size,
                            .head_dim = c.geo.head_dim,
                            .scale = Scale(c.geo),
+                           .window = b.window,
                            // The device kernels decode int8 to fp32; compare with the same.
                            .precision = cpu::KvKernelPrecision::kExact});
   EXPECT_TRUE(st.ok()) << st;
@@ -224,6 +226,7 @@ cuda::PagedAttentionParams GpuParams(const HostCache& c, const DeviceCache& d, c
   p.block_size = c.geo.block_size;
   p.head_dim = c.geo.head_dim;
   p.scale = Scale(c.geo);
+  p.window = b.window;
   p.max_seq_len = max_seq_len;
   p.max_query_len = max_query_len;
   return p;
@@ -280,6 +283,19 @@ const std::vector<int32_t> kDecodeQueries = {1, 1, 1, 1, 1, 1};
 // decode at 5000, a 70-token chunk after 4930 cached tokens (tiles of 64 rows end mid-token
 // for group 4 and 7), and a sequence with no query this step.
 const std::vector<int32_t> kMixedQueries = {1, 17, 45, 1, 70, 0};
+
+// `c` with the blocks wholly before the window of each sequence's first query of `b` made
+// holes (-1), as the block manager leaves them once it frees them: neither side may read them.
+HostCache WithHoles(HostCache c, const Batch& b) {
+  for (size_t s = 0; s < c.contexts.size(); ++s) {
+    const int64_t q_len = b.query_start[s + 1] - b.query_start[s];
+    const int64_t first_key = std::max<int64_t>(0, c.contexts[s] - q_len + 1 - b.window);
+    for (int64_t i = 0; i < first_key / c.geo.block_size; ++i) {
+      c.tables[s * c.max_blocks_per_seq + i] = -1;
+    }
+  }
+  return c;
+}
 
 class PagedAttentionCudaTest : public ::testing::TestWithParam<std::tuple<KvDType, KvDType>> {};
 
@@ -346,6 +362,39 @@ TEST(PagedAttentionCudaExtraTest, OddGroupsAndSmallBlocks) {
     Compare(GpuAttention(cache, dev, mixed, 0, 70), CpuAttention(cache, mixed), geo,
             geo.Name() + " mixed");
     if (HasFailure()) return;
+  }
+}
+
+// Sliding windows (shorter than a block, several blocks, several decode chunks) over decode
+// and mixed batches, with the blocks before each window made holes; the windowed decode
+// workspace is sized by the window, not the context.
+TEST(PagedAttentionCudaExtraTest, SlidingWindowMatchesCpuReference) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const std::vector<int32_t> contexts = {1, 17, 300, 2000, 2000, 17};
+  for (auto [k_dtype, v_dtype, head_dim, group] :
+       {std::tuple{KvDType::kF32, KvDType::kF32, 64, 1},
+        std::tuple{KvDType::kF16, KvDType::kInt8, 128, 4},
+        std::tuple{KvDType::kInt8, KvDType::kInt4, 64, 4},
+        std::tuple{KvDType::kInt4, KvDType::kBF16, 128, 1}}) {
+    const Geometry geo{.k_dtype = k_dtype,
+                       .v_dtype = v_dtype,
+                       .head_dim = head_dim,
+                       .group = group,
+                       .block_size = 16};
+    std::mt19937_64 rng(head_dim + group);
+    const HostCache cache = MakeHostCache(geo, contexts, rng);
+    for (int64_t window : {5, 24, 700}) {
+      for (const std::vector<int32_t>& q_lens : {kDecodeQueries, kMixedQueries}) {
+        Batch batch = MakeBatch(cache, q_lens, rng);
+        batch.window = window;
+        const HostCache holed = WithHoles(cache, batch);
+        const DeviceCache dev(holed);
+        const std::string label = absl::StrCat(geo.Name(), " window ", window, " queries ",
+                                               q_lens[4]);
+        Compare(GpuAttention(holed, dev, batch, 0, 0), CpuAttention(holed, batch), geo, label);
+        if (HasFailure()) return;
+      }
+    }
   }
 }
 
@@ -560,6 +609,12 @@ TEST(PagedAttentionCudaValidateTest, LongContextsNeedTheWorkspace) {
   EXPECT_LE(cuda::PagedAttentionWorkspaceBytes(p), need);
   p.max_seq_len = 64;
   EXPECT_EQ(cuda::PagedAttentionWorkspaceBytes(p), 0);
+  // A window of one chunk needs none either, however long the contexts.
+  p.max_seq_len = 0;
+  p.window = 64;
+  EXPECT_EQ(cuda::PagedAttentionWorkspaceBytes(p), 0);
+  p.window = -1;
+  ExpectInvalidNaming(p, "window");
 }
 
 }  // namespace
