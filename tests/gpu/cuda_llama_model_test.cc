@@ -125,6 +125,33 @@ TEST(CudaLlamaModelTest, Fp32WeightsMatchTheCpuModelForEveryKvDType) {
   }
 }
 
+// Qwen3's per-head q/k norms (weights away from 1, so a skipped or misplaced norm shows),
+// head_dim 64 over hidden 128 with 4 heads (q is 256 wide), and YaRN frequencies with their
+// attention factor.
+TEST(CudaLlamaModelTest, Qwen3WithYarnMatchesTheCpuModel) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  model::ModelConfig config = TinyQwen();
+  config.model_type = "qwen3";
+  config.attention_bias = false;
+  config.qk_norm = true;
+  config.rope_scaling.type = model::RopeScalingType::kYarn;
+  config.rope_scaling.factor = 4.0;
+  config.rope_scaling.original_max_position_embeddings = 64;
+  LlamaWeights w = LlamaModel::RandomWeights(config, 11);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    for (size_t i = 0; i < w.layers[l].q_norm.size(); ++i) {
+      w.layers[l].q_norm[i] = 1.f + 0.3f * std::sin(static_cast<float>(3 * i + l));
+      w.layers[l].k_norm[i] = 1.f + 0.3f * std::cos(static_cast<float>(5 * i + l));
+    }
+  }
+  auto cpu_model = LlamaModel::FromWeights(config, std::move(w));
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  for (KvDType kv : {KvDType::kF32, KvDType::kF16}) {
+    Compare(config, **cpu_model, model::DType::kF32, kv, 1e-4, true,
+            std::string("random qwen3 with yarn, KV ") + std::string(kernels::KvDTypeName(kv)));
+  }
+}
+
 TEST(CudaLlamaModelTest, TrainedModelGreedyEqualsTheCpuModel) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
   if (!std::filesystem::exists(KjvTiny() / "model.safetensors")) {

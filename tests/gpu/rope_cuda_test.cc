@@ -1,5 +1,6 @@
-// CUDA RoPE against the CPU reference, for plain and llama3-scaled frequency tables. Skipped,
-// with a message, where no GPU is visible.
+// CUDA RoPE against the CPU reference, for plain, llama3, yarn (with its attention factor
+// scaling cos and sin), dynamic and GGUF-divided frequency tables. Skipped, with a message,
+// where no GPU is visible.
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -47,6 +48,23 @@ std::vector<Case> Cases() {
                            .low_freq_factor = 1.0, .high_freq_factor = 4.0,
                            .original_max_position_embeddings = 8192};
     cases.push_back({"llama3", llama3});
+    model::ModelConfig yarn;
+    yarn.head_dim = head_dim;
+    yarn.rope_theta = 1000000.0;
+    yarn.rope_scaling.type = model::RopeScalingType::kYarn;
+    yarn.rope_scaling.factor = 4.0;
+    yarn.rope_scaling.original_max_position_embeddings = 32768;
+    cases.push_back({"yarn", yarn});
+    model::ModelConfig dynamic = plain;
+    dynamic.rope_scaling.type = model::RopeScalingType::kDynamic;
+    dynamic.rope_scaling.factor = 2.0;
+    dynamic.rope_scaling.original_max_position_embeddings = 4096;
+    cases.push_back({"dynamic", dynamic});
+    model::ModelConfig divided = plain;
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      divided.rope_scaling.freq_divisors.push_back(1.0 + static_cast<double>(i % 5));
+    }
+    cases.push_back({"rope_freqs", divided});
   }
   return cases;
 }
@@ -58,6 +76,7 @@ TEST(RopeCudaTest, MatchesCpuReference) {
     const int64_t d = c.config.head_dim, half = d / 2;
     absl::StatusOr<std::vector<double>> inv_freq = cpu::RopeInvFreq(c.config);
     ASSERT_TRUE(inv_freq.ok()) << inv_freq.status();
+    const double mscale = cpu::RopeAttentionFactor(c.config);
     std::mt19937 rng(static_cast<uint32_t>(d));
     std::normal_distribution<float> normal(0.f, 1.f);
     std::uniform_int_distribution<int32_t> pos(0, 131071);
@@ -72,14 +91,15 @@ TEST(RopeCudaTest, MatchesCpuReference) {
     std::vector<float> q_cpu = q, k_cpu = k;
     ASSERT_TRUE(cpu::Rope({.query = q_cpu.data(), .key = k_cpu.data(),
                            .positions = positions.data(), .inv_freq = inv_freq->data(),
-                           .num_tokens = n, .num_heads = heads, .num_kv_heads = kv_heads,
+                           .scale = mscale, .num_tokens = n, .num_heads = heads, .num_kv_heads = kv_heads,
                            .head_dim = d})
                     .ok());
     DeviceBuffer<float> dq(q), dk(k);
     DeviceBuffer<int32_t> dpos(positions);
     DeviceBuffer<double> dfreq(*inv_freq);
     ASSERT_TRUE(cuda::LaunchRope({.query = dq.get(), .key = dk.get(), .positions = dpos.get(),
-                                  .inv_freq = dfreq.get(), .num_tokens = n, .num_heads = heads,
+                                  .inv_freq = dfreq.get(), .scale = mscale, .num_tokens = n,
+                                  .num_heads = heads,
                                   .num_kv_heads = kv_heads, .head_dim = d},
                                  nullptr)
                     .ok());
@@ -94,9 +114,9 @@ TEST(RopeCudaTest, MatchesCpuReference) {
           for (int64_t i = 0; i < half; ++i) {
             const double a = in[base + i], b = in[base + i + half];
             const double angle = static_cast<double>(positions[t]) * (*inv_freq)[i];
-            const double exact[2] = {a * std::cos(angle) - b * std::sin(angle),
-                                     b * std::cos(angle) + a * std::sin(angle)};
-            const double scale = std::fabs(a) + std::fabs(b) + 1e-30;
+            const double cs = std::cos(angle) * mscale, sn = std::sin(angle) * mscale;
+            const double exact[2] = {a * cs - b * sn, b * cs + a * sn};
+            const double scale = (std::fabs(a) + std::fabs(b)) * mscale + 1e-30;
             for (int j = 0; j < 2; ++j) {
               const int64_t idx = base + i + j * half;
               ASSERT_LE(std::fabs(static_cast<double>(gpu_out[idx]) - cpu_out[idx]),
