@@ -7,7 +7,9 @@ each input with add_special=false and parse_special=false and compares ids; this
 the same comparison through `kvgrid tokenize`, for SentencePiece (llama-spm, phi-3) and the
 byte-level vocabularies whose pre-tokenizer kvgrid knows (llama-bpe, qwen2, gpt-2), and checks
 that decoding (and streaming) the ids gives the input back. Vocabularies kvgrid does not
-support must be refused naming the key.
+support must be refused naming the key. The real Llama 2 vocabulary (llama-spm) is also laid
+out as a tokenizer.json the way Hugging Face's converter writes Meta's, and kvgrid's ids and
+text for that file are checked against the `tokenizers` library's.
 
 The files come from the llama-cpp-python sdist on PyPI (it vendors llama.cpp), fetched once
 into the build folder (build/third_party/) and checked against a pinned sha256; only the
@@ -176,3 +178,54 @@ def test_unsupported_vocabularies_are_refused(kvgrid_exe, vocab_dir, name):
                           capture_output=True, timeout=60)
     assert proc.returncode == 1
     assert REFUSED[name] in proc.stderr.decode(), proc.stderr.decode()
+
+
+def llama2_tokenizer_json(gguf_path):
+    """A Llama 2 tokenizer.json for a SentencePiece GGUF vocabulary, built the way Hugging
+    Face's converter builds Meta's: the pieces as the vocabulary, as merges every split of a
+    piece into two pieces, the best-scored piece's first; Llama 2's normalizer, decoder and
+    post-processor; control and unknown tokens as special added tokens."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    r = GGUFReader(str(gguf_path))
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    scores = r.fields["tokenizer.ggml.scores"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece))
+                 if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    tok = Tokenizer(models.BPE(vocab, [(a, b) for a, b, _ in merges], unk_token=tokens[0],
+                               byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty in (2, 3)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
+    return tok
+
+
+def test_real_llama2_vocabulary_as_tokenizer_json_matches_hf(kvgrid_exe, vocab_dir, tmp_path):
+    from test_tokenizer import STRINGS as CORPUS
+
+    hf = llama2_tokenizer_json(vocab_dir / "ggml-vocab-llama-spm.gguf")
+    path = tmp_path / "tokenizer.json"
+    path.write_text(hf.to_str(), encoding="utf-8")
+    inputs, _ = read_cases(vocab_dir, "llama-spm")
+    texts = inputs + CORPUS
+    for flags, add_special in (([], False), (["--add-special-tokens"], True)):
+        ours = tokenize(path, texts, *flags)
+        theirs = [hf.encode(s, add_special_tokens=add_special).ids for s in texts]
+        bad = [(s, a, b) for s, a, b in zip(texts, ours, theirs) if a != b]
+        assert not bad, f"{len(bad)} of {len(texts)} differ; first: {bad[0]}"
+    ids = [hf.encode(s, add_special_tokens=True).ids for s in texts]
+    for flags, skip in (([], False), (["--skip-special-tokens"], True)):
+        assert tokenize(path, ids, "--decode", *flags) == [hf.decode(x, skip_special_tokens=skip)
+                                                           for x in ids]
