@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Checks the numpy reference (tests/reference/numpy_llama.py) against Hugging Face
-transformers' own LlamaForCausalLM / Qwen2ForCausalLM on the tiny fixture models.
+transformers' own LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM on the tiny fixture
+models: llama3-tiny (llama3 RoPE scaling), qwen2-tiny, qwen3-tiny (per-head q/k norms, head_dim
+not hidden / heads) and llama-yarn-tiny (yarn frequencies and attention factor).
+llama-dynamic-tiny is not compared: kvgrid (and the reference) fix dynamic NTK scaling at
+original * factor positions as vLLM does, while transformers rescales per sequence length
+(plain RoPE up to the original length), so the two differ by design.
 
 Not part of CI: it needs torch and transformers, which the project does not depend on.
 Run it from a separate environment that has torch, transformers, numpy and safetensors:
@@ -29,7 +34,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "reference"))
 import numpy_llama  # noqa: E402
 
-MODELS = ["llama3-tiny", "qwen2-tiny"]
+MODELS = ["llama3-tiny", "qwen2-tiny", "qwen3-tiny", "llama-yarn-tiny"]
 
 
 def load_hf(model_dir, dtype, attn="eager"):
