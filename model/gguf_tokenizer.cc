@@ -11,6 +11,8 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "model/json_util.h"
@@ -249,6 +251,22 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
     KVGRID_ASSIGN_OR_RETURN(v.eos_id, special_id(kEosKey, 2, /*required=*/true));
   }
   KVGRID_ASSIGN_OR_RETURN(v.unk_id, special_id(kUnkKey, 0, /*required=*/false));
+  // llama.cpp gives Phi-3's matched tokens (by general.name) the RSTRIP attribute, as the
+  // tokenizer.json of those models marks them rstrip: all but <unk>, <s> and <|endoftext|>.
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<std::string> name,
+                          Optional(f.GetString("general.name")));
+  const std::string lower = absl::AsciiStrToLower(name.value_or(""));
+  if (absl::StrContains(lower, "phi-3") || absl::StrContains(lower, "phi3")) {
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t type = v.types[i];
+      const std::string& token = v.tokens[i];
+      const bool matched = type == kControl || type == kUserDefined || type == kUnknown;
+      if ((matched || token == "</s>") && token != "<unk>" && token != "<s>" &&
+          token != "<|endoftext|>") {
+        v.rstrip_ids.push_back(static_cast<int32_t>(i));
+      }
+    }
+  }
   return Tokenizer::FromSentencePiece(v, absl::StrCat(path, " (embedded tokenizer)"));
 }
 

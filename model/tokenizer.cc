@@ -489,8 +489,10 @@ struct Tokenizer::Impl {
   std::array<int32_t, 256> fallback_token{};  // id of each byte's "<0xXX>" token, or -1
   std::vector<float> scores;                  // kSentencePiece, by id
   bool add_space_prefix = false;              // kSentencePiece
-  // kSentencePiece: tokens matched in the text before merging, longest first (llama.cpp).
+  // kSentencePiece: tokens matched in the text before merging, longest first (llama.cpp),
+  // and whether each id strips ASCII whitespace after (1), before (2) or on both sides (3).
   std::vector<int32_t> partition_ids;
+  absl::flat_hash_map<int32_t, int> strip_sides;
 
   std::vector<NormalizerStep> normalizers;
   std::vector<PreTokenizerStep> pre_tokenizer;
@@ -1544,12 +1546,24 @@ void Tokenizer::Impl::EncodeSentencePiece(std::string_view raw, std::vector<int3
         next.push_back(f);
         continue;
       }
+      const auto strip = strip_sides.find(token_id);
+      const int sides = strip == strip_sides.end() ? 0 : strip->second;
+      const auto is_space = [](char c) {
+        return c == ' ' || c == '\t' || c == '\n' || c == '\v' || c == '\f' || c == '\r';
+      };
       size_t last = 0;
       for (size_t at = f.text.find(token); at != std::string_view::npos;
            at = f.text.find(token, last)) {
-        if (at > last) next.push_back({-1, f.text.substr(last, at - last)});
+        size_t left_end = at;
+        if (sides & 2) {
+          while (left_end > last && is_space(f.text[left_end - 1])) --left_end;
+        }
+        if (left_end > last) next.push_back({-1, f.text.substr(last, left_end - last)});
         next.push_back({token_id, f.text.substr(at, token.size())});
         last = at + token.size();
+        if (sides & 1) {
+          while (last < f.text.size() && is_space(f.text[last])) ++last;
+        }
       }
       if (last < f.text.size()) next.push_back({-1, f.text.substr(last)});
     }
@@ -1936,6 +1950,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(
       default:
         return invalid("token ", i, " has type ", v.types[i],
                        ", not a llama.cpp token type (0 to 6)");
+    }
+  }
+  for (const auto& [ids, side] : {std::pair{&v.rstrip_ids, 1}, std::pair{&v.lstrip_ids, 2}}) {
+    for (const int32_t id : *ids) {
+      if (id < 0 || static_cast<size_t>(id) >= n) {
+        return invalid("strip id ", id, " is not in the vocabulary of ", n, " tokens");
+      }
+      impl->strip_sides[id] |= side;
     }
   }
   std::stable_sort(impl->partition_ids.begin(), impl->partition_ids.end(),

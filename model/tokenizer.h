@@ -67,6 +67,10 @@ class Tokenizer {
     std::optional<int32_t> bos_id;    // added in front with add_special_tokens
     std::optional<int32_t> eos_id;    // appended with add_special_tokens
     std::optional<int32_t> unk_id;    // for a byte that has no token
+    // Ids of matched tokens that swallow the whitespace after them (llama.cpp's RSTRIP
+    // attribute; it sets it for Phi-3's special tokens) or before them (LSTRIP).
+    std::vector<int32_t> rstrip_ids;
+    std::vector<int32_t> lstrip_ids;
   };
   // Control, unknown and user-defined tokens written in the text are matched as tokens
   // (longest first, as llama.cpp with parse_special); control and unknown ones are special.

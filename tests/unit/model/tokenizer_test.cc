@@ -658,6 +658,20 @@ TEST(SentencePieceScoresTest, SpacePrefixSpecialsBytesAndDecode) {
   EXPECT_EQ(*tok.Decode(tok.Encode("<s>a"), /*skip_special_tokens=*/true), "a");
 }
 
+TEST(SentencePieceScoresTest, StripIdsSwallowAsciiWhitespace) {
+  Tokenizer::SentencePieceVocab v = SmallVocab();
+  v.rstrip_ids = {2};
+  v.lstrip_ids = {SpmId(v, "<t>")};
+  auto t = Tokenizer::FromSentencePiece(v, "v");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_THAT((*t)->Encode("a</s> \n a"), ElementsAre(SpmId(v, "▁a"), 2, SpmId(v, "▁a")));
+  EXPECT_THAT((*t)->Encode("a \t<t>a"), ElementsAre(SpmId(v, "▁a"), SpmId(v, "<t>"),
+                                                    SpmId(v, "▁a")));
+  v.rstrip_ids = {-1};
+  EXPECT_EQ(Tokenizer::FromSentencePiece(v, "v").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(SentencePieceScoresTest, BadVocabulariesAreRefused) {
   Tokenizer::SentencePieceVocab v = SmallVocab();
   v.scores.pop_back();
