@@ -136,6 +136,19 @@ def main():
                          f" (min margin {min(margins):.4f})")
                 ok &= same
             print(line)
+    # Dynamic NTK: the reference's fixed frequencies are transformers' own formula evaluated at
+    # a sequence of original * factor positions.
+    d = Path(args.fixtures) / "llama-dynamic-tiny"
+    if d.is_dir():
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        ref = numpy_llama.Model(d)
+        config = transformers.AutoConfig.from_pretrained(d)
+        length = config.max_position_embeddings * config.rope_scaling["factor"]
+        inv, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=int(length))
+        rel = np.max(np.abs(inv.double().numpy() - ref.inv_freq) / ref.inv_freq)
+        print(f"\nllama-dynamic-tiny: inv_freq vs transformers' dynamic at {int(length)} "
+              f"positions: max rel diff {rel:.2e}")
+        ok &= bool(rel < 1e-6)
     print("\nOK" if ok else "\nMISMATCH")
     return 0 if ok else 1
 
