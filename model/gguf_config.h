@@ -12,9 +12,12 @@ namespace kvgrid::model {
 
 // general.architecture llama, qwen2 or qwen3 (q/k norms) with its <arch>.* hyperparameters
 // (head_dim from attention.key_length, which value_length must equal); RoPE scaling from
-// <arch>.rope.scaling.type/factor/original_context_length (none, linear, yarn; yarn's beta and
-// attention factors when present) and the per-frequency divisors of rope_freqs.weight (Llama
-// 3.1); the context window extended as ModelConfig's is; vocab_size from
+// <arch>.rope.scaling.type/factor/original_context_length (none, linear, yarn) and the
+// per-frequency divisors of rope_freqs.weight (Llama 3.1); the context window extended as
+// ModelConfig's is. yarn's yarn_beta_fast/yarn_beta_slow/yarn_attn_factor keys, which
+// llama.cpp's converter copies from config.json, are honoured as transformers means them
+// (llama.cpp itself reads the betas only for some architectures and derives its own mscale),
+// and attn_factor multiplies the result as in llama.cpp; vocab_size from
 // token_embd.weight's rows; tie_word_embeddings when there is no output.weight;
 // attention_bias when blk.0.attn_q.bias exists; <arch>.attention.sliding_window, when present
 // and positive, on every layer; BOS/EOS from tokenizer.ggml.bos_token_id and

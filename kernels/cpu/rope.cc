@@ -65,6 +65,11 @@ absl::StatusOr<std::vector<double>> RopeInvFreq(const model::ModelConfig& config
                (2.0 * std::log(config.rope_theta));
       };
       double low = dim_of(s.beta_fast), high = dim_of(s.beta_slow);
+      if (!std::isfinite(low) || !std::isfinite(high)) {  // theta 1, or a degenerate context
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rope_scaling (yarn): no correction range for rope_theta ", config.rope_theta,
+            " and original_max_position_embeddings ", s.original_max_position_embeddings));
+      }
       if (s.truncate) {
         low = std::floor(low);
         high = std::ceil(high);

@@ -84,6 +84,9 @@ TEST(RopeYarnTest, RejectsBadParameters) {
   c = Yarn(4.0, 64);
   c.rope_scaling.beta_fast = 0.5;
   EXPECT_FALSE(RopeInvFreq(c).ok());
+  c = Yarn(4.0, 64);
+  c.rope_theta = 1.0;  // ln(theta) = 0: no correction range
+  EXPECT_FALSE(RopeInvFreq(c).ok());
 }
 
 TEST(RopeDynamicTest, BaseScaledForOriginalTimesFactor) {
