@@ -13,7 +13,9 @@
 // tokenizer.ggml.model "llama" (SentencePiece: Llama 2, Mistral, TinyLlama, CodeLlama, Phi-3)
 // is tokenized as llama.cpp does (Tokenizer::FromSentencePiece): tokenizer.ggml.scores drive
 // the merges, tokenizer.ggml.token_type says which tokens are matched in the text first,
-// tokenizer.ggml.add_space_prefix (default true) puts "▁" before text; ids equal llama.cpp's
+// tokenizer.ggml.add_space_prefix (default true) puts "▁" before text, and a general.name
+// naming Phi-3 makes its special tokens swallow the whitespace after them (llama.cpp's
+// RSTRIP); ids equal llama.cpp's
 // on its own test vocabularies (tests/reference/test_llama_cpp_vocab.py). Other models
 // (bert, t5, rwkv, ...) are refused.
 #ifndef KVGRID_MODEL_GGUF_TOKENIZER_H_

@@ -146,6 +146,10 @@ CONFIGS = {
                             decoder=decoders.Sequence([decoders.ByteFallback(),
                                                        decoders.Metaspace("▁", "never", True),
                                                        decoders.Fuse()])),
+    # A Split before Metaspace: "first" prepends only to the piece that starts the input.
+    "split-then-metaspace": dict(normalizer=None, pre_tokenizer=pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\d|[^\w\s]+"), behavior="isolated"),
+        metaspace("first", True)])),
     # No byte tokens: unknown characters become <unk>, fused or one per character.
     "unk-fused": dict(byte_fallback=False),
     "unk-unfused": dict(byte_fallback=False, fuse_unk=False),
