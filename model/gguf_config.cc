@@ -18,9 +18,10 @@ absl::Status ReadRopeScaling(const GgufFile& f, const std::string& arch, ModelCo
   const std::string path = f.path().string();
   const std::string key = arch + ".rope.scaling.";
   RopeScaling& s = c->rope_scaling;
-  std::string type = f.GetString(key + "type").value_or("none");
   double factor = f.GetFloat(key + "factor").value_or(0.0);
   if (factor == 0.0) factor = f.GetFloat(arch + ".rope.scale_linear").value_or(0.0);  // old name
+  // As in llama.cpp, a factor without a type is linear scaling.
+  std::string type = f.GetString(key + "type").value_or(factor != 0.0 ? "linear" : "none");
   if (type == "linear" && (factor == 0.0 || factor == 1.0)) type = "none";
   if (type == "none") {
     s.type = RopeScalingType::kNone;

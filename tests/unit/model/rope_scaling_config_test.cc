@@ -305,6 +305,13 @@ TEST(GgufRopeConfigTest, LinearAndUnsupportedTypes) {
   EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 2.0);
   EXPECT_EQ(c->max_position_embeddings, 8192);
 
+  gguf_test::GgufTestWriter untyped = Gguf("llama");  // llama.cpp: a bare factor is linear
+  untyped.F32("llama.rope.scaling.factor", 4.f);
+  c = FromGguf(untyped, "untyped.gguf");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->rope_scaling.type, RopeScalingType::kLinear);
+  EXPECT_DOUBLE_EQ(c->rope_scaling.factor, 4.0);
+
   gguf_test::GgufTestWriter lr = Gguf("llama");
   lr.String("llama.rope.scaling.type", "longrope");
   c = FromGguf(lr, "longrope.gguf");
