@@ -419,6 +419,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
   // otherwise it is derived, which needs an exact division.
   if (r.Has("head_dim")) {
     KVGRID_ASSIGN_OR_RETURN(config.head_dim, r.PositiveInt("head_dim"));
+  } else if (config.model_type == "qwen3") {
+    config.head_dim = 128;  // Qwen3Config's default, whatever hidden_size is
   } else {
     if (config.hidden_size % config.num_attention_heads != 0) {
       return r.Error("hidden_size",

@@ -184,8 +184,10 @@ class Model:
         self.n_layers = c["num_hidden_layers"]
         self.n_heads = c["num_attention_heads"]
         self.n_kv = c.get("num_key_value_heads", self.n_heads)
-        # Qwen3 and Mistral-Nemo state head_dim, which need not be hidden / heads.
-        self.head_dim = c.get("head_dim") or self.hidden // self.n_heads
+        # Qwen3 and Mistral-Nemo state head_dim, which need not be hidden / heads (Qwen3's
+        # config class defaults it to 128).
+        self.head_dim = c.get("head_dim") or (
+            128 if c.get("model_type") == "qwen3" else self.hidden // self.n_heads)
         self.eps = float(c.get("rms_norm_eps", 1e-6))
         self.vocab = c["vocab_size"]
         assert self.n_heads % self.n_kv == 0

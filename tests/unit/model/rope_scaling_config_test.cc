@@ -93,6 +93,11 @@ TEST(Qwen3ConfigTest, ModelTypeFromArchitectureAndDefaults) {
   EXPECT_TRUE(c->qk_norm);
   EXPECT_EQ(c->head_dim, 24);
   EXPECT_EQ(c->max_position_embeddings, 32768);
+  // Without head_dim, Qwen3's is transformers' default, not hidden / heads.
+  c = Parse(R"({"model_type": "qwen3", "vocab_size": 10, "hidden_size": 16,
+      "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->head_dim, 128);
   // Other families have no q/k norm.
   c = Parse(Llama(""));
   ASSERT_TRUE(c.ok()) << c.status();
