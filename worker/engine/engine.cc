@@ -126,7 +126,15 @@ Engine::Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
           .block_size = static_cast<int32_t>(options.block_size),
           .prefix_caching = options.enable_prefix_caching,
           .num_swap_slots = executor_->num_swap_blocks()}),
-      max_model_len_(max_model_len) {}
+      max_model_len_(max_model_len),
+      kv_window_(executor_->config().KvWindow()) {}
+
+int64_t Engine::WindowedBlocks(int64_t total, int64_t chunk) const {
+  const int64_t all = blocks_.BlocksFor(total);
+  if (kv_window_ <= 0) return all;
+  // Positions [c - window + 1, c + chunk) may start mid-block: one more block.
+  return std::min(all, blocks_.BlocksFor(kv_window_ - 1 + std::min(chunk, total)) + 1);
+}
 
 absl::Status Engine::AddRequest(GenerationRequest request) {
   if (request.id.empty()) return absl::InvalidArgumentError("request_id: must not be empty");
@@ -210,11 +218,14 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   const int64_t worst = request.stopping.max_new_tokens >= max_model_len_ - prompt_len
                             ? max_model_len_
                             : prompt_len + request.stopping.max_new_tokens;
-  if (blocks_.BlocksFor(worst) > blocks_.num_blocks()) {
+  // With a KV window a sequence holds the window and one step's tokens at most.
+  const int64_t worst_blocks = WindowedBlocks(worst, options_.max_num_batched_tokens);
+  if (worst_blocks > blocks_.num_blocks()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "prompt + max_new_tokens: the sequence may need ", worst, " tokens (",
-        blocks_.BlocksFor(worst), " KV blocks), the KV cache holds ", CapacityTokens(),
-        " tokens (", blocks_.num_blocks(), " blocks)"));
+        "prompt + max_new_tokens: the sequence may need ", worst, " tokens (", worst_blocks,
+        " KV blocks", kv_window_ > 0 ? absl::StrCat(" with its window of ", kv_window_) : "",
+        "), the KV cache holds ", CapacityTokens(), " tokens (", blocks_.num_blocks(),
+        " blocks)"));
   }
 
   auto seq = std::make_unique<Sequence>();
@@ -524,10 +535,15 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     const int64_t watermark_blocks =
         static_cast<int64_t>(options_.watermark * static_cast<double>(blocks_.num_blocks()));
     if (!running_.empty() &&
-        blocks_.num_free_blocks() - blocks_.BlocksFor(len) < watermark_blocks) {
+        blocks_.num_free_blocks() - WindowedBlocks(len, budget) < watermark_blocks) {
       break;
     }
-    absl::StatusOr<int64_t> cached = blocks_.Allocate(seq->seq_id, seq->tokens, len);
+    // A windowed sequence takes the cached blocks its window needs and blocks for the first
+    // chunk only; later chunks grow it in Schedule, and each step gives back what falls out
+    // of the window.
+    absl::StatusOr<int64_t> cached =
+        kv_window_ > 0 ? blocks_.AllocateWindowed(seq->seq_id, seq->tokens, kv_window_, budget)
+                       : blocks_.Allocate(seq->seq_id, seq->tokens, len);
     if (!cached.ok()) break;
     seq->num_computed = *cached;
     if (seq->cached_prompt_tokens < 0) {
@@ -604,6 +620,8 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
     seq.num_computed += seq.num_scheduled;
     seq.num_scheduled = 0;
     blocks_.CommitFullBlocks(seq.seq_id, seq.tokens, seq.num_computed);
+    // The next query, at num_computed, reads keys from num_computed - window + 1 on.
+    if (kv_window_ > 0) blocks_.ReleaseBefore(seq.seq_id, seq.num_computed - kv_window_ + 1);
     if (seq.num_computed < static_cast<int64_t>(seq.tokens.size())) {  // mid-prompt chunk
       ++it;
       continue;
@@ -715,6 +733,7 @@ EngineStats Engine::Stats() const {
   for (const auto& seq : running_) {
     const std::vector<int32_t>& table = blocks_.BlockTable(seq->seq_id);
     for (size_t i = 0; i < table.size(); ++i) {
+      if (table[i] == BlockManager::kHole) continue;
       const int64_t n = std::clamp<int64_t>(seq->num_computed - static_cast<int64_t>(i) * bs, 0, bs);
       int64_t& f = fill[table[i]];
       f = std::max(f, n);

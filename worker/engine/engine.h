@@ -18,6 +18,14 @@
 // floating-point differences between batch shapes (GEMV vs GEMM summation order), which only
 // matter at near-ties of the logits.
 //
+// Sliding-window models whose every layer slides (model::ModelConfig::KvWindow() > 0) keep a
+// sequence's KV bounded by the window: after each step the blocks wholly before the window of
+// its next query go back to the pool (BlockManager::ReleaseBefore), and admission reserves
+// only the first prefill chunk. A sequence then never holds more than
+// WindowedBlocks(chunk) blocks, which admission, the watermark and AddRequest's "can it ever
+// fit" check use instead of prompt + max_new_tokens. Models where only some layers slide
+// (Qwen2 with max_window_layers > 0) free nothing: one block id indexes every layer.
+//
 // Thread-safety: none; one thread drives an engine.
 #ifndef KVGRID_WORKER_ENGINE_ENGINE_H_
 #define KVGRID_WORKER_ENGINE_ENGINE_H_
@@ -240,6 +248,8 @@ class Engine {
   absl::Status KeepGroupAlive();
   [[nodiscard]] bool has_group() const { return options_.group != nullptr; }
   [[nodiscard]] int64_t max_model_len() const { return max_model_len_; }
+  // The window that bounds each sequence's KV (0: none; see the file comment).
+  [[nodiscard]] int64_t kv_window() const { return kv_window_; }
   [[nodiscard]] const BlockManager& block_manager() const { return blocks_; }
 
  private:
@@ -284,6 +294,11 @@ class Engine {
   // pool is dry; sets their num_scheduled and takes it from `*budget`.
   absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
+  // Blocks a sequence of `total` tokens (prompt + generated, at most) can hold at once when
+  // each step computes at most `chunk` of its tokens: with a KV window the blocks overlapping
+  // the window plus the chunk (a step computing [c, c + chunk) reads keys from c - window + 1),
+  // otherwise all of them.
+  [[nodiscard]] int64_t WindowedBlocks(int64_t total, int64_t chunk) const;
   [[nodiscard]] int64_t CapacityTokens() const {
     return static_cast<int64_t>(executor_->num_blocks()) * executor_->kv_geometry().block_size;
   }
@@ -298,6 +313,7 @@ class Engine {
   EngineOptions options_;
   BlockManager blocks_;
   int64_t max_model_len_;
+  int64_t kv_window_ = 0;  // the model's KvWindow()
   SeqList waiting_;
   SeqList running_;  // admission order: front is oldest
   SeqList swapped_;  // front: the most recently preempted, the first to come back
