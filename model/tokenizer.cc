@@ -14,12 +14,12 @@
 #include <sstream>
 #include <utility>
 
-#include "model/jinja/unicode.h"
-#include "model/json_util.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "model/jinja/unicode.h"
+#include "model/json_util.h"
 #include "nlohmann/json.hpp"
 #include "unicode/normalizer2.h"
 #include "unicode/uchar.h"
@@ -141,8 +141,7 @@ std::optional<char32_t> CharAt(std::string_view s, size_t pos) {
 }
 
 // Replaces every occurrence of `from` (non-empty) in `in` with `to`, appending to `out`.
-void ReplaceAll(std::string_view in, std::string_view from, std::string_view to,
-                std::string* out) {
+void ReplaceAll(std::string_view in, std::string_view from, std::string_view to, std::string* out) {
   size_t last = 0;
   for (size_t at = in.find(from); at != std::string_view::npos; at = in.find(from, last)) {
     out->append(in.substr(last, at - last));
@@ -173,9 +172,7 @@ std::optional<uint8_t> ByteTokenValue(std::string_view token) {
   return static_cast<uint8_t>(value);
 }
 
-std::string ByteTokenText(uint8_t b) {
-  return absl::StrFormat("<0x%02X>", b);
-}
+std::string ByteTokenText(uint8_t b) { return absl::StrFormat("<0x%02X>", b); }
 
 // ---------------------------------------------------------------------------------------
 // Byte-level alphabet: every byte gets a printable character so that BPE vocabularies can
@@ -312,9 +309,9 @@ struct NormalizerStep {
   enum class Kind { kNfc, kNfkc, kPrepend, kReplace };
   explicit NormalizerStep(Kind k) : kind(k) {}
   Kind kind;
-  std::string text;               // kPrepend: what to prepend; kReplace: the replacement
-  std::string literal;            // kReplace with a String pattern
-  std::unique_ptr<Regex> regex;   // kReplace with a Regex pattern
+  std::string text;              // kPrepend: what to prepend; kReplace: the replacement
+  std::string literal;           // kReplace with a String pattern
+  std::unique_ptr<Regex> regex;  // kReplace with a Regex pattern
 };
 
 // One decoder step of a SentencePiece-style file. Per-token steps come before the first
@@ -339,7 +336,7 @@ struct AddedToken {
   bool normalized;  // matched after the normalizer rather than on the raw text
   bool lstrip;
   bool rstrip;
-  bool single_word;  // only where no word character touches it
+  bool single_word;   // only where no word character touches it
   std::string match;  // what is matched: content, normalized when `normalized`
 };
 
@@ -546,8 +543,7 @@ struct Tokenizer::Impl {
   void FeedStep(IncrementalDetokenizer* d, size_t k, std::string_view token, bool raw_bytes,
                 std::string* out) const;
   void FlushRun(IncrementalDetokenizer* d, size_t k, bool raw_bytes, std::string* out) const;
-  void FeedText(IncrementalDetokenizer* d, size_t k, std::string_view text,
-                std::string* out) const;
+  void FeedText(IncrementalDetokenizer* d, size_t k, std::string_view text, std::string* out) const;
   absl::Status CheckId(int32_t id, size_t position) const;
 };
 
@@ -769,10 +765,9 @@ absl::Status ParseReplace(const FieldReader& r, const Json& j, absl::string_view
   const std::string pattern_path = absl::StrCat(path, ".pattern");
   const Json* pattern = FieldReader::Find(j, "pattern");
   const bool is_regex = pattern != nullptr && pattern->is_object() && pattern->contains("Regex");
-  const Json* text =
-      pattern != nullptr && pattern->is_object()
-          ? FieldReader::Find(*pattern, is_regex ? "Regex" : "String")
-          : nullptr;
+  const Json* text = pattern != nullptr && pattern->is_object()
+                         ? FieldReader::Find(*pattern, is_regex ? "Regex" : "String")
+                         : nullptr;
   if (text == nullptr) {
     return r.Error(pattern_path, "expected {\"String\": ...} or {\"Regex\": ...}");
   }
@@ -1156,9 +1151,9 @@ absl::Status ParsePostProcessor(const FieldReader& r, const Json& j, absl::strin
 // ---------------------------------------------------------------------------------------
 // Encoding.
 
-void Tokenizer::Impl::SplitAdded(const TokenTrie& trie, std::string_view text,
-                                 std::vector<int32_t>* ids,
-                                 const std::function<void(std::string_view, size_t)>& on_gap) const {
+void Tokenizer::Impl::SplitAdded(
+    const TokenTrie& trie, std::string_view text, std::vector<int32_t>* ids,
+    const std::function<void(std::string_view, size_t)>& on_gap) const {
   if (trie.empty()) {
     if (!text.empty()) on_gap(text, 0);
     return;
@@ -1464,8 +1459,7 @@ void Tokenizer::Impl::InitialChars(std::string_view piece, std::vector<int32_t>*
 // Applies merges by rank: always the lowest-ranked adjacent pair next, leftmost first among
 // equals. Symbols form a linked list; a heap holds candidate pairs, and candidates made
 // stale by an earlier merge are dropped when popped.
-void Tokenizer::Impl::MergeSymbols(std::vector<int32_t> initial,
-                                   std::vector<int32_t>* ids) const {
+void Tokenizer::Impl::MergeSymbols(std::vector<int32_t> initial, std::vector<int32_t>* ids) const {
   struct Symbol {
     int32_t id;  // -1 once merged into its left neighbour
     int32_t prev;
@@ -1608,8 +1602,8 @@ void Tokenizer::Impl::MergeByScore(std::string_view text, std::vector<int32_t>* 
   static constexpr size_t kLeadLength[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 3, 4};
   std::vector<Symbol> symbols;
   for (size_t offset = 0; offset < text.size();) {
-    const size_t len = std::min(kLeadLength[static_cast<uint8_t>(text[offset]) >> 4],
-                                text.size() - offset);
+    const size_t len =
+        std::min(kLeadLength[static_cast<uint8_t>(text[offset]) >> 4], text.size() - offset);
     const auto index = static_cast<int32_t>(symbols.size());
     symbols.push_back({offset, len, index - 1, index + 1});
     offset += len;
@@ -1861,8 +1855,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
   status = ParseDecoder(r, *decoder, "decoder", impl.get(), &byte_level_decoder, &other_decoder);
   if (!status.ok()) return status;
   if (byte_level && other_decoder) {
-    return r.Error("decoder", "a byte-level file (ByteLevel pre-tokenizer) decodes with ByteLevel "
-                              "only");
+    return r.Error("decoder",
+                   "a byte-level file (ByteLevel pre-tokenizer) decodes with ByteLevel "
+                   "only");
   }
   if (!byte_level && byte_level_decoder) {
     return r.Error("pre_tokenizer",
@@ -1905,8 +1900,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
   return std::unique_ptr<Tokenizer>(new Tokenizer(std::move(impl)));
 }
 
-absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(
-    const SentencePieceVocab& v, std::string_view source) {
+absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromSentencePiece(const SentencePieceVocab& v,
+                                                                        std::string_view source) {
   const auto invalid = [&source](auto&&... parts) {
     return absl::InvalidArgumentError(absl::StrCat(Sv(source), ": ", parts...));
   };

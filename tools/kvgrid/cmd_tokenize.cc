@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "model/json_util.h"
 #include "absl/strings/str_cat.h"
 #include "model/gguf.h"
 #include "model/gguf_tokenizer.h"
+#include "model/json_util.h"
 #include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tools/kvgrid/commands.h"
@@ -86,7 +86,8 @@ int TokenizeCommand(Args& args) {
   for (int64_t number = 1; std::getline(std::cin, line); ++number) {
     const std::string where = absl::StrCat("stdin line ", number, ": ");
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    if (!model::CheckJsonDepth(line, "stdin", 4).ok()) return Fail(where + "JSON nested too deeply");
+    if (!model::CheckJsonDepth(line, "stdin", 4).ok())
+      return Fail(where + "JSON nested too deeply");
     nlohmann::json input = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (input.is_discarded()) return Fail(where + "not valid JSON");
     if (!*decode) {

@@ -363,8 +363,8 @@ TEST(IncrementalDetokenizerTest, SpecialTokensAndBadIds) {
 // Llama 2's layout: <unk> 0, <s> 1, </s> 2, the byte tokens <0x00>..<0xFF> at 3..258, then
 // the pieces below from kPiece on.
 constexpr int32_t kPiece = 259;
-const std::vector<std::string> kPieces = {"▁", "h", "e", "l", "o", "w", "r", "d", "▁h",
-                                          "ll", "▁he", "▁hell", "▁hello", "<x>"};
+const std::vector<std::string> kPieces = {"▁", "h",  "e",  "l",   "o",     "w",      "r",
+                                          "d", "▁h", "ll", "▁he", "▁hell", "▁hello", "<x>"};
 int32_t Piece(const std::string& p) {
   for (size_t i = 0; i < kPieces.size(); ++i) {
     if (kPieces[i] == p) return kPiece + static_cast<int32_t>(i);
@@ -408,7 +408,8 @@ struct SpmSpec {
         "type": "TemplateProcessing",
         "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
         "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
-        "decoder": )" + decoder + R"(, "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": )" +
+        "decoder": )" +
+           decoder + R"(, "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": )" +
            (byte_fallback ? "true" : "false") + ", \"fuse_unk\": " + (fuse_unk ? "true" : "false") +
            ", \"vocab\": {" + vocab +
            R"(}, "merges": ["▁ h", "l l", "▁h e", "▁he ll", "▁hell o"]}})";
@@ -471,17 +472,25 @@ TEST(SentencePieceTest, ByteRunsAreHeldAndInvalidRunsReplacedPerByte) {
   EXPECT_EQ(*detok.Push(Piece("▁h")), "h");
   EXPECT_EQ(*detok.Push(ByteId(0xE2)), "");  // '€' is E2 82 AC
   EXPECT_EQ(*detok.Push(ByteId(0x82)), "");
-  EXPECT_EQ(*detok.Push(ByteId(0xAC)), "");   // the run may go on
-  EXPECT_EQ(*detok.Push(Piece("e")), "\u20ac" "e");
+  EXPECT_EQ(*detok.Push(ByteId(0xAC)), "");  // the run may go on
+  EXPECT_EQ(*detok.Push(Piece("e")),
+            "\u20ac"
+            "e");
   EXPECT_EQ(*detok.Push(ByteId(0xF0)), "");
   EXPECT_EQ(*detok.Push(ByteId(0x9F)), "");
   EXPECT_EQ(detok.Finish(), "\xEF\xBF\xBD\xEF\xBF\xBD");  // not UTF-8: one U+FFFD per byte
   const std::vector<int32_t> broken = {ByteId(0xF0), ByteId(0x9F), Piece("e")};
-  EXPECT_EQ(*t->Decode(broken), "\xEF\xBF\xBD\xEF\xBF\xBD" "e");
-  EXPECT_EQ(*t->DecodeBytes(broken), "\xF0\x9F" "e");
+  EXPECT_EQ(*t->Decode(broken),
+            "\xEF\xBF\xBD\xEF\xBF\xBD"
+            "e");
+  EXPECT_EQ(*t->DecodeBytes(broken),
+            "\xF0\x9F"
+            "e");
   // A valid run is one character even when a wrong byte follows later in another run.
   const std::vector<int32_t> ok = {ByteId(0xC3), ByteId(0xA9), Piece("e"), ByteId(0xFF)};
-  EXPECT_EQ(*t->Decode(ok), "\u00e9" "e\xEF\xBF\xBD");
+  EXPECT_EQ(*t->Decode(ok),
+            "\u00e9"
+            "e\xEF\xBF\xBD");
   EXPECT_EQ(Stream(*t, ok), *t->Decode(ok));
 }
 
@@ -506,8 +515,8 @@ TEST(SentencePieceTest, MetaspacePrependSchemes) {
   ASSERT_NE(first, nullptr);
   EXPECT_THAT(first->Encode("hello"), ElementsAre(Piece("▁hello")));
   // "first": only where the text starts the input, not after a special token.
-  EXPECT_THAT(first->Encode("<s>hello"), ElementsAre(1, Piece("h"), Piece("e"), Piece("ll"),
-                                                     Piece("o")));
+  EXPECT_THAT(first->Encode("<s>hello"),
+              ElementsAre(1, Piece("h"), Piece("e"), Piece("ll"), Piece("o")));
   spec.pre_tokenizer =
       R"({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true})";
   auto always = LoadSpm(spec);
@@ -573,7 +582,8 @@ TEST(SentencePieceTest, UnsupportedDecodersAndBadFields) {
       {"type": "Replace", "pattern": {"String": "a"}, "content": "b"}]})";
   auto status = Tokenizer::FromJson(spec.Json(), "spm.json").status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(status.message(), HasSubstr("spm.json: decoder.decoders[1].type: 'Replace' after Fuse"));
+  EXPECT_THAT(status.message(),
+              HasSubstr("spm.json: decoder.decoders[1].type: 'Replace' after Fuse"));
   spec = SpmSpec();
   spec.decoder = R"({"type": "ByteLevel"})";
   EXPECT_THAT(Tokenizer::FromJson(spec.Json(), "spm.json").status().message(),
@@ -665,8 +675,8 @@ TEST(SentencePieceScoresTest, StripIdsSwallowAsciiWhitespace) {
   auto t = Tokenizer::FromSentencePiece(v, "v");
   ASSERT_TRUE(t.ok()) << t.status();
   EXPECT_THAT((*t)->Encode("a</s> \n a"), ElementsAre(SpmId(v, "▁a"), 2, SpmId(v, "▁a")));
-  EXPECT_THAT((*t)->Encode("a \t<t>a"), ElementsAre(SpmId(v, "▁a"), SpmId(v, "<t>"),
-                                                    SpmId(v, "▁a")));
+  EXPECT_THAT((*t)->Encode("a \t<t>a"),
+              ElementsAre(SpmId(v, "▁a"), SpmId(v, "<t>"), SpmId(v, "▁a")));
   v.rstrip_ids = {-1};
   EXPECT_EQ(Tokenizer::FromSentencePiece(v, "v").status().code(),
             absl::StatusCode::kInvalidArgument);
