@@ -202,3 +202,50 @@ def test_tensor_parallel_size_that_does_not_split(llama_dir):
     assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--tp", 3),
                          "--tp", "num_attention_heads")
     assert_clean_failure(run("--model", llama_dir, "--memory", "24GiB", "--tp", 0), "--tp")
+
+
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "sliding_window": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+# Per layer q, o 4096^2, k, v 4096*1024, mlp 3*4096*14336, norms; embeddings and lm_head.
+MISTRAL_7B_PARAMS = 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) \
+    + 4096 + 2 * 32000 * 4096
+
+
+def test_sliding_window_bounds_sequences_by_the_window(tmp_path):
+    d = tmp_path / "mistral-7b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(MISTRAL_7B))
+    by_dtype, _ = plan_json("--model", d, "--memory", "24GiB", "--context", 32768,
+                            "--max-num-batched-tokens", 512)
+    fp16 = by_dtype["fp16"]
+    blocks = (24 * GIB - 2 * MISTRAL_7B_PARAMS) // (16 * 131072)
+    assert fp16["blocks"] == blocks
+    assert fp16["kv_window"] == 4096
+    assert fp16["prefill_chunk"] == 512
+    # The window and a 512-token step: ceil((4095 + 512) / 16) + 1 blocks, not 32768 / 16.
+    assert fp16["blocks_per_sequence"] == 289
+    assert fp16["max_sequences"] == blocks // 289
+    assert fp16["max_context"] == 32768  # not bounded by the KV cache
+    text = run("--model", d, "--memory", "24GiB", "--context", 32768).stdout
+    assert "sliding window 4096 on every layer" in text
+    # Without the window the same model holds whole contexts.
+    (d / "config.json").write_text(json.dumps(dict(MISTRAL_7B, sliding_window=None)))
+    by_dtype, _ = plan_json("--model", d, "--memory", "24GiB", "--context", 32768)
+    assert by_dtype["fp16"]["blocks_per_sequence"] == 2048
+    assert by_dtype["fp16"]["kv_window"] == 0
+    assert by_dtype["fp16"]["max_context"] == by_dtype["fp16"]["max_tokens"]
+    # Qwen2 sliding only on layers >= max_window_layers: nothing can be freed.
+    qwen = dict(MISTRAL_7B, model_type="qwen2", use_sliding_window=True, max_window_layers=16)
+    (d / "config.json").write_text(json.dumps(qwen))
+    by_dtype, _ = plan_json("--model", d, "--memory", "24GiB", "--context", 32768)
+    assert by_dtype["fp16"]["kv_window"] == 0
+    assert by_dtype["fp16"]["blocks_per_sequence"] == 2048
+    assert "some layers only" in run("--model", d, "--memory", "24GiB").stdout
+    assert_clean_failure(run("--model", d, "--memory", "24GiB", "--max-num-batched-tokens", 0),
+                         "--max-num-batched-tokens")

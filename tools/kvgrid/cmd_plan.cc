@@ -28,7 +28,7 @@ namespace {
 constexpr char kHelp[] =
     "usage: kvgrid plan [--model DIR|config.json|model.gguf] --memory 24GiB [--context N]\n"
     "                   [--weight-dtype auto|fp32|bf16|fp16|q8_0|q4_0|q4_1] [--block-size 8|16|32]\n"
-    "                   [--tp T] [--json]\n"
+    "                   [--tp T] [--max-num-batched-tokens 8192] [--json]\n"
     "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values, fp8_e4m3): bytes per\n"
     "token, max tokens and max concurrent sequences at --context (default: the model's\n"
     "max_position_embeddings), in what --memory leaves after the weights.\n"
@@ -42,6 +42,10 @@ constexpr char kHelp[] =
     "--tensor-parallel-size shards: heads, KV heads and MLP columns split, KV heads replicated\n"
     "when T exceeds them, the vocabulary split when T divides it); a card holds its share of\n"
     "the weights and of every token's KV, so the token and sequence figures are the group's.\n"
+    "Sliding-window models whose every layer slides (Mistral) hold only the window and one\n"
+    "step's tokens (--max-num-batched-tokens) per sequence: max sequences counts such\n"
+    "sequences and the context is not bounded by the KV cache. Models where only some layers\n"
+    "slide (Qwen2 with max_window_layers) free nothing and are planned as full attention.\n"
     "--json: one JSON object per dtype per line.\n";
 
 // A GGUF file's weights as stored: every tensor's bytes (quantized blocks at their size).
@@ -66,7 +70,13 @@ absl::Status Plan(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> block_size_flag, args.GetInt("block-size"));
   KVGRID_ASSIGN_OR_RETURN(const bool json, args.GetBool("json", false));
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> tp_flag, args.GetInt("tp"));
+  KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> chunk_flag, args.GetInt("max-num-batched-tokens"));
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  const int64_t prefill_chunk = chunk_flag.value_or(8192);
+  if (prefill_chunk < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-num-batched-tokens: must be >= 1, got ", prefill_chunk));
+  }
 
   if (!memory_flag) {
     return absl::InvalidArgumentError("--memory: required (the device memory budget, e.g. 24GiB)");
@@ -127,7 +137,7 @@ absl::Status Plan(Args& args) {
         absl::StrCat("--weight-dtype: ", std::string(weights.status().message())));
   }
   absl::StatusOr<std::vector<worker::KvPlanRow>> rows =
-      worker::PlanKvCapacity(shard, memory, context, block_size, *weights);
+      worker::PlanKvCapacity(shard, memory, context, block_size, *weights, prefill_chunk);
   if (!rows.ok()) {
     // Flags were validated above: what is left is weights that do not fit.
     return absl::InvalidArgumentError(
@@ -154,6 +164,9 @@ absl::Status Plan(Args& args) {
       j["weight_bytes"] = r.weight_bytes;
       j["kv_budget_bytes"] = r.kv_budget_bytes;
       j["tensor_parallel_size"] = tp;
+      j["kv_window"] = r.kv_window;
+      j["prefill_chunk"] = r.prefill_chunk;
+      j["max_context"] = r.max_context;
       std::printf("%s\n", j.dump().c_str());
     }
     return absl::OkStatus();
@@ -185,6 +198,17 @@ absl::Status Plan(Args& args) {
               static_cast<long long>(context), static_cast<long long>(first.blocks_per_sequence),
               static_cast<long long>(block_size),
               context > config.max_position_embeddings ? " (beyond max_position_embeddings)" : "");
+  if (first.kv_window > 0) {
+    std::printf("sliding window %lld on every layer: a sequence holds at most %lld blocks (the\n"
+                "window and a step of %lld tokens); the context is not bounded by the KV cache\n\n",
+                static_cast<long long>(first.kv_window),
+                static_cast<long long>(first.blocks_per_sequence),
+                static_cast<long long>(prefill_chunk));
+  } else if (config.sliding_window > 0) {
+    std::printf("sliding window %lld on some layers only: nothing is freed (one block id\n"
+                "indexes every layer), planned as full attention\n\n",
+                static_cast<long long>(config.sliding_window));
+  }
   std::printf("%-12s %14s %10s %12s %14s\n", "kv dtype", "bytes/token", "blocks", "max tokens",
               "max sequences");
   for (const worker::KvPlanRow& r : *rows) {
