@@ -559,8 +559,10 @@ absl::Status ParseModel(const FieldReader& r, const Json& root, Tokenizer::Impl*
     auto t = r.String(*type, "model.type");
     if (!t.ok()) return t.status();
     if (*t != "BPE") {
-      return r.Error("model.type",
-                     absl::StrCat("'", *t, "' is not supported; only byte-level BPE is"));
+      return r.Error(
+          "model.type",
+          absl::StrCat("'", *t,
+                       "' is not supported; only BPE is (byte-level or SentencePiece-style)"));
     }
   }
 
