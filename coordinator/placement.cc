@@ -23,11 +23,21 @@ int64_t WorstCaseTokens(const Candidate& c, const PlacementRequest& r) {
   return r.prompt_tokens + r.max_new_tokens;
 }
 
+int64_t WorstCaseBlocks(const Candidate& c, const PlacementRequest& r) {
+  const int64_t tokens = WorstCaseTokens(c, r);
+  const int64_t all = BlocksFor(tokens, c.block_size);
+  if (c.kv_window <= 0) return all;
+  // A worker that did not say its chunk: assume a whole prompt in one step.
+  const int64_t chunk = c.prefill_chunk > 0 ? c.prefill_chunk : tokens;
+  return std::min(all, BlocksFor(c.kv_window - 1 + std::min(chunk, tokens), c.block_size) + 1);
+}
+
 absl::StatusOr<size_t> ChooseWorker(std::span<const Candidate> candidates,
                                     const PlacementRequest& request) {
   bool any_live = false;
   bool any_holds = false;
   int64_t largest_tokens = 0, largest_blocks = 0, needed_tokens = 0, needed_blocks = 0;
+  int64_t needed_window = 0;
   int64_t best = -1;
   std::tuple<bool, int64_t, int64_t, int64_t> best_key;
   for (size_t i = 0; i < candidates.size(); ++i) {
@@ -35,12 +45,13 @@ absl::StatusOr<size_t> ChooseWorker(std::span<const Candidate> candidates,
     if (!c.live) continue;
     any_live = true;
     const int64_t tokens = WorstCaseTokens(c, request);
-    const int64_t need = BlocksFor(tokens, c.block_size);
+    const int64_t need = WorstCaseBlocks(c, request);
     if (c.blocks_total * c.block_size > largest_tokens) {
       largest_tokens = c.blocks_total * c.block_size;
       largest_blocks = c.blocks_total;
       needed_tokens = tokens;
       needed_blocks = need;
+      needed_window = c.kv_window;
     }
     if (need > c.blocks_total) continue;
     any_holds = true;
@@ -57,7 +68,9 @@ absl::StatusOr<size_t> ChooseWorker(std::span<const Candidate> candidates,
   if (!any_holds) {
     return absl::InvalidArgumentError(absl::StrCat(
         "prompt + max_new_tokens: the sequence may need ", needed_tokens, " tokens (",
-        needed_blocks, " KV blocks); the largest KV pool of a live worker group holds ",
+        needed_blocks, " KV blocks",
+        needed_window > 0 ? absl::StrCat(" with its window of ", needed_window) : "",
+        "); the largest KV pool of a live worker group holds ",
         largest_tokens, " tokens (", largest_blocks, " blocks)"));
   }
   if (best < 0) {

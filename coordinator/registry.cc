@@ -141,6 +141,8 @@ absl::StatusOr<WorkerRegistry::Placement> WorkerRegistry::Place(
         .in_flight = e.in_flight,
         .max_num_seqs = std::max(1, e.info.max_num_seqs()),
         .prefix_blocks = prefix,
+        .kv_window = e.info.capacity().kv_window(),
+        .prefill_chunk = e.info.capacity().max_num_batched_tokens(),
     });
     entries.push_back(&e);
   }
@@ -155,10 +157,8 @@ absl::StatusOr<WorkerRegistry::Placement> WorkerRegistry::Place(
   Entry& e = *entries[*chosen];
   const Candidate& c = candidates[*chosen];
   ++e.in_flight;
-  e.blocks_promised += (WorstCaseTokens(c, {.prompt_tokens = static_cast<int64_t>(prompt.size()),
-                                            .max_new_tokens = max_new_tokens}) +
-                        c.block_size - 1) /
-                       c.block_size;
+  e.blocks_promised += WorstCaseBlocks(c, {.prompt_tokens = static_cast<int64_t>(prompt.size()),
+                                           .max_new_tokens = max_new_tokens});
   ++tick_;
   for (uint64_t h : BlockHashes(prompt, c.block_size)) e.prefixes[h] = tick_;
   if (e.prefixes.size() > kAffinityEntries) {

@@ -760,6 +760,7 @@ EngineStats Engine::Stats() const {
   st.cow_copies = bm.cow_copies;
   st.swap_blocks_total = bm.swap_slots_total;
   st.swap_blocks_used = bm.swap_slots_used;
+  st.kv_window = kv_window_;
   return st;
 }
 

@@ -194,6 +194,7 @@ struct EngineStats {
   int64_t cow_copies = 0;
   int32_t swap_blocks_total = 0;
   int32_t swap_blocks_used = 0;
+  int64_t kv_window = 0;          // Engine::kv_window(): the window bounding each sequence
 };
 
 // The CPU executor's pool and swap space as `options` size them.

@@ -1,6 +1,7 @@
 #include "worker/service/convert.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "kernels/kv_dtype.h"
@@ -121,6 +122,9 @@ v1::KvCapacity CapacityToProto(const EngineStats& stats, const EngineOptions& op
   c.set_k_dtype(std::string(kernels::KvDTypeName(options.k_dtype)));
   c.set_v_dtype(std::string(kernels::KvDTypeName(options.v_dtype)));
   c.set_max_model_len(static_cast<int32_t>(max_model_len));
+  c.set_kv_window(static_cast<int32_t>(stats.kv_window));
+  c.set_max_num_batched_tokens(static_cast<int32_t>(
+      std::min<int64_t>(options.max_num_batched_tokens, std::numeric_limits<int32_t>::max())));
   return c;
 }
 

@@ -75,5 +75,41 @@ TEST(PlacementTest, FullQueuesAreResourceExhaustedAndNoLiveWorkerIsUnavailable) 
             absl::StatusCode::kUnavailable);
 }
 
+// A group whose model slides every layer holds a sequence's window plus one prefill chunk,
+// however long it runs: placement sizes it so, not by prompt + max_new_tokens.
+TEST(PlacementTest, SlidingWindowGroupsAreSizedByTheWindow) {
+  Candidate window = Worker("window", 20, 20);
+  window.max_model_len = 32768;
+  window.kv_window = 4096 / 16;  // 256 tokens
+  window.prefill_chunk = 64;
+  Candidate full = Worker("full", 20, 20);
+  full.max_model_len = 32768;
+  const PlacementRequest r{.prompt_tokens = 1000, .max_new_tokens = 9000};
+  EXPECT_EQ(WorstCaseBlocks(full, r), 625);
+  EXPECT_EQ(WorstCaseBlocks(window, r), 21);  // ceil((255 + 64) / 16) + 1
+  window.prefill_chunk = 32;
+  EXPECT_EQ(WorstCaseBlocks(window, r), 19);  // ceil((255 + 32) / 16) + 1
+  // Never more than the whole sequence.
+  EXPECT_EQ(WorstCaseBlocks(window, {.prompt_tokens = 20, .max_new_tokens = 10}), 2);
+  std::vector<Candidate> c = {full, window};
+  auto chosen = ChooseWorker(c, r);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  EXPECT_EQ(c[*chosen].worker_id, "window");
+  // The full-attention group alone cannot ever hold it.
+  std::vector<Candidate> only_full = {full};
+  EXPECT_EQ(ChooseWorker(only_full, r).status().code(), absl::StatusCode::kInvalidArgument);
+  // Nor a windowed pool smaller than the window; the message says the window.
+  window.blocks_total = window.blocks_free = 10;
+  std::vector<Candidate> small = {window};
+  auto refused = ChooseWorker(small, r);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.status().message()).find("19 KV blocks with its window of 256"),
+            std::string::npos)
+      << refused.status();
+  // A worker that did not report its chunk counts the whole sequence as one step.
+  window.prefill_chunk = 0;
+  EXPECT_EQ(WorstCaseBlocks(window, {.prompt_tokens = 100, .max_new_tokens = 100}), 13);
+}
+
 }  // namespace
 }  // namespace kvgrid::coordinator
