@@ -1,0 +1,50 @@
+"""A K-quant GGUF model on the CUDA path, on the CUDA emulator (tests/cuda_emu): a worker
+with `--device cuda` serving the trained model in Q6_K (tools/make_kquant_gguf.py: embedding,
+q/k/v/o, gate/up and head in Q6_K blocks, uploaded as the CPU holds them and decoded inside the
+quantized GEMV/GEMM kernels) gives the greedy tokens `kvgrid run` gives on the CPU for the
+same file."""
+
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import MODEL_DIR, SOURCE_DIR, bin_dir
+from .test_tensor_parallel import run_json
+
+pytest.importorskip("gguf")
+
+PROMPT_IDS = [258, 900, 44, 267, 309]
+CUDA_FLAGS = ["--device", "cuda", "--dtype", "fp32", "--kv-cache-dtype", "fp32",
+              "--kv-cache-memory", "64MiB"]
+
+
+@pytest.fixture(autouse=True)
+def emulated_plugin(monkeypatch):
+    plugin = bin_dir() / "libkvgrid_cuda_plugin_emu.so"
+    if not plugin.exists():
+        pytest.skip(f"{plugin} not built (the CUDA toolkit's headers were not found)")
+    monkeypatch.setenv("KVGRID_CUDA_PLUGIN", str(plugin))
+
+
+@pytest.fixture(scope="module")
+def q6_k_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q6_k")
+    f32, q6 = d / "f32.gguf", d / "kjv-tiny-q6_k.gguf"
+    subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "export_gguf.py"), "--model",
+                    str(MODEL_DIR), "--out", str(f32)], check=True)
+    subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "make_kquant_gguf.py"), "--src",
+                    str(f32), "--out", str(q6)], check=True)
+    return q6
+
+
+def test_q6_k_gguf_on_the_emulated_card_gives_the_cpu_tokens(cluster, q6_k_model):
+    want = run_json(q6_k_model, "--prompt-ids", ",".join(map(str, PROMPT_IDS)), "--temperature",
+                    0, "--max-new-tokens", 16, "--ignore-eos")["token_ids"]
+    c = cluster(workers=0, model_dir=q6_k_model)
+    w = c.add_worker(CUDA_FLAGS)
+    c.wait_serving(1)
+    got = c.client.generate_text(prompt_token_ids=PROMPT_IDS, max_new_tokens=16, temperature=0,
+                                 ignore_eos=True)
+    assert list(got.token_ids) == want
+    assert "kvgrid CUDA emulator" in w.log(), w.describe()
