@@ -13,6 +13,10 @@ builds llama.cpp, minutes on two cores). Run it from an environment that has it,
     /path/to/venv/bin/python3 tools/check_gguf_vs_llama_cpp.py --fixtures /tmp/fixtures \\
         --kvgrid build/bin/kvgrid
 
+With --llama-cpp-dir (a llama.cpp source tree) the GGUF files come from llama.cpp's own
+converter, convert_hf_to_gguf.py (which needs torch, transformers and sentencepiece besides),
+instead of tools/export_gguf.py.
+
 Both sides run fp32 weights and an fp32 KV cache (llama.cpp's type_k/type_v F32, no flash
 attention); for every model and prompt of numpy_llama.CASES it prints the largest absolute
 difference of the last position's logits and whether the top-1 tokens agree, and exits
@@ -21,6 +25,7 @@ non-zero when a difference exceeds --tol or a top-1 differs.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -49,14 +54,23 @@ def main():
     ap.add_argument("--fixtures", required=True, help="directory with the fixture models")
     ap.add_argument("--kvgrid", default=str(ROOT / "build" / "bin" / "kvgrid"))
     ap.add_argument("--tol", type=float, default=2e-4)
+    ap.add_argument("--llama-cpp-dir", help="convert with this tree's convert_hf_to_gguf.py")
     args = ap.parse_args()
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             d = Path(args.fixtures) / name
             path = Path(tmp) / f"{name}.gguf"
-            subprocess.run([sys.executable, str(ROOT / "tools" / "export_gguf.py"), "--model",
-                            str(d), "--out", str(path), "--type", "f32"], check=True)
+            if args.llama_cpp_dir:
+                src = Path(args.llama_cpp_dir)
+                subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(d),
+                                "--outfile", str(path), "--outtype", "f32"], check=True,
+                               env={**os.environ, "PYTHONPATH": str(src / "gguf-py")},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            else:
+                subprocess.run([sys.executable, str(ROOT / "tools" / "export_gguf.py"),
+                                "--model", str(d), "--out", str(path), "--type", "f32"],
+                               check=True)
             llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256,
                                   logits_all=True, n_threads=2, verbose=False,
                                   type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False)
