@@ -55,11 +55,14 @@ __device__ __forceinline__ int ColumnOf(int sub, int e) {
   }
 }
 
-// IQ4_NL's levels (kernels/cpu/ggml_blocks.cc).
+// IQ4_NL's levels (kernels/cpu/ggml_blocks.cc: -127, -104, -83, -65, -49, -35, -22, -10, 1,
+// 13, 25, 38, 53, 69, 89, 113) as int8 bytes of two 64-bit constants, picked by shifts: a table
+// indexed by a runtime nibble would live in local memory (a stack frame per thread).
 __device__ __forceinline__ float Iq4NlLevel(unsigned q) {
-  constexpr int8_t kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                  1,    13,   25,  38,  53,  69,  89,  113};
-  return static_cast<float>(kLevels[q & 0xfu]);
+  constexpr unsigned long long kLow = 0xf6eaddcfbfad9881ull, kHigh = 0x7159453526190d01ull;
+  const unsigned i = q & 0xfu;
+  const unsigned long long bytes = i < 8 ? kLow : kHigh;
+  return static_cast<float>(static_cast<int8_t>((bytes >> (8 * (i & 7u))) & 0xffu));
 }
 
 // Q4_K's and Q5_K's 6-bit scale and minimum of group j (0..7) from the 12 scale bytes.
