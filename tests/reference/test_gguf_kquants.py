@@ -121,3 +121,20 @@ def test_llama_quantize_output_decodes_as_gguf_quants(kvgrid_exe, tmp_path, ftyp
         want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
         assert_bits_equal(dump(kvgrid_exe, out, t.name), want, f"{ftype} {t.name}")
     assert "Q6_K" in seen, seen
+
+
+def test_unsupported_type_is_refused_naming_the_tensor(kvgrid_exe, tmp_path):
+    # IQ2_XXS (ggml type 16) needs a lattice table kvgrid does not have.
+    path = tmp_path / "iq2.gguf"
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    block, size = gguf.GGML_QUANT_SIZES[Q.IQ2_XXS]
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((2, size), np.uint8), raw_dtype=Q.IQ2_XXS)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    r = subprocess.run([str(kvgrid_exe), "gguf-info", "--file", str(path)], capture_output=True,
+                       text=True)
+    assert r.returncode != 0
+    assert "blk.0.ffn_up.weight" in r.stderr and "ggml type 16" in r.stderr, r.stderr
+    assert "Q4_K" in r.stderr  # the message lists what kvgrid reads
