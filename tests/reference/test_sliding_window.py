@@ -10,8 +10,13 @@ window as it goes, so these runs also check that the kernels never read a freed 
     reference that rounds K/V to the same formats (kernels/cpu/kv_quant.h's definitions,
     written again here in numpy);
   * `kvgrid run` through the engine, with chunked prefill and a KV cache too small for the
-    sequence without the window, continues greedily token for token as the reference does.
+    sequence without the window, continues greedily token for token as the reference does;
+  * with only some layers sliding (max_window_layers), each layer gets its own mask and the
+    plan bounds nothing by the window.
 """
+
+import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -185,3 +190,34 @@ def test_engine_greedy_with_chunked_prefill_in_a_small_pool(fixtures_dir, kvgrid
                  "--kv-cache-memory", 8 * 16 * bytes_per_token,
                  "--max-num-batched-tokens", 16, "--json")
     assert out["token_ids"] == want
+
+
+def test_mixed_layers_slide_per_layer_and_free_nothing(fixtures_dir, kvgrid, kvgrid_exe,
+                                                        tmp_path):
+    # The fixture with max_window_layers 1: layer 0 attends fully, layer 1 through the window.
+    # One block id indexes both layers, so no block is freed; each layer gets its own mask.
+    src = fixtures_dir / MODEL
+    d = tmp_path / "mixed"
+    d.mkdir()
+    for f in src.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_window_layers"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    m = numpy_llama.Model(d)
+    assert [layer["window"] for layer in m.layers] == [0, WINDOW]
+    ids = sequence(fixtures_dir, 200, 3)
+    want = m.logits(ids[:170], ids[170:])
+    out = kvgrid("logits", "--model", d, "--prompt-ids", ids_arg(ids[:170]), "--decode-ids",
+                 ids_arg(ids[170:]), "--kv-cache-dtype", "fp32", "--prefill-chunk", 24)
+    got = np.asarray(out["logits"], dtype=np.float64)
+    assert max_diff(got, want) <= LOGITS_TOL_FP32, max_diff(got, want)
+    # Neither the all-window nor the all-full model gives these logits.
+    full = numpy_llama.Model(d)
+    full.layers[1]["window"] = 0
+    assert max_diff(got, full.logits(ids[:170], ids[170:])) > 1.0
+    plan = subprocess.run([str(kvgrid_exe), "plan", "--model", str(d), "--memory", "64MiB",
+                           "--json"], capture_output=True, text=True, check=True, timeout=60)
+    rows = [json.loads(line) for line in plan.stdout.splitlines()]
+    assert rows and all(r["kv_window"] == 0 for r in rows), rows[:1]
