@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
   const Flags flags = ParseFlags(argc, argv);
   std::unique_ptr<kvgrid::worker::LlamaModel> model =
       OrFail(kvgrid::worker::LlamaModel::LoadGguf(flags.model));
-  std::unique_ptr<kvgrid::model::GgufFile> file = OrFail(kvgrid::model::GgufFile::Open(flags.model));
+  std::unique_ptr<kvgrid::model::GgufFile> file =
+      OrFail(kvgrid::model::GgufFile::Open(flags.model));
   nlohmann::json out = {{"model", flags.model}, {"weight_bytes", model->WeightBytes()}};
   std::map<std::string, int64_t> type_counts;
   for (const auto& [name, t] : file->tensors()) ++type_counts[kvgrid::model::GgmlTypeName(t.type)];

@@ -242,8 +242,9 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
                                            WeightDType dtype) {
   if (dtype != WeightDType::kQ8_0 && dtype != WeightDType::kQ4_0 && dtype != WeightDType::kQ4_1 &&
       dtype != WeightDType::kQ4_Z) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "QuantizeMatrix: cannot write ", std::string(WeightDTypeName(dtype)), " (q8_0, q4_0, q4_1, q4_z only)"));
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeMatrix: cannot write ",
+                                                   std::string(WeightDTypeName(dtype)),
+                                                   " (q8_0, q4_0, q4_1, q4_z only)"));
   }
   if (cols <= 0 || cols % kQuantBlock != 0 || rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -160,13 +160,16 @@ __device__ __forceinline__ void DecodeEight(const uint8_t* row, int64_t g, int s
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       unsigned v = (Load8(q + e) >> shift) & 0xfu;
-      if constexpr (F == QuantFormat::kQ5_K) v |= ((Load8(block + 16 + 8 * sub + e) >> j) & 1u) << 4;
+      if constexpr (F == QuantFormat::kQ5_K) {
+        v |= ((Load8(block + 16 + 8 * sub + e) >> j) & 1u) << 4;
+      }
       w[e] = fmaf(d1, static_cast<float>(v), -m1);
     }
   } else if constexpr (F == QuantFormat::kQ6_K) {
     const int h = j / 4, s = j % 4;
     const float d = HalfToFloat(Load16(block + 208));
-    const float dl = d * static_cast<float>(static_cast<int8_t>(Load8(block + 192 + 2 * j + sub / 2)));
+    const auto scale = static_cast<int8_t>(Load8(block + 192 + 2 * j + sub / 2));
+    const float dl = d * static_cast<float>(scale);
     const uint8_t* lo = block + 64 * h + 32 * (s % 2) + 8 * sub;
     const uint8_t* hi = block + 128 + 32 * h + 8 * sub;
 #pragma unroll

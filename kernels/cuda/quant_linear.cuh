@@ -13,14 +13,14 @@
 //
 // The weights are dequantized inside the kernels and never expanded in memory:
 //   num_tokens <= kQuantGemvMaxTokens (decode): one warp per output row reads the row's blocks
-//     once (4 lanes per 32 weights, 8 such groups per step) and dots them with every token's input, so
-//     the step costs one pass over the quantized bytes;
+//     once (4 lanes per 32 weights, 8 such groups per step) and dots them with every token's
+//     input, so the step costs one pass over the quantized bytes;
 //   above it (prefill): 64 x 64 output tiles; for each 32-column step a block of 256 threads
-//     decodes the tile's 64 weight blocks (or K-quant groups) into shared memory as fp32 next to the 64 tokens'
-//     inputs, and accumulates with fp32 FMAs. This keeps the CPU's numerics (fp32 weights and
-//     products; a bf16 scratch tile + cuBLAS would round every weight and input to 8 bits of
-//     mantissa) at the cost of tensor-core speed; a tensor-core variant can replace it behind
-//     the same params.
+//     decodes the tile's 64 weight blocks (or K-quant groups) into shared memory as fp32 next
+//     to the 64 tokens' inputs, and accumulates with fp32 FMAs. This keeps the CPU's numerics
+//     (fp32 weights and products; a bf16 scratch tile + cuBLAS would round every weight and
+//     input to 8 bits of mantissa) at the cost of tensor-core speed; a tensor-core variant can
+//     replace it behind the same params.
 // With input_perm, both paths read input column input_perm[j] for stored column j on the fly
 // (no gathered copy).
 #ifndef KVGRID_KERNELS_CUDA_QUANT_LINEAR_CUH_
