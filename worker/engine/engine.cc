@@ -495,8 +495,13 @@ absl::Status Engine::Schedule(bool decodes, int64_t* budget) {
     const int64_t n = std::min(remaining, *budget);
     bool preempted_self = false;
     copies_.clear();
-    while (!blocks_.PrepareWrite(seq->seq_id, seq->num_computed, seq->num_computed + n, &copies_)
-                .ok()) {
+    for (absl::Status st = blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
+                                                seq->num_computed + n, &copies_);
+         !st.ok(); st = blocks_.PrepareWrite(seq->seq_id, seq->num_computed,
+                                             seq->num_computed + n, &copies_)) {
+      // Only a dry pool is cured by preempting; anything else (a write into a released
+      // position) is a bookkeeping error, not a reason to preempt everyone.
+      if (!absl::IsResourceExhausted(st)) return st;
       preempted_self = running_.back().get() == seq;
       *budget += running_.back()->num_scheduled;  // a victim scheduled earlier gives back
       running_.back()->num_scheduled = 0;
