@@ -66,12 +66,12 @@ absl::StatusOr<size_t> ChooseWorker(std::span<const Candidate> candidates,
   }
   if (!any_live) return absl::UnavailableError("no live worker serves the model");
   if (!any_holds) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prompt + max_new_tokens: the sequence may need ", needed_tokens, " tokens (",
-        needed_blocks, " KV blocks",
-        needed_window > 0 ? absl::StrCat(" with its window of ", needed_window) : "",
-        "); the largest KV pool of a live worker group holds ",
-        largest_tokens, " tokens (", largest_blocks, " blocks)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt + max_new_tokens: the sequence may need ", needed_tokens, " tokens (",
+                     needed_blocks, " KV blocks",
+                     needed_window > 0 ? absl::StrCat(" with its window of ", needed_window) : "",
+                     "); the largest KV pool of a live worker group holds ", largest_tokens,
+                     " tokens (", largest_blocks, " blocks)"));
   }
   if (best < 0) {
     return absl::ResourceExhaustedError(

@@ -52,9 +52,9 @@ GenerationRequest Request(const std::string& id, std::vector<int32_t> prompt, in
 }
 
 struct Outcome {
-  std::map<std::string, std::vector<int32_t>> tokens;       // by request id
-  std::map<int64_t, std::vector<int32_t>> by_index;         // continuations of one request
-  int64_t max_used = 0;                                     // most blocks held at once
+  std::map<std::string, std::vector<int32_t>> tokens;  // by request id
+  std::map<int64_t, std::vector<int32_t>> by_index;    // continuations of one request
+  int64_t max_used = 0;                                // most blocks held at once
   EngineStats last;
 };
 
