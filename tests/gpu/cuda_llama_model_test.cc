@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <numeric>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -149,6 +150,65 @@ TEST(CudaLlamaModelTest, Qwen3WithYarnMatchesTheCpuModel) {
   for (KvDType kv : {KvDType::kF32, KvDType::kF16}) {
     Compare(config, **cpu_model, model::DType::kF32, kv, 1e-4, true,
             std::string("random qwen3 with yarn, KV ") + std::string(kernels::KvDTypeName(kv)));
+  }
+}
+
+// Sliding windows on the GPU against the CPU model, over a chunked prefill and decode steps
+// past the window: a window of 16 on every layer, with the blocks before each next query's
+// window released after every step (holes in the tables, which neither side may read), and
+// a window on the second layer only (nothing released: one block id indexes both layers).
+TEST(CudaLlamaModelTest, SlidingWindowMatchesTheCpuModel) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  for (bool every_layer : {true, false}) {
+    SCOPED_TRACE(every_layer ? "window on every layer" : "window on layer 1");
+    model::ModelConfig config = TinyQwen();
+    config.sliding_window = 16;
+    config.sliding_layers = {every_layer, true};
+    ASSERT_EQ(config.KvWindow(), every_layer ? 16 : 0);
+    auto cpu_model = LlamaModel::FromWeights(config, LlamaModel::RandomWeights(config, 13));
+    ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+    const KvGeometry g = (*cpu_model)->KvGeometryFor(16, KvDType::kF32, KvDType::kF32);
+    auto cpu_pool = KvPool::Create(g, 64 * g.BytesPerBlock());
+    ASSERT_TRUE(cpu_pool.ok()) << cpu_pool.status();
+    auto gpu_pool = CudaKvPool::Create(g, 64 * g.BytesPerBlock());
+    ASSERT_TRUE(gpu_pool.ok()) << gpu_pool.status();
+    auto gpu_model =
+        CudaLlamaModel::FromWeights(config, (*cpu_model)->weights(), model::DType::kF32);
+    ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+    BlockManager cpu_blocks((*cpu_pool)->num_blocks(), 16);
+    BlockManager gpu_blocks((*gpu_pool)->num_blocks(), 16);
+    // 45 prompt tokens in chunks of 9, then 12 single tokens: 57 positions.
+    std::vector<int32_t> tokens(57);
+    for (int i = 0; i < 57; ++i) tokens[i] = static_cast<int32_t>((i * 7919 + 5) % 512);
+    ASSERT_TRUE(cpu_blocks.Reserve(1, 57).ok());
+    ASSERT_TRUE(gpu_blocks.Reserve(1, 57).ok());
+    int64_t pos = 0;
+    int holes = 0;
+    while (pos < 57) {
+      const int64_t n = pos < 45 ? 9 : 1;
+      const std::span<const int32_t> step(tokens.data() + pos, n);
+      std::vector<float> want, got;
+      ASSERT_TRUE(
+          (*cpu_model)->Forward(SingleSequenceBatch(cpu_blocks, 1, pos, step), **cpu_pool, &want)
+              .ok());
+      const absl::Status st = (*gpu_model)->Forward(SingleSequenceBatch(gpu_blocks, 1, pos, step),
+                                                    **gpu_pool, &got);
+      ASSERT_TRUE(st.ok()) << st;
+      ASSERT_EQ(got.size(), want.size());
+      double worst = 0, magnitude = 0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        worst = std::max(worst, std::fabs(double{got[i]} - want[i]));
+        magnitude = std::max(magnitude, std::fabs(double{want[i]}));
+      }
+      EXPECT_LE(worst, 1e-4 * std::max(1.0, magnitude)) << "position " << pos;
+      pos += n;
+      if (config.KvWindow() > 0) {
+        cpu_blocks.ReleaseBefore(1, pos - config.KvWindow() + 1);
+        gpu_blocks.ReleaseBefore(1, pos - config.KvWindow() + 1);
+        holes = static_cast<int>(gpu_blocks.NumHoles(1));
+      }
+    }
+    EXPECT_EQ(holes, every_layer ? 2 : 0);  // 57 - 16 + 1 = 42: blocks 0 and 1 released
   }
 }
 
