@@ -312,6 +312,16 @@ void OpenAiApi::Generate(int endpoint_int, const HttpRequest& request,
   // As vLLM: chat's max_tokens defaults to what the context leaves, completions' to 16.
   options.max_new_tokens_fills_context = endpoint == openai::Endpoint::kChat;
   options.refuse_beyond_context = true;
+  if (endpoint == openai::Endpoint::kCompletions && call->add_special_tokens) {
+    // As vLLM tokenizes a completion's text prompt: with the post-processor's tokens.
+    for (v1::GenerateRequest& r : call->requests) {
+      absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(r.model());
+      if (r.prompt().empty() || !m.ok()) continue;  // Admit reports a missing model
+      const std::vector<int32_t> ids = (*m)->tokenizer->Encode(r.prompt(), true);
+      r.clear_prompt();
+      r.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
+    }
+  }
   std::vector<GenerationService::Admitted> admitted;
   for (const v1::GenerateRequest& r : call->requests) {
     absl::StatusOr<GenerationService::Admitted> a = generation_->Admit(r, kApi, options);
@@ -347,10 +357,13 @@ void OpenAiApi::Tokenize(const HttpRequest& request,
   if (!call.ok()) return RespondError(*responder, call.status());
   absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(call->model);
   if (!m.ok()) return RespondError(*responder, m.status());
+  // A prompt with add_special_tokens gets what the tokenizer's post-processor adds, as in
+  // vLLM (and as /v1/completions tokenizes it).
   absl::StatusOr<std::vector<int32_t>> ids =
-      call->prompt ? EncodeText(**m, *call->prompt,
-                                call->add_special_tokens && (*m)->bos_token_id.has_value())
-                   : EncodeChat(**m, call->chat);
+      !call->prompt ? EncodeChat(**m, call->chat)
+      : call->add_special_tokens
+          ? absl::StatusOr<std::vector<int32_t>>((*m)->tokenizer->Encode(*call->prompt, true))
+          : EncodeText(**m, *call->prompt, false);
   if (!ids.ok()) return RespondError(*responder, ids.status());
   responder->Respond(200, kJson,
                      Dump(Json{{"count", ids->size()},

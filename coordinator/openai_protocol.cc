@@ -544,6 +544,8 @@ absl::StatusOr<GenerateCall> ParseGenerateCall(Endpoint endpoint, absl::string_v
       if (suffix && !suffix->empty()) return Bad("suffix", "not supported (no insertion)");
       KVGRID_OAI_ASSIGN(best_of, f.Int("best_of", 1, kMaxN));
       if (best_of && *best_of != call.n) return Bad("best_of", "not supported (only best_of = n)");
+      KVGRID_OAI_ASSIGN(add_special, f.Bool("add_special_tokens"));
+      call.add_special_tokens = add_special.value_or(true);
       if (absl::Status s = ParsePrompts(f, base, &call.requests); !s.ok()) return s;
       if (call.requests.size() * call.n > kMaxN) {
         return Bad("n", absl::StrCat("prompts times n must be at most ", kMaxN));

@@ -48,6 +48,9 @@ struct GenerateCall {
   bool skip_special_tokens = true;  // for the logprob token strings
   // The client set max_tokens / max_completion_tokens.
   bool max_tokens_given = false;
+  // Completions: vLLM's add_special_tokens (default true): text prompts are tokenized with
+  // what the tokenizer's post-processor adds (Llama 2's <s>; Qwen: nothing).
+  bool add_special_tokens = true;
 };
 
 // Parses a request body. Errors: INVALID_ARGUMENT naming the field (or "body" for text that is

@@ -79,7 +79,9 @@ def test_models_health_tokenize(api):
 
 
 def test_greedy_completion_equals_grpc(api):
-    grpc_done = api.client.generate_text(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True)
+    # A text prompt is tokenized with the post-processor's BOS (vLLM's add_special_tokens).
+    grpc_done = api.client.generate_text(PROMPT, add_bos=True, temperature=0, max_new_tokens=24,
+                                         ignore_eos=True)
     r = oai(api).completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert r.object == "text_completion" and r.model == MODEL_ID
@@ -88,10 +90,15 @@ def test_greedy_completion_equals_grpc(api):
     assert r.usage.completion_tokens == 24
     assert r.usage.prompt_tokens == grpc_done.usage.prompt_tokens
     # Token ids as the prompt give the same.
-    ids = list(api.client.tokenize(PROMPT))
+    ids = list(api.client.tokenize(PROMPT, add_bos=True))
     r2 = oai(api).completions.create(model=MODEL_ID, prompt=ids, max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert r2.choices[0].text == grpc_done.text
+    plain = api.client.generate_text(PROMPT, temperature=0, max_new_tokens=24, ignore_eos=True)
+    r3 = oai(api).completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True, "add_special_tokens": False})
+    assert r3.usage.prompt_tokens == r.usage.prompt_tokens - 1
+    assert r3.choices[0].text == plain.text
 
 
 def test_greedy_chat_equals_grpc(api):
