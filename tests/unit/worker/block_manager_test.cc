@@ -242,7 +242,9 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
         const SequenceId s = pick();
         if (m.IsSwapped(s)) continue;
         m.Fork(s, next);
-        live[next] = live[s];
+        // Copied first: inserting `next` may rehash the map under a reference to live[s].
+        Live copy = live.at(s);
+        live[next] = std::move(copy);
         ++next;
       } else if (kind == 3) {  // free
         const SequenceId s = pick();
@@ -479,7 +481,9 @@ TEST(BlockManagerPropertyTest, SlidingWindowKeepsEveryInvariantAndTheBound) {
           const SequenceId s = pick();
           if (m.IsSwapped(s)) continue;
           m.Fork(s, next);
-          live[next] = live[s];
+          // Copied first: inserting `next` may rehash the map under a reference to live[s].
+          Live copy = live.at(s);
+          live[next] = std::move(copy);
           ++next;
         } else if (kind == 3) {  // free
           const SequenceId s = pick();
