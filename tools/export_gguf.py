@@ -8,8 +8,10 @@ interleaved-RoPE order. RoPE scaling as the converter writes it: linear and yarn
 dynamic NTK scaling has no GGUF form and is refused. Linear weights are quantized to Q8_0 or
 Q4_0 with llama.cpp's own `gguf.quants` (rows whose width is not a multiple of 32 stay F32);
 embeddings and norms stay F32. The model's tokenizer.json is embedded under llama.cpp's
-tokenizer.ggml.* keys (byte-level BPE only: model "gpt2", the pre-tokenizer named by its split
-regex), so the .gguf file needs nothing beside it.
+tokenizer.ggml.* keys (byte-level BPE as model "gpt2", the pre-tokenizer named by its split
+regex; SentencePiece-style BPE with byte fallback, as Llama 2's and Mistral's, as model
+"llama" with scores and token types), and tokenizer_config.json's chat template as
+tokenizer.chat_template, so the .gguf file needs nothing beside it.
 
   tools/export_gguf.py --model models/kjv-tiny --out kjv-tiny-q4_0.gguf --type q4_0
 """
@@ -189,6 +191,14 @@ def tokenizer_metadata(tok, vocab_size, config):
 
     # What the post-processor adds around a sequence: one special token before (BOS) and/or
     # one after (EOS) is what GGUF's add_bos_token/add_eos_token can say.
+    add_bos, bos, add_eos, eos = _post_processor_specials(tok, config)
+    return {"pre": pre, "tokens": tokens, "token_types": token_types, "merges": merges,
+            "bos": bos, "eos": eos, "add_bos": add_bos, "add_eos": add_eos}
+
+
+def _post_processor_specials(tok, config):
+    """(add_bos, bos, add_eos, eos): the one special token the post-processor puts before
+    and/or after a sequence, else config.json's ids."""
     add_bos = add_eos = False
     bos, eos = config.get("bos_token_id"), config.get("eos_token_id")
     if isinstance(eos, list):
@@ -215,17 +225,73 @@ def tokenizer_metadata(tok, vocab_size, config):
             add_bos, bos = True, special_id(single[0])
         if len(single) - seq[0] == 2:
             add_eos, eos = True, special_id(single[-1])
-    return {"pre": pre, "tokens": tokens, "token_types": token_types, "merges": merges,
-            "bos": bos, "eos": eos, "add_bos": add_bos, "add_eos": add_eos}
+    return add_bos, bos, add_eos, eos
+
+
+def spm_tokenizer_metadata(tok, vocab_size, config):
+    """llama.cpp's tokenizer.ggml.* values (model "llama") for a SentencePiece-style
+    tokenizer.json (BPE with byte_fallback: Llama 2, Mistral, TinyLlama). GGUF keeps scores,
+    not merges: a piece scores minus the rank of the first merge that builds it, which
+    llama.cpp's highest-score-first merging turns back into the same pieces when the merges
+    are ordered by score, as Hugging Face's converter orders a SentencePiece model's."""
+    model = tok["model"]
+    norm = tok.get("normalizer") or {}
+    steps = norm.get("normalizers", []) if norm.get("type") == "Sequence" else [norm]
+    pre = tok.get("pre_tokenizer") or {}
+    if [x.get("type") for x in steps] == ["Prepend", "Replace"] and not pre:
+        space_prefix = True
+    elif not norm and pre.get("type") == "Metaspace":
+        space_prefix = pre.get("prepend_scheme", "always") != "never"
+    else:
+        raise TokenizerError("a SentencePiece-style tokenizer.json needs Llama 2's Prepend + "
+                             "Replace normalizer or a Metaspace pre-tokenizer")
+    first_merge = {}
+    for rank, m in enumerate(model.get("merges", [])):
+        left, right = m.split(" ") if isinstance(m, str) else m
+        first_merge.setdefault(left + right, rank)
+    texts, types, scores = {}, {}, {}
+    unk = model.get("unk_token")
+    for text, i in model["vocab"].items():
+        texts[i] = text
+        if text == unk:
+            types[i] = gguf.TokenType.UNKNOWN
+        elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            types[i] = gguf.TokenType.BYTE
+        else:
+            types[i] = gguf.TokenType.NORMAL
+        scores[i] = -float(first_merge.get(text, len(first_merge) + i))
+    for a in tok.get("added_tokens", []):
+        texts[a["id"]] = a["content"]
+        if a["content"] != unk:
+            types[a["id"]] = gguf.TokenType.CONTROL if a.get("special") else \
+                gguf.TokenType.USER_DEFINED
+        scores[a["id"]] = 0.0
+    if max(texts) + 1 > vocab_size:
+        raise TokenizerError(f"the tokenizer has ids up to {max(texts)}, beyond the model's "
+                             f"vocab_size {vocab_size}")
+    add_bos, bos, add_eos, eos = _post_processor_specials(tok, config)
+    return {"tokens": [texts.get(i, f"[PAD{i}]") for i in range(vocab_size)],
+            "token_types": [int(types.get(i, gguf.TokenType.UNUSED)) for i in range(vocab_size)],
+            "scores": [scores.get(i, -1e9) for i in range(vocab_size)],
+            "space_prefix": space_prefix, "bos": bos, "eos": eos, "add_bos": add_bos,
+            "add_eos": add_eos}
 
 
 def add_tokenizer(w, meta):
-    """Writes tokenizer_metadata's result with the gguf package's helpers."""
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(meta["pre"])
-    w.add_token_list(meta["tokens"])
-    w.add_token_types(meta["token_types"])
-    w.add_token_merges(meta["merges"])
+    """Writes tokenizer_metadata's (or spm_tokenizer_metadata's) result with the gguf
+    package's helpers."""
+    if "scores" in meta:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(meta["tokens"])
+        w.add_token_scores(meta["scores"])
+        w.add_token_types(meta["token_types"])
+        w.add_add_space_prefix(meta["space_prefix"])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(meta["pre"])
+        w.add_token_list(meta["tokens"])
+        w.add_token_types(meta["token_types"])
+        w.add_token_merges(meta["merges"])
     if meta["bos"] is not None:
         w.add_bos_token_id(int(meta["bos"]))
     if meta["eos"] is not None:
@@ -311,12 +377,20 @@ def main():
     rope_freqs = rope_scaling_metadata(w, cfg, head_dim)
     tok_path = args.model / "tokenizer.json"
     if not args.no_tokenizer and tok_path.exists():
+        tok = json.loads(tok_path.read_text(encoding="utf-8"))
+        sentencepiece = (tok.get("model") or {}).get("byte_fallback", False)
         try:
-            meta = tokenizer_metadata(json.loads(tok_path.read_text(encoding="utf-8")),
-                                      cfg["vocab_size"], cfg)
+            meta = (spm_tokenizer_metadata if sentencepiece else tokenizer_metadata)(
+                tok, cfg["vocab_size"], cfg)
         except TokenizerError as e:
             raise SystemExit(f"{tok_path}: {e}; cannot embed it (--no-tokenizer skips it)")
         add_tokenizer(w, meta)
+        # The chat template, as llama.cpp's converter copies it from tokenizer_config.json.
+        tc_path = args.model / "tokenizer_config.json"
+        template = (json.loads(tc_path.read_text(encoding="utf-8")).get("chat_template")
+                    if tc_path.exists() else None)
+        if isinstance(template, str):
+            w.add_chat_template(template)
     else:
         if not args.no_tokenizer:
             print(f"export_gguf: {tok_path} not found; the tokenizer is not embedded",
