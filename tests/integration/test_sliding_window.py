@@ -1,6 +1,7 @@
 """A sliding-window model served by a cluster: the worker registers its window and step size,
 so the coordinator places a sequence far longer than the KV pool (it holds only the window
-and one step), which a full-attention model's pool of the same size refuses."""
+and one step), which a full-attention model's pool of the same size refuses; a worker killed
+mid-stream hands such a sequence to another whose pool is smaller than the sequence."""
 
 import json
 import os
@@ -57,3 +58,33 @@ def test_full_attention_pool_of_the_same_size_refuses(cluster, fixtures_dir):
                                ignore_eos=True, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
     assert "17 KV blocks" in e.value.details(), e.value.details()
+
+
+def test_failover_resumes_a_windowed_sequence_in_a_pool_smaller_than_it(cluster, fixtures_dir):
+    # A 150-token prompt in 128-token pools: the survivor re-prefills prompt + the tokens
+    # streamed so far in chunks, within the window's blocks, and the stream goes on unchanged.
+    model = fixtures_dir / "mistral-window-tiny"
+    c = cluster(workers=2, model_dir=model, worker_args=WORKER_ARGS,
+                coordinator_args=["--heartbeat-timeout-ms", "2000"])
+    prompt = [100 + (i * 53) % 5000 for i in range(150)]
+    params = dict(prompt_token_ids=prompt, temperature=0, max_new_tokens=300, ignore_eos=True)
+    unfailed = c.client.generate_text(**params, timeout=120)
+    assert len(unfailed.token_ids) == 300
+    for _ in range(3):  # the kill must land mid-stream; on a loaded machine it may not
+        procs = {w.worker_id: c.worker_proc(w.worker_id) for w in c.serving_workers()}
+        assert len(procs) == 2, c.status()
+        tokens, workers, victim_id = [], [], None
+        for r in c.client.generate(**params, timeout=120):
+            tokens.extend(r.token_ids)
+            if r.worker_id and (not workers or workers[-1] != r.worker_id):
+                workers.append(r.worker_id)
+            if victim_id is None and len(tokens) >= 20:
+                victim_id = r.worker_id
+                procs[victim_id].popen.kill()
+                procs[victim_id].popen.wait(timeout=10)
+        if workers != [victim_id]:
+            break
+        c.add_worker(WORKER_ARGS)
+        c.wait_serving(2)
+    assert len(workers) == 2 and workers[0] == victim_id, workers
+    assert tokens == list(unfailed.token_ids)
