@@ -30,7 +30,8 @@ constexpr char kHelp[] =
     "usage: kvgrid tokenize --tokenizer FILE [--decode [--stream]] [--add-special-tokens]\n"
     "                       [--skip-special-tokens]\n"
     "\n"
-    "FILE is a tokenizer.json, or a .gguf file whose embedded tokenizer is used.\n"
+    "FILE is a tokenizer.json, a model directory holding one, or a .gguf file whose\n"
+    "embedded tokenizer is used.\n"
     "Reads JSON lines from stdin and writes one JSON line per input to stdout.\n"
     "  encode (default)       input: a JSON string; output: a JSON array of token ids\n"
     "  --decode               input: a JSON array of ids; output: the text as a JSON string\n"
@@ -73,6 +74,9 @@ int TokenizeCommand(Args& args) {
   if (std::filesystem::path(*path).extension() == ".gguf") {
     absl::StatusOr<std::unique_ptr<model::GgufFile>> gguf = model::GgufFile::Open(*path);
     tokenizer = gguf.ok() ? model::TokenizerFromGguf(**gguf) : gguf.status();
+  } else if (std::error_code ec; std::filesystem::is_directory(*path, ec)) {
+    // A model directory, as Hugging Face lays it out: its tokenizer.json.
+    tokenizer = model::Tokenizer::FromFile(std::filesystem::path(*path) / "tokenizer.json");
   } else {
     tokenizer = model::Tokenizer::FromFile(*path);
   }
