@@ -96,6 +96,19 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
       KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir));
     }
     KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::LoadModelTokenizer(dir));
+    if (!m->tokenizer) {
+      // Served, but only for prompts of token ids: say so once, at startup, not per request.
+      const bool gguf = dir.extension() == ".gguf";
+      const bool spm_only =
+          std::filesystem::exists((gguf ? dir.parent_path() : dir) / "tokenizer.model", ec);
+      std::fprintf(stderr,
+                   "kvgrid-coordinator: model '%s' has no tokenizer (no tokenizer.json%s): only "
+                   "prompts of token ids are served%s\n",
+                   m->name.c_str(), gguf ? " beside it, none embedded" : " in its directory",
+                   spm_only ? "; tokenizer.model (SentencePiece) is not read, save the model's "
+                              "tokenizer.json with transformers (tokenizer.save_pretrained)"
+                            : "");
+    }
     m->bos_token_id = model::ResolveBosTokenId(m->tokenizer.get(), m->generation, m->config);
     m->eos_token_ids = model::ResolveEosTokenIds(m->generation, m->config);
     // A template the interpreter cannot load leaves the model serving prompts; chat requests
