@@ -592,6 +592,14 @@ std::string ServedModelName(const std::filesystem::path& path) {
   if (ec) p = path;
   p = p.lexically_normal();
   if (p.filename().empty()) p = p.parent_path();
+  // The Hugging Face cache keeps a repo's files in models--ORG--NAME/snapshots/REVISION: the
+  // repo's name, not the revision hash, is what a client asks for.
+  const std::string parent = p.parent_path().filename().string();
+  const std::string repo = p.parent_path().parent_path().filename().string();
+  if (parent == "snapshots" && repo.starts_with("models--")) {
+    const size_t sep = repo.rfind("--");
+    if (sep + 2 < repo.size()) return repo.substr(sep + 2);
+  }
   return p.filename().string();
 }
 

@@ -141,7 +141,9 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path);
 
 // The name a model directory or file is served under, the same for the coordinator and its
 // workers: the last component of `path`, trailing slashes and "." ignored
-// ("models/kjv-tiny/" -> "kjv-tiny"). Empty only for a path without a named component ("/").
+// ("models/kjv-tiny/" -> "kjv-tiny"); a Hugging Face cache snapshot is named by its repo
+// (".../models--Qwen--Qwen3-0.6B/snapshots/REV" -> "Qwen3-0.6B"). Empty only for a path
+// without a named component ("/").
 std::string ServedModelName(const std::filesystem::path& path);
 
 }  // namespace kvgrid::model

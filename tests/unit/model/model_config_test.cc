@@ -712,6 +712,12 @@ TEST(ModelConfigTest, ServedModelNameIgnoresTrailingSlashesAndDots) {
   EXPECT_EQ(ServedModelName("models/kjv-tiny/."), "kjv-tiny");
   EXPECT_EQ(ServedModelName("/srv/q/model.gguf"), "model.gguf");
   EXPECT_EQ(ServedModelName("."), std::filesystem::current_path().filename().string());
+  // The Hugging Face cache's layout: the repo's name, not the revision.
+  EXPECT_EQ(ServedModelName("/h/hub/models--Qwen--Qwen3-0.6B/snapshots/c1899de289a04d12/"),
+            "Qwen3-0.6B");
+  EXPECT_EQ(ServedModelName("hub/models--gpt2/snapshots/607a30d783dfa663"), "gpt2");
+  EXPECT_EQ(ServedModelName("/srv/snapshots/v1"), "v1");
+  EXPECT_EQ(ServedModelName("/srv/models--/snapshots/v1"), "v1");
 }
 
 }  // namespace
