@@ -315,7 +315,8 @@ struct NormalizerStep {
 };
 
 // One decoder step of a SentencePiece-style file. Per-token steps come before the first
-// Fuse; after it the tokens are one text, and only Strip is supported there.
+// Fuse; after it the tokens are one text, and only Strip and a one-character Replace are
+// supported there.
 struct DecoderStep {
   enum class Kind { kReplace, kByteFallback, kStrip, kMetaspace };
   explicit DecoderStep(Kind k = Kind::kReplace) : kind(k) {}
@@ -504,7 +505,7 @@ struct Tokenizer::Impl {
   // fed each id's decoder_text (a normalized added token decodes as its normalized form).
   bool byte_level_decoder = true;
   std::vector<DecoderStep> token_steps;  // before the first Fuse (or all, without one)
-  std::vector<DecoderStep> text_steps;   // after it: Strip only
+  std::vector<DecoderStep> text_steps;   // after it: Strip, one-character Replace
   bool fused = false;
   std::vector<std::string> decoder_text;
 
@@ -1056,11 +1057,19 @@ absl::Status ParseDecoder(const FieldReader& r, const Json& j, absl::string_view
   }
   *other = true;
   if (impl->fused) {
-    // After Fuse the tokens are one text; a Strip of it can stream (its end held back),
-    // the others could reach across tokens.
-    if (step.kind != DecoderStep::Kind::kStrip) {
+    // After Fuse the tokens are one text; a Strip of it can stream (its end held back), and
+    // so can a Replace of one character (transformers' GGUF conversion writes
+    // ByteFallback, Fuse, Replace("▁", " "), Strip): a character never spans two pieces of
+    // the text. Anything else could reach across tokens.
+    const bool one_char_replace =
+        step.kind == DecoderStep::Kind::kReplace && step.regex == nullptr &&
+        !step.literal.empty() && ScanUtf8(step.literal, 0).valid &&
+        ScanUtf8(step.literal, 0).len == step.literal.size();
+    if (step.kind != DecoderStep::Kind::kStrip && !one_char_replace) {
       return r.Error(absl::StrCat(path, ".type"),
-                     absl::StrCat("'", *type, "' after Fuse is not supported (only Strip)"));
+                     absl::StrCat("'", *type,
+                                  "' after Fuse is not supported (only Strip, or Replace of a "
+                                  "one-character String)"));
     }
     impl->text_steps.push_back(std::move(step));
   } else {
@@ -1754,6 +1763,12 @@ void Tokenizer::Impl::FeedText(IncrementalDetokenizer* d, size_t k, std::string_
     return;
   }
   const DecoderStep& step = text_steps[k];
+  if (step.kind == DecoderStep::Kind::kReplace) {
+    std::string replaced;
+    ApplyReplace(step.literal, nullptr, step.content, text, &replaced);
+    FeedText(d, k + 1, replaced, out);
+    return;
+  }
   int64_t& stripped = d->stripped_[k];
   while (stripped >= 0 && !text.empty()) {
     if (stripped < step.start && text.starts_with(step.content)) {

@@ -24,8 +24,8 @@
 // Regex), Sequence, none; pre_tokenizer Split (any behavior), ByteLevel, Metaspace
 // (prepend_scheme first/always/never or legacy add_prefix_space, split), Sequence, none;
 // decoder ByteLevel (byte-level files) or Replace, ByteFallback, Strip, Metaspace, Fuse and
-// Sequence (after a Fuse only Strip); post_processor TemplateProcessing, ByteLevel,
-// Roberta/BertProcessing, Sequence. Anything else (Unigram and WordPiece models, other
+// Sequence (after a Fuse only Strip and a one-character Replace); post_processor
+// TemplateProcessing, ByteLevel, Roberta/BertProcessing, Sequence. Anything else (Unigram and WordPiece models, other
 // normalizers, continuing_subword_prefix, ...) is refused at load time, naming the field,
 // rather than tokenized differently from the reference.
 //

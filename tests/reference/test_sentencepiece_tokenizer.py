@@ -133,6 +133,10 @@ def metaspace(scheme, split):
 CONFIGS = {
     # Llama 2 / TinyLlama / CodeLlama / Phi-3 (legacy): Prepend + Replace, no pre-tokenizer.
     "llama2": {},
+    # As transformers converts a GGUF's SentencePiece vocabulary: the Replace after Fuse.
+    "gguf-converted": dict(decoder=decoders.Sequence([
+        decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "),
+        decoders.Strip(" ", 1, 0)])),
     # Mistral-style (legacy=false): no normalizer, Metaspace prepend first, no split.
     "metaspace-first": dict(normalizer=None, pre_tokenizer=metaspace("first", False)),
     "metaspace-first-split": dict(normalizer=None, pre_tokenizer=metaspace("first", True)),
@@ -266,7 +270,7 @@ def test_unsupported_sections_are_refused(trained, tmp_path):
     s["normalizer"] = {"type": "Lowercase"}
     cases.append((s, "normalizer.type"))
     s = json.loads(json.dumps(spec))
-    s["decoder"]["decoders"].append({"type": "Replace", "pattern": {"String": "a"},
+    s["decoder"]["decoders"].append({"type": "Replace", "pattern": {"String": "ab"},
                                      "content": "b"})
     cases.append((s, "decoder.decoders[4].type"))
     s = json.loads(json.dumps(spec))
