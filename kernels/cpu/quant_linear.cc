@@ -351,13 +351,16 @@ absl::Status QuantLinearParams::Validate() const {
       static_cast<int64_t>(weight->input_perm.size()) != weight->cols) {
     return absl::InvalidArgumentError("QuantLinearParams: input_perm is not [cols]");
   }
+  if (output_stride != 0 && output_stride < weight->rows) {
+    return absl::InvalidArgumentError("QuantLinearParams: output_stride below the weight's rows");
+  }
   return absl::OkStatus();
 }
 
 absl::Status QuantLinear(const QuantLinearParams& p) {
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   const QuantMatrix& w = *p.weight;
-  const int64_t m = p.num_tokens, n = w.rows, k = w.cols;
+  const int64_t m = p.num_tokens, n = w.rows, k = w.cols, ldo = p.OutputStride();
   if (m == 0) return absl::OkStatus();
   const float* input = p.input;
   if (!w.input_perm.empty()) {
@@ -394,7 +397,7 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
         }
         const float b = p.bias ? p.bias[j] : 0.f;
         for (int64_t t = 0; t < m; ++t) {
-          float* y = p.output + t * n + j;
+          float* y = p.output + t * ldo + j;
           *y = p.accumulate ? *y + dots[t] + b : dots[t] + b;
         }
       }
@@ -414,14 +417,14 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
       if (p.bias) {
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t r = 0; r < rows; ++r) {
-            out[i * n + r] = (p.accumulate ? out[i * n + r] : 0.f) + p.bias[r0 + r];
+            out[i * ldo + r] = (p.accumulate ? out[i * ldo + r] : 0.f) + p.bias[r0 + r];
           }
         }
       }
       const float beta = (p.accumulate || p.bias) ? 1.f : 0.f;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(m),
                   static_cast<int>(rows), static_cast<int>(k), 1.f, input, static_cast<int>(k),
-                  tile.data(), static_cast<int>(k), beta, out, static_cast<int>(n));
+                  tile.data(), static_cast<int>(k), beta, out, static_cast<int>(ldo));
     }
   }
   return absl::OkStatus();

@@ -93,9 +93,17 @@ struct QuantLinearParams {
   const float* input = nullptr;        // [num_tokens, weight->cols]
   const QuantMatrix* weight = nullptr;  // [out_features, in_features]
   const float* bias = nullptr;         // [out_features] or null
-  float* output = nullptr;             // [num_tokens, weight->rows]; must not alias input
+  float* output = nullptr;             // [num_tokens, OutputStride()] (the first weight->rows
+                                       // of each row written); must not alias input
   int64_t num_tokens = 0;
   bool accumulate = false;             // output += instead of output =
+  // Floats from one token's output row to the next: 0 means weight->rows; larger writes a
+  // column slice of a wider output (a fused projection held as parts of different dtypes).
+  int64_t output_stride = 0;
+
+  [[nodiscard]] int64_t OutputStride() const {
+    return output_stride == 0 && weight ? weight->rows : output_stride;
+  }
 
   absl::Status Validate() const;
 };

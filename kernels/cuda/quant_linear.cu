@@ -231,7 +231,8 @@ template <QuantFormat F, int T>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     QuantGemvKernel(const float* __restrict__ input, const uint8_t* __restrict__ weight,
                     const int32_t* __restrict__ perm, const float* __restrict__ bias,
-                    float* __restrict__ output, int64_t k, int64_t n, bool accumulate) {
+                    float* __restrict__ output, int64_t k, int64_t n, int64_t ldo,
+                    bool accumulate) {
   const int lane = threadIdx.x % 32;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32;
   if (row >= n) return;  // per warp: the shuffles below see whole warps only
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
   if (lane == 0) {
 #pragma unroll
-    for (int t = 0; t < T; ++t) StoreOutput(output + t * n + row, acc[t], bias, row, accumulate);
+    for (int t = 0; t < T; ++t) StoreOutput(output + t * ldo + row, acc[t], bias, row, accumulate);
   }
 }
 
@@ -280,7 +281,7 @@ __global__ void __launch_bounds__(kTileThreads)
     QuantGemmKernel(const float* __restrict__ input, const uint8_t* __restrict__ weight,
                     const int32_t* __restrict__ perm, const float* __restrict__ bias,
                     float* __restrict__ output, int64_t num_tokens, int64_t k, int64_t n,
-                    bool accumulate) {
+                    int64_t ldo, bool accumulate) {
   __shared__ __align__(16) float xs[kQuantBlockSize][kTileTokens + kTilePad];  // [col][token]
   __shared__ __align__(16) float ws[kQuantBlockSize][kTileRows + kTilePad];    // [col][row]
   const int tid = threadIdx.x;
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t row = row0 + tx * 4 + j;
-      if (row < n) StoreOutput(output + token * n + row, acc[i][j], bias, row, accumulate);
+      if (row < n) StoreOutput(output + token * ldo + row, acc[i][j], bias, row, accumulate);
     }
   }
 }
@@ -360,7 +361,7 @@ void LaunchGemv(const QuantLinearParams& p, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.out_features + kGemvWarps - 1) / kGemvWarps);
   QuantGemvKernel<F, T><<<blocks, kGemvWarps * 32, 0, stream>>>(
       p.input, p.weight, p.input_perm, p.bias, p.output, p.in_features, p.out_features,
-      p.accumulate);
+      p.OutputStride(), p.accumulate);
 }
 
 template <QuantFormat F>
@@ -380,14 +381,115 @@ absl::Status LaunchFormat(const QuantLinearParams& p, cudaStream_t stream) {
                       static_cast<unsigned>((p.num_tokens + kTileTokens - 1) / kTileTokens));
       QuantGemmKernel<F><<<grid, kTileThreads, 0, stream>>>(
           p.input, p.weight, p.input_perm, p.bias, p.output, p.num_tokens, p.in_features,
-          p.out_features, p.accumulate);
+          p.out_features, p.OutputStride(), p.accumulate);
     }
   }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
 
+// --- embedding: one block per token, each thread a sub-block of 8 weights at a time ---
+
+constexpr int kEmbeddingThreads = 128;
+
+template <QuantFormat F>
+__global__ void __launch_bounds__(kEmbeddingThreads)
+    QuantEmbeddingKernel(const uint8_t* __restrict__ table, const int32_t* __restrict__ ids,
+                         float* __restrict__ output, int32_t* invalid_id_flag, int64_t vocab,
+                         int64_t vocab_begin, int64_t table_rows, int64_t hidden,
+                         int64_t num_tokens) {
+  const int64_t subs = hidden / kQuantBlockSize * 4;  // sub-blocks of 8 weights in a row
+  for (int64_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    const int32_t id = ids[t];
+    float* y = output + t * hidden;
+    const int64_t local = static_cast<int64_t>(id) - vocab_begin;
+    if (id < 0 || id >= vocab || local < 0 || local >= table_rows) {
+      for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) y[i] = 0.f;
+      if ((id < 0 || id >= vocab) && threadIdx.x == 0 && invalid_id_flag != nullptr) {
+        atomicExch(invalid_id_flag, 1);
+      }
+      continue;
+    }
+    const uint8_t* row = table + local * (hidden / kBlockElems<F>) * kBlockBytes<F>;
+    for (int64_t s = threadIdx.x; s < subs; s += blockDim.x) {
+      const int64_t g = s / 4;
+      const int sub = static_cast<int>(s % 4);
+      float w[8];
+      DecodeEight<F>(row, g, sub, w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y[g * kQuantBlockSize + ColumnOf<F>(sub, e)] = w[e];
+    }
+  }
+}
+
+template <QuantFormat F>
+absl::Status LaunchEmbeddingFormat(const QuantEmbeddingParams& p, cudaStream_t stream) {
+  const int64_t rows = p.table_rows == 0 ? p.vocab : p.table_rows;
+  QuantEmbeddingKernel<F><<<GridStrideBlocks(p.num_tokens, 1), kEmbeddingThreads, 0, stream>>>(
+      p.table, p.ids, p.output, p.invalid_id_flag, p.vocab, p.vocab_begin, rows, p.hidden,
+      p.num_tokens);
+  KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status QuantEmbeddingParams::Validate() const {
+  if (table == nullptr) return absl::InvalidArgumentError("QuantEmbeddingParams.table is null");
+  if (output == nullptr) return absl::InvalidArgumentError("QuantEmbeddingParams.output is null");
+  if (ids == nullptr && num_tokens > 0) {
+    return absl::InvalidArgumentError("QuantEmbeddingParams.ids is null");
+  }
+  if (!IsAligned(table, alignof(uint16_t))) {
+    return absl::InvalidArgumentError("QuantEmbeddingParams.table is not 2-byte aligned");
+  }
+  if (!IsAligned(output, alignof(float))) {
+    return absl::InvalidArgumentError("QuantEmbeddingParams.output is not 4-byte aligned");
+  }
+  if (QuantBlockBytes(format) == 0) {
+    return absl::InvalidArgumentError("QuantEmbeddingParams.format is not a known format");
+  }
+  if (vocab <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantEmbeddingParams.vocab must be > 0: ", vocab));
+  }
+  if (vocab_begin < 0 || table_rows < 0 || vocab_begin + table_rows > vocab ||
+      (table_rows == 0 && vocab_begin != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantEmbeddingParams.vocab_begin + table_rows (", vocab_begin, " + ", table_rows,
+        ") must lie within the vocabulary of ", vocab));
+  }
+  if (hidden <= 0 || hidden % QuantBlockElements(format) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantEmbeddingParams.hidden must be a positive multiple of ",
+                     QuantBlockElements(format), ": ", hidden));
+  }
+  if (num_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("QuantEmbeddingParams.num_tokens must be >= 0: ", num_tokens));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LaunchQuantEmbedding(const QuantEmbeddingParams& p, cudaStream_t stream) {
+  if (absl::Status s = p.Validate(); !s.ok()) return s;
+  if (p.num_tokens == 0) return absl::OkStatus();
+  switch (p.format) {
+    case QuantFormat::kQ8_0: return LaunchEmbeddingFormat<QuantFormat::kQ8_0>(p, stream);
+    case QuantFormat::kQ4_0: return LaunchEmbeddingFormat<QuantFormat::kQ4_0>(p, stream);
+    case QuantFormat::kQ4_1: return LaunchEmbeddingFormat<QuantFormat::kQ4_1>(p, stream);
+    case QuantFormat::kQ4_Z: return LaunchEmbeddingFormat<QuantFormat::kQ4_Z>(p, stream);
+    case QuantFormat::kQ5_0: return LaunchEmbeddingFormat<QuantFormat::kQ5_0>(p, stream);
+    case QuantFormat::kQ5_1: return LaunchEmbeddingFormat<QuantFormat::kQ5_1>(p, stream);
+    case QuantFormat::kIQ4_NL: return LaunchEmbeddingFormat<QuantFormat::kIQ4_NL>(p, stream);
+    case QuantFormat::kQ2_K: return LaunchEmbeddingFormat<QuantFormat::kQ2_K>(p, stream);
+    case QuantFormat::kQ3_K: return LaunchEmbeddingFormat<QuantFormat::kQ3_K>(p, stream);
+    case QuantFormat::kQ4_K: return LaunchEmbeddingFormat<QuantFormat::kQ4_K>(p, stream);
+    case QuantFormat::kQ5_K: return LaunchEmbeddingFormat<QuantFormat::kQ5_K>(p, stream);
+    case QuantFormat::kQ6_K: return LaunchEmbeddingFormat<QuantFormat::kQ6_K>(p, stream);
+  }
+  return absl::InvalidArgumentError("QuantEmbeddingParams.format is not a known format");
+}
 
 absl::Status QuantLinearParams::Validate() const {
   if (input == nullptr && num_tokens > 0) {
@@ -426,6 +528,11 @@ absl::Status QuantLinearParams::Validate() const {
   if (out_features <= 0 || out_features > INT32_MAX) {
     return absl::InvalidArgumentError(absl::StrCat(
         "QuantLinearParams.out_features must be in (0, INT32_MAX]: ", out_features));
+  }
+  if (output_stride != 0 && output_stride < out_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "QuantLinearParams.output_stride must be 0 or at least out_features (", out_features,
+        "): ", output_stride));
   }
   return absl::OkStatus();
 }

@@ -82,14 +82,21 @@ struct QuantLinearParams {
                                          // column j multiplies input column input_perm[j]; an
                                          // entry outside [0, in_features) reads 0
   const float* bias = nullptr;           // [out_features], device, or null
-  float* output = nullptr;               // [num_tokens, out_features], device; must not
+  float* output = nullptr;               // [num_tokens, OutputStride()] (the first
+                                         // out_features of each row written), device; must not
                                          // overlap input
   QuantFormat format = QuantFormat::kQ8_0;
   int64_t num_tokens = 0;    // 0 launches nothing; at most kQuantLinearMaxTokens
   int64_t in_features = 0;   // a multiple of QuantBlockElements(format), at most INT32_MAX
   int64_t out_features = 0;  // at most INT32_MAX
   bool accumulate = false;   // output += instead of output =
+  // Floats from one token's output row to the next: 0 means out_features; larger writes a
+  // column slice of a wider output (a fused projection held as parts of different formats).
+  int64_t output_stride = 0;
 
+  [[nodiscard]] int64_t OutputStride() const {
+    return output_stride == 0 ? out_features : output_stride;
+  }
   // INVALID_ARGUMENT naming the field for null or misaligned pointers or sizes out of range.
   absl::Status Validate() const;
 };
@@ -97,6 +104,31 @@ struct QuantLinearParams {
 // Enqueues the kernel for params.num_tokens (see the file comment) on `stream`.
 // Errors: Validate()'s, or INTERNAL naming the CUDA call.
 absl::Status LaunchQuantLinear(const QuantLinearParams& params, cudaStream_t stream);
+
+// The token embedding lookup from a table in these formats (a GGUF file's token_embd kept in
+// its blocks): output[t] = row ids[t] decoded to fp32, the same floats as the CPU's
+// DequantizeRow; only the rows looked up are read. It lives here to share the block decoders.
+// Ids outside [0, vocab) and vocabulary-parallel slices behave as kernels/cuda/embedding.cuh's
+// lookup: a row of zeros, and `invalid_id_flag` set for an invalid id.
+struct QuantEmbeddingParams {
+  const uint8_t* table = nullptr;  // [table_rows, hidden / QuantBlockElements(format)] blocks,
+                                   // device, 2-byte aligned
+  const int32_t* ids = nullptr;    // [num_tokens], device
+  float* output = nullptr;         // [num_tokens, hidden], device
+  int32_t* invalid_id_flag = nullptr;  // [1], device, or null: set to 1 (never cleared)
+  QuantFormat format = QuantFormat::kQ8_0;
+  int64_t vocab = 0;
+  int64_t vocab_begin = 0;  // the vocabulary row of the table's first row
+  int64_t table_rows = 0;   // rows in the table; 0: vocab
+  int64_t hidden = 0;       // a multiple of QuantBlockElements(format)
+  int64_t num_tokens = 0;   // 0 launches nothing
+
+  // INVALID_ARGUMENT naming the field for null or misaligned pointers or sizes out of range.
+  absl::Status Validate() const;
+};
+
+// Enqueues the lookup on `stream`. Errors: Validate()'s, or INTERNAL naming the CUDA call.
+absl::Status LaunchQuantEmbedding(const QuantEmbeddingParams& params, cudaStream_t stream);
 
 }  // namespace kvgrid::kernels::cuda
 

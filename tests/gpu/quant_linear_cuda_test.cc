@@ -9,6 +9,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -134,6 +135,97 @@ TEST(QuantLinearCudaTest, GgufFormatsMatchCpuQuantLinear) {
   p.output = io;
   p.weight = block;
   EXPECT_NE(std::string(p.Validate().message()).find("in_features"), std::string::npos);
+}
+
+// A fused projection held as parts of different formats: each part written into its columns
+// of a wider output (output_stride) equals the part's own product, the other columns untouched.
+TEST(QuantLinearCudaTest, OutputStrideWritesAColumnSlice) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const int64_t k = 256, rows_a = 40, rows_b = 24, n = rows_a + rows_b;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const cpu::QuantMatrix a = RandomBlocks(cpu::WeightDType::kQ4_K, rows_a, k, rng);
+  const cpu::QuantMatrix b = RandomBlocks(cpu::WeightDType::kQ6_K, rows_b, k, rng);
+  DeviceBuffer<uint8_t> da(a.data), db(b.data);
+  for (int64_t t : {1, 3, 70}) {
+    std::vector<float> x(t * k), bias(n);
+    for (float& v : x) v = normal(rng);
+    for (float& v : bias) v = normal(rng);
+    std::vector<float> want(t * n);
+    ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &a, .bias = bias.data(),
+                                  .output = want.data(), .num_tokens = t, .output_stride = n})
+                    .ok());
+    ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &b, .bias = bias.data() + rows_a,
+                                  .output = want.data() + rows_a, .num_tokens = t,
+                                  .output_stride = n})
+                    .ok());
+    DeviceBuffer<float> dx(x), dbias(bias), dout(std::vector<float>(t * n, 0.f));
+    for (auto [w, f, r0, rows] :
+         {std::tuple{da.get(), cuda::QuantFormat::kQ4_K, int64_t{0}, rows_a},
+          std::tuple{db.get(), cuda::QuantFormat::kQ6_K, rows_a, rows_b}}) {
+      const absl::Status s = cuda::LaunchQuantLinear(
+          {.input = dx.get(), .weight = w, .bias = dbias.get() + r0, .output = dout.get() + r0,
+           .format = f, .num_tokens = t, .in_features = k, .out_features = rows,
+           .output_stride = n},
+          nullptr);
+      ASSERT_TRUE(s.ok()) << s;
+    }
+    const std::vector<float> got = dout.Download();
+    for (int64_t i = 0; i < t * n; ++i) {
+      ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::fabs(want[i]))) << "t=" << t << " at " << i;
+    }
+  }
+  cuda::QuantLinearParams p{.format = cuda::QuantFormat::kQ8_0, .num_tokens = 1,
+                            .in_features = 32, .out_features = 8, .output_stride = 4};
+  alignas(4) uint8_t block[34 * 8] = {};
+  float io[32] = {};
+  p.input = io;
+  p.output = io;
+  p.weight = block;
+  EXPECT_NE(std::string(p.Validate().message()).find("output_stride"), std::string::npos);
+}
+
+// The lookup from a table in blocks, for every format: each row the CPU's DequantizeRow, a
+// vocabulary slice's other rows and invalid ids zeros, invalid ids flagged.
+TEST(QuantLinearCudaTest, EmbeddingLookupDecodesTheCpuRows) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const int64_t rows = 9, hidden = 512, vocab = 12, begin = 2;  // the table: rows [2, 11)
+  const std::vector<int32_t> ids = {2, 10, 5, 0, 11, 7, -1, 2};
+  for (cpu::WeightDType dtype : kGgufFormats) {
+    std::mt19937 rng(static_cast<uint32_t>(dtype) + 5);
+    const cpu::QuantMatrix m = RandomBlocks(dtype, rows, hidden, rng);
+    DeviceBuffer<uint8_t> table(m.data);
+    DeviceBuffer<int32_t> dids(ids), flag(std::vector<int32_t>{0});
+    DeviceBuffer<float> out(std::vector<float>(ids.size() * hidden, -1.f));
+    const absl::Status s = cuda::LaunchQuantEmbedding(
+        {.table = table.get(), .ids = dids.get(), .output = out.get(),
+         .invalid_id_flag = flag.get(), .format = FormatOf(dtype), .vocab = vocab,
+         .vocab_begin = begin, .table_rows = rows, .hidden = hidden,
+         .num_tokens = static_cast<int64_t>(ids.size())},
+        nullptr);
+    ASSERT_TRUE(s.ok()) << s;
+    const std::vector<float> got = out.Download();
+    std::vector<float> want(hidden);
+    for (size_t t = 0; t < ids.size(); ++t) {
+      const int64_t local = ids[t] - begin;
+      if (local >= 0 && local < rows) {
+        cpu::DequantizeRow(m, local, want.data());
+      } else {
+        std::fill(want.begin(), want.end(), 0.f);
+      }
+      for (int64_t i = 0; i < hidden; ++i) {
+        ASSERT_EQ(got[t * hidden + i], want[i])
+            << cpu::WeightDTypeName(dtype) << " token " << t << " column " << i;
+      }
+    }
+    EXPECT_EQ(flag.Download()[0], 1) << cpu::WeightDTypeName(dtype);
+  }
+  cuda::QuantEmbeddingParams p{.format = cuda::QuantFormat::kQ4_K, .vocab = 4, .hidden = 288};
+  alignas(4) uint8_t block[144] = {};
+  float out[288] = {};
+  p.table = block;
+  p.output = out;
+  EXPECT_NE(std::string(p.Validate().message()).find("hidden"), std::string::npos);
 }
 
 // Tolerance. Both sides multiply the same dequantized weights (the device decodes each weight

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/ggml_blocks.h"
 #include "model/dtype.h"
@@ -236,6 +237,68 @@ TEST(QuantLinearTest, SimdDecodersGiveThePortableFloats) {
   std::vector<float> out(32);
   const uint8_t block[34] = {};
   EXPECT_FALSE(DecodeGgmlBlocks(WeightDType::kQ8_0, block, 1, out.data()));
+}
+
+// output_stride: a matrix's product written as a column slice of a wider output, for decode
+// and prefill sizes, the rest of each output row untouched; a stride below the rows refused.
+TEST(QuantLinearTest, OutputStrideWritesAColumnSlice) {
+  const int64_t rows = 24, cols = 64, width = 40, offset = 9;
+  const std::vector<float> w = Random(rows * cols, 21);
+  auto q = QuantizeMatrix(w.data(), rows, cols, WeightDType::kQ8_0);
+  ASSERT_TRUE(q.ok()) << q.status();
+  for (int64_t n : {1, 3, 40}) {
+    const std::vector<float> x = Random(n * cols, 22 + n), bias = Random(rows, 23);
+    std::vector<float> want(n * rows);
+    ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &*q, .bias = bias.data(),
+                             .output = want.data(), .num_tokens = n})
+                    .ok());
+    std::vector<float> got(n * width, -7.f);
+    ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &*q, .bias = bias.data(),
+                             .output = got.data() + offset, .num_tokens = n,
+                             .output_stride = width})
+                    .ok());
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t c = 0; c < width; ++c) {
+        const float g = got[t * width + c];
+        if (c < offset || c >= offset + rows) {
+          ASSERT_EQ(g, -7.f) << "n=" << n << " token " << t << " column " << c;
+        } else {
+          ASSERT_NEAR(g, want[t * rows + c - offset], 1e-4f) << "n=" << n << " token " << t;
+        }
+      }
+    }
+  }
+  float out[64];
+  EXPECT_FALSE(QuantLinear({.input = w.data(), .weight = &*q, .output = out, .num_tokens = 1,
+                            .output_stride = rows - 1})
+                   .ok());
+}
+
+// The embedding lookup from a table in blocks: each row DequantizeRow's; an id outside the
+// vocabulary and blocks of the wrong shape are INVALID_ARGUMENT.
+TEST(QuantLinearTest, EmbeddingFromBlocksDecodesTheRowsLookedUp) {
+  const int64_t vocab = 10, hidden = 64;
+  const std::vector<float> w = Random(vocab * hidden, 31);
+  auto q = QuantizeMatrix(w.data(), vocab, hidden, WeightDType::kQ4_0);
+  ASSERT_TRUE(q.ok()) << q.status();
+  const std::vector<int32_t> ids = {3, 0, 9, 3};
+  std::vector<float> got(ids.size() * hidden), want(hidden);
+  ASSERT_TRUE(Embedding({.blocks = &*q, .ids = ids.data(), .output = got.data(), .vocab = vocab,
+                         .hidden = hidden, .num_tokens = 4})
+                  .ok());
+  for (size_t t = 0; t < ids.size(); ++t) {
+    DequantizeRow(*q, ids[t], want.data());
+    for (int64_t i = 0; i < hidden; ++i) ASSERT_EQ(got[t * hidden + i], want[i]) << t;
+  }
+  const int32_t bad = 10;
+  EXPECT_EQ(Embedding({.blocks = &*q, .ids = &bad, .output = got.data(), .vocab = vocab,
+                       .hidden = hidden, .num_tokens = 1})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Embedding({.blocks = &*q, .ids = ids.data(), .output = got.data(), .vocab = vocab + 1,
+                       .hidden = hidden, .num_tokens = 1})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(QuantLinearTest, BlockSizesAreGgmls) {
