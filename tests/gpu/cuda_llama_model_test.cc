@@ -243,6 +243,53 @@ TEST(CudaLlamaModelTest, QuantizedWeightsMatchTheCpuKernels) {
   }
 }
 
+// A GGUF layer whose q/k and v (gate and up) are of different types is held as parts
+// (LayerWeights::qkv_parts): the GPU runs each part into its columns of the fused output; and
+// an embedding in blocks (LlamaWeights::embed_q), looked up and used as the tied head.
+TEST(CudaLlamaModelTest, MixedTypePartsMatchTheCpuModel) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const model::ModelConfig config = TinyQwen();
+  LlamaWeights w = LlamaModel::RandomWeights(config, 7);
+  const int64_t hidden = config.hidden_size, hd = config.head_dim;
+  const int64_t q_dim = config.num_attention_heads * hd, kv_dim = config.num_key_value_heads * hd;
+  const auto split = [&](std::vector<float>& fused, std::vector<int64_t> rows,
+                         std::vector<WeightDType> dtypes,
+                         std::vector<kernels::cpu::QuantMatrix>* out) {
+    int64_t row = 0;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      auto q = kernels::cpu::QuantizeMatrix(fused.data() + row * hidden, rows[i], hidden,
+                                            dtypes[i]);
+      ASSERT_TRUE(q.ok()) << q.status();
+      out->push_back(*std::move(q));
+      row += rows[i];
+    }
+    std::vector<float>().swap(fused);
+  };
+  for (LayerWeights& l : w.layers) {
+    split(l.qkv, {q_dim, kv_dim, kv_dim}, {WeightDType::kQ4_0, WeightDType::kQ4_0,
+          WeightDType::kQ8_0}, &l.qkv_parts);
+    split(l.gate_up, {config.intermediate_size, config.intermediate_size},
+          {WeightDType::kQ4_1, WeightDType::kQ8_0}, &l.gate_up_parts);
+  }
+  {
+    auto cpu_model = LlamaModel::FromWeights(config, w);
+    ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+    // q/k/v bias (TinyQwen) lands on each part's rows too.
+    Compare(config, **cpu_model, model::DType::kF32, KvDType::kF16, 1e-4, true, "mixed parts");
+  }
+  // The embedding in blocks too (a GGUF token_embd kept as stored): the lookup decodes its
+  // rows and the tied head (TinyQwen's) multiplies the same blocks.
+  auto embed = kernels::cpu::QuantizeMatrix(w.embed.data(), config.vocab_size, hidden,
+                                            WeightDType::kQ8_0);
+  ASSERT_TRUE(embed.ok()) << embed.status();
+  w.embed_q = *std::move(embed);
+  std::vector<float>().swap(w.embed);
+  auto cpu_model = LlamaModel::FromWeights(config, std::move(w));
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  Compare(config, **cpu_model, model::DType::kF32, KvDType::kF16, 1e-4, true,
+          "mixed parts, Q8_0 embedding and tied head");
+}
+
 TEST(CudaLlamaModelTest, Bf16WeightsStayClose) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
   const model::ModelConfig config = TinyQwen();

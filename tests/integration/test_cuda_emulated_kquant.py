@@ -2,7 +2,9 @@
 with `--device cuda` serving the trained model in Q6_K (tools/make_kquant_gguf.py: embedding,
 q/k/v/o, gate/up and head in Q6_K blocks, uploaded as the CPU holds them and decoded inside the
 quantized GEMV/GEMM kernels) gives the greedy tokens `kvgrid run` gives on the CPU for the
-same file."""
+same file; and so does the model with its types mixed as a Q4_K_M file mixes them (--mix
+q4_k_m: q/k/v and gate/up held as parts of Q4_K and Q6_K) and no output.weight (the head tied
+to the embedding's Q8_0 blocks, which the lookup decodes on the card)."""
 
 import subprocess
 import sys
@@ -27,14 +29,15 @@ def emulated_plugin(monkeypatch):
     monkeypatch.setenv("KVGRID_CUDA_PLUGIN", str(plugin))
 
 
-@pytest.fixture(scope="module")
-def q6_k_model(tmp_path_factory):
-    d = tmp_path_factory.mktemp("q6_k")
-    f32, q6 = d / "f32.gguf", d / "kjv-tiny-q6_k.gguf"
+@pytest.fixture(scope="module", params=["q6_k", "q4_k_m-tied"])
+def q6_k_model(tmp_path_factory, request):
+    d = tmp_path_factory.mktemp(request.param)
+    f32, q6 = d / "f32.gguf", d / f"kjv-tiny-{request.param}.gguf"
     subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "export_gguf.py"), "--model",
                     str(MODEL_DIR), "--out", str(f32)], check=True)
+    flags = ["--mix", "q4_k_m", "--drop-output"] if request.param == "q4_k_m-tied" else []
     subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "make_kquant_gguf.py"), "--src",
-                    str(f32), "--out", str(q6)], check=True)
+                    str(f32), "--out", str(q6), *flags], check=True)
     return q6
 
 

@@ -24,7 +24,8 @@ constexpr char kHelp[] =
     "                     [--kv-cache-dtype fp32|fp16|bf16|int8|int4|fp8_e4m3|auto]\n"
     "                     [--block-size 16] [--prefill-chunk N] [--exact-attention]\n"
     "                     (--k-cache-dtype / --v-cache-dtype choose separately)\n"
-    "prints {\"logits\": [...], \"num_tokens\": N} for the last position\n"
+    "prints {\"logits\": [...], \"num_tokens\": N, \"weight_bytes\": B} for the last\n"
+    "position (B: the model's weights as held)\n"
     "--prefill-chunk N prefills the prompt N tokens at a time (default: all at once); with a\n"
     "sliding-window model, blocks that fall out of the window are freed as it goes\n"
     "--exact-attention: fp32 math on decoded int8 K/V instead of the fast integer kernels\n";
@@ -94,6 +95,7 @@ absl::Status Logits(Args& args) {
   nlohmann::json j;
   j["logits"] = logits;
   j["num_tokens"] = tokens.size();
+  j["weight_bytes"] = model->WeightBytes();  // as held: blocks kept count as blocks
   std::printf("%s\n", j.dump().c_str());
   return absl::OkStatus();
 }

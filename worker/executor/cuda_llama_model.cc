@@ -298,7 +298,30 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     return l;
   };
   const int64_t hidden = d.hidden, inter = d.inter, q_dim = d.q_dim, kv_dim = d.kv_dim;
-  KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
+  // A fused projection [out, hidden]: one Linear, or its differently quantized parts.
+  const auto fused = [&](const std::vector<float>& fp32, const cpu::QuantMatrix& q,
+                         const std::vector<cpu::QuantMatrix>& parts,
+                         int64_t out) -> absl::StatusOr<Linear> {
+    if (parts.empty()) return linear(fp32, q, out, hidden);
+    Linear l;
+    l.out = out;
+    l.in = hidden;
+    for (const cpu::QuantMatrix& part : parts) {
+      KVGRID_ASSIGN_OR_RETURN(Linear p, linear({}, part, part.rows, hidden));
+      l.parts.push_back(std::move(p));
+    }
+    return l;
+  };
+  if (!w.embed_q.empty()) {  // kept in its blocks; the lookup decodes the rows it reads
+    KVGRID_RETURN_IF_ERROR(CheckQuantized(w.embed_q, d.vocab_local, hidden, "embed_tokens"));
+    if (!w.embed_q.input_perm.empty()) {
+      return absl::InvalidArgumentError("CudaLlamaModel: embed_tokens with an input_perm");
+    }
+    m->embed_format_ = w.embed_q.dtype;
+    KVGRID_ASSIGN_OR_RETURN(m->embed_, UploadVector(w.embed_q.data));
+  } else {
+    KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
+  }
   KVGRID_ASSIGN_OR_RETURN(m->final_norm_, UploadVector(w.final_norm));
   if (!m->leader() && !m->vocab_parallel()) {
     // A replicated head runs on rank 0 only (EnqueueStep): the others hold none.
@@ -317,9 +340,10 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     KVGRID_ASSIGN_OR_RETURN(l.o_bias, UploadVector(lw.o_bias));
     KVGRID_ASSIGN_OR_RETURN(l.q_norm, UploadVector(lw.q_norm));
     KVGRID_ASSIGN_OR_RETURN(l.k_norm, UploadVector(lw.k_norm));
-    KVGRID_ASSIGN_OR_RETURN(l.qkv, linear(lw.qkv, lw.qkv_q, q_dim + 2 * kv_dim, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.qkv, fused(lw.qkv, lw.qkv_q, lw.qkv_parts, q_dim + 2 * kv_dim));
     KVGRID_ASSIGN_OR_RETURN(l.o, linear(lw.o, lw.o_q, hidden, q_dim));
-    KVGRID_ASSIGN_OR_RETURN(l.gate_up, linear(lw.gate_up, lw.gate_up_q, 2 * inter, hidden));
+    KVGRID_ASSIGN_OR_RETURN(l.gate_up,
+                            fused(lw.gate_up, lw.gate_up_q, lw.gate_up_parts, 2 * inter));
     KVGRID_ASSIGN_OR_RETURN(l.down, linear(lw.down, lw.down_q, hidden, inter));
     m->layers_.push_back(std::move(l));
   }
@@ -393,6 +417,10 @@ void CudaLlamaModel::TieHeadToEmbedding() {
   head_.in = dims_.hidden;
   head_.dtype = dense_dtype_;
   head_.data = embed_.get();
+  if (embed_format_ != cpu::WeightDType::kF32) {  // the embedding's own blocks
+    head_.quantized = true;
+    head_.format = embed_format_;
+  }
 }
 
 int64_t CudaLlamaModel::WeightBytes() const {
@@ -402,6 +430,7 @@ int64_t CudaLlamaModel::WeightBytes() const {
          l.q_norm.bytes() + l.k_norm.bytes();
     for (const Linear* x : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       n += x->storage.bytes() + x->input_perm.bytes();
+      for (const Linear& p : x->parts) n += p.storage.bytes() + p.input_perm.bytes();
     }
   }
   return n;
@@ -422,6 +451,25 @@ KvGeometry CudaLlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_
 absl::Status CudaLlamaModel::RunLinear(const Linear& l, const float* input, const float* bias,
                                        float* output, int64_t n, bool accumulate) {
   if (n == 0) return absl::OkStatus();
+  if (!l.parts.empty()) {
+    int64_t row = 0;  // the part's first output row: its columns of `output`
+    for (const Linear& p : l.parts) {
+      const cuda::QuantLinearParams params{.input = input,
+                                           .weight = static_cast<const uint8_t*>(p.data),
+                                           .input_perm = p.input_perm.as<const int32_t>(),
+                                           .bias = bias ? bias + row : nullptr,
+                                           .output = output + row,
+                                           .format = FormatOf(p.format),
+                                           .num_tokens = n,
+                                           .in_features = p.in,
+                                           .out_features = p.out,
+                                           .accumulate = accumulate,
+                                           .output_stride = l.out};
+      KVGRID_RETURN_IF_ERROR(cuda::LaunchQuantLinear(params, stream_));
+      row += p.out;
+    }
+    return absl::OkStatus();
+  }
   if (l.quantized) {
     return cuda::LaunchQuantLinear({.input = input,
                                     .weight = static_cast<const uint8_t*>(l.data),
@@ -646,17 +694,32 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
 
   // Flags a step's kernels raise are this step's alone, whether or not the last one read them.
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flags, 0, 2 * sizeof(int32_t), stream_));
-  KVGRID_RETURN_IF_ERROR(cuda::LaunchEmbedding({.table = embed_.get(),
-                                                .ids = ids_.as<int32_t>(),
-                                                .output = x_.as<float>(),
-                                                .invalid_id_flag = flags,
-                                                .table_dtype = dense_dtype_,
-                                                .vocab = d.vocab,
-                                                .vocab_begin = d.vocab_begin,
-                                                .table_rows = d.vocab_local,
-                                                .hidden = hidden,
-                                                .num_tokens = n},
-                                               stream_));
+  if (embed_format_ != cpu::WeightDType::kF32) {
+    KVGRID_RETURN_IF_ERROR(
+        cuda::LaunchQuantEmbedding({.table = embed_.as<const uint8_t>(),
+                                    .ids = ids_.as<int32_t>(),
+                                    .output = x_.as<float>(),
+                                    .invalid_id_flag = flags,
+                                    .format = FormatOf(embed_format_),
+                                    .vocab = d.vocab,
+                                    .vocab_begin = d.vocab_begin,
+                                    .table_rows = d.vocab_local,
+                                    .hidden = hidden,
+                                    .num_tokens = n},
+                                   stream_));
+  } else {
+    KVGRID_RETURN_IF_ERROR(cuda::LaunchEmbedding({.table = embed_.get(),
+                                                  .ids = ids_.as<int32_t>(),
+                                                  .output = x_.as<float>(),
+                                                  .invalid_id_flag = flags,
+                                                  .table_dtype = dense_dtype_,
+                                                  .vocab = d.vocab,
+                                                  .vocab_begin = d.vocab_begin,
+                                                  .table_rows = d.vocab_local,
+                                                  .hidden = hidden,
+                                                  .num_tokens = n},
+                                                 stream_));
+  }
   if (vocab_parallel()) KVGRID_RETURN_IF_ERROR(all_reduce_x());
   cuda::PagedAttentionParams attention = AttentionParams(shape, pool);
 

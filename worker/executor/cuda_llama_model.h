@@ -7,8 +7,12 @@
 //
 // Weights: fp32 (cuBLAS SGEMM without TF32, so logits track the CPU reference to fp32 noise;
 // for tests), fp16/bf16 (activations cast to the weights' type, fp32 accumulate; what a
-// deployment runs), or the CPU's quantized blocks (Q8_0/Q4_0/Q4_1/Q4_Z, uploaded as they are and
-// dequantized inside kernels/cuda/quant_linear). Activations stay fp32 between ops.
+// deployment runs), or the CPU's quantized blocks (Q8_0/Q4_0/Q4_1/Q4_Z and every GGUF block
+// type, uploaded as they are and dequantized inside kernels/cuda/quant_linear). A GGUF layer
+// whose q/k/v or gate/up differ in type keeps each part in its own blocks (Linear::parts, each
+// run into its columns of the fused output); a GGUF embedding in blocks stays in them (the
+// lookup decodes only the rows it reads, and a tied head multiplies the same blocks).
+// Activations stay fp32 between ops.
 //
 // Tensor parallelism: with a DeviceCommunicator of size T the model holds rank r's share of the
 // weights, sharded as LlamaModel shards them (ShardDimsOf): its q heads and KV heads, its
@@ -200,6 +204,10 @@ class CudaLlamaModel {
     kernels::cpu::WeightDType format = kernels::cpu::WeightDType::kF32;  // when quantized
     model::DType dtype = model::DType::kF32;                            // when dense
     int64_t out = 0, in = 0;
+    // A fused projection whose parts are quantized differently (LayerWeights::qkv_parts): each
+    // part a quantized Linear of the next rows of `out`, run into its columns of the output;
+    // this Linear then holds no weights of its own.
+    std::vector<Linear> parts;
   };
   struct Layer {
     DeviceBuffer input_norm, post_norm, qkv_bias, o_bias;  // fp32
@@ -260,7 +268,11 @@ class CudaLlamaModel {
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   kernels::cuda::CublasHandle cublas_;
-  DeviceBuffer embed_;                 // [vocab_local, hidden] of dense_dtype_
+  DeviceBuffer embed_;                 // [vocab_local, hidden] of dense_dtype_, or in the
+                                       // blocks of embed_format_
+  // The embedding's blocks (a GGUF token_embd kept as stored: LlamaWeights::embed_q), or kF32
+  // for a dense table; a tied head then multiplies the same blocks.
+  kernels::cpu::WeightDType embed_format_ = kernels::cpu::WeightDType::kF32;
   DeviceBuffer final_norm_;            // [hidden] fp32
   Linear head_;  // lm_head [vocab_local, hidden], or the tied embedding; no data on a
                  // follower whose head is replicated (rank 0 runs it alone)

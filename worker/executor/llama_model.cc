@@ -39,7 +39,16 @@ absl::Status CheckSize(const std::vector<float>& t, int64_t expected, const std:
 absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
                           const TensorParallel& tp) {
   const ShardDims d = ShardDimsOf(c, tp);
-  KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab_local * d.hidden, "embed_tokens"));
+  if (!w.embed_q.empty()) {
+    if (w.embed_q.rows != d.vocab_local || w.embed_q.cols != d.hidden || !w.embed.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "weight embed_tokens is [", w.embed_q.rows, ", ", w.embed_q.cols, "] in blocks",
+          w.embed.empty() ? "" : " and in fp32", ", the config implies [", d.vocab_local, ", ",
+          d.hidden, "]"));
+    }
+  } else {
+    KVGRID_RETURN_IF_ERROR(CheckSize(w.embed, d.vocab_local * d.hidden, "embed_tokens"));
+  }
   KVGRID_RETURN_IF_ERROR(CheckSize(w.final_norm, d.hidden, "norm"));
   if ((!c.tie_word_embeddings || !w.lm_head.empty()) && w.lm_head_q.empty()) {
     KVGRID_RETURN_IF_ERROR(CheckSize(w.lm_head, d.vocab_local * d.hidden, "lm_head"));
@@ -53,7 +62,26 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
     const std::string p = absl::StrCat("layers.", i, ".");
     KVGRID_RETURN_IF_ERROR(CheckSize(l.input_norm, d.hidden, p + "input_layernorm"));
     auto check = [&](const std::vector<float>& w, const cpu::QuantMatrix& q, int64_t rows,
-                     int64_t cols, const std::string& what) -> absl::Status {
+                     int64_t cols, const std::string& what,
+                     const std::vector<cpu::QuantMatrix>& parts = {}) -> absl::Status {
+      if (!parts.empty()) {
+        int64_t stacked = 0;
+        for (const cpu::QuantMatrix& part : parts) {
+          if (part.cols != cols || part.empty()) {
+            return absl::InvalidArgumentError(absl::StrCat("weight ", what, " has a part of [",
+                                                           part.rows, ", ", part.cols,
+                                                           "], the config implies ", cols,
+                                                           " columns"));
+          }
+          stacked += part.rows;
+        }
+        if (stacked != rows || !q.empty() || !w.empty()) {
+          return absl::InvalidArgumentError(absl::StrCat("weight ", what, " has parts of ",
+                                                         stacked, " rows (and no other form), "
+                                                         "the config implies ", rows));
+        }
+        return absl::OkStatus();
+      }
       if (q.empty()) return CheckSize(w, rows * cols, what);
       if (q.rows != rows || q.cols != cols) {
         return absl::InvalidArgumentError(absl::StrCat("weight ", what, " is [", q.rows, ", ",
@@ -62,7 +90,7 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
       }
       return absl::OkStatus();
     };
-    KVGRID_RETURN_IF_ERROR(check(l.qkv, l.qkv_q, d.qkv_dim, d.hidden, p + "qkv"));
+    KVGRID_RETURN_IF_ERROR(check(l.qkv, l.qkv_q, d.qkv_dim, d.hidden, p + "qkv", l.qkv_parts));
     if (!l.qkv_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.qkv_bias, d.qkv_dim, p + "qkv_bias"));
     if (c.qk_norm) {
       KVGRID_RETURN_IF_ERROR(CheckSize(l.q_norm, d.head_dim, p + "self_attn.q_norm"));
@@ -74,7 +102,8 @@ absl::Status CheckWeights(const model::ModelConfig& c, const LlamaWeights& w,
     if (!l.o_bias.empty()) KVGRID_RETURN_IF_ERROR(CheckSize(l.o_bias, d.hidden, p + "o_proj.bias"));
     KVGRID_RETURN_IF_ERROR(check(l.o, l.o_q, d.hidden, d.q_dim, p + "o_proj"));
     KVGRID_RETURN_IF_ERROR(CheckSize(l.post_norm, d.hidden, p + "post_attention_layernorm"));
-    KVGRID_RETURN_IF_ERROR(check(l.gate_up, l.gate_up_q, 2 * d.inter, d.hidden, p + "gate_up"));
+    KVGRID_RETURN_IF_ERROR(check(l.gate_up, l.gate_up_q, 2 * d.inter, d.hidden, p + "gate_up",
+                                 l.gate_up_parts));
     KVGRID_RETURN_IF_ERROR(check(l.down, l.down_q, d.hidden, d.inter, p + "down_proj"));
   }
   return absl::OkStatus();
@@ -106,14 +135,22 @@ std::vector<float> Cols(const std::vector<float>& m, int64_t rows, int64_t cols,
   return out;
 }
 
-// Stacks matrices by rows: all quantized alike (same blocks, same input order) stay quantized,
+// Stacks matrices by rows: all quantized alike (same blocks, same input order) become one
+// quantized matrix; all quantized but not alike stay as they are, as parts (`quant_parts`);
 // else everything becomes fp32.
 absl::Status Stack(std::vector<std::pair<std::vector<float>, cpu::QuantMatrix>> parts,
-                   int64_t cols, std::vector<float>* fp32, cpu::QuantMatrix* quant) {
-  const bool quantized = std::all_of(parts.begin(), parts.end(), [&](const auto& p) {
-    return !p.second.empty() && p.second.dtype == parts.front().second.dtype &&
+                   int64_t cols, std::vector<float>* fp32, cpu::QuantMatrix* quant,
+                   std::vector<cpu::QuantMatrix>* quant_parts) {
+  const bool quantized = std::all_of(parts.begin(), parts.end(),
+                                     [&](const auto& p) { return !p.second.empty(); });
+  const bool alike = std::all_of(parts.begin(), parts.end(), [&](const auto& p) {
+    return p.second.dtype == parts.front().second.dtype &&
            p.second.input_perm == parts.front().second.input_perm;
   });
+  if (quantized && !alike) {
+    for (auto& [f, q] : parts) quant_parts->push_back(std::move(q));
+    return absl::OkStatus();
+  }
   if (quantized) {
     quant->dtype = parts.front().second.dtype;
     quant->cols = cols;
@@ -366,12 +403,13 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
         KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + qkv_parts[part].first, qkv_parts[part].second,
                                               d.hidden, &qkv[part].first, &qkv[part].second));
       }
-      KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q));
+      KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q, &l.qkv_parts));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.gate_proj", d.inter, d.hidden,
                                             &gate_up[0].first, &gate_up[0].second));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.up_proj", d.inter, d.hidden,
                                             &gate_up[1].first, &gate_up[1].second));
-      KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q));
+      KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q,
+                                   &l.gate_up_parts));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "self_attn.o_proj", d.hidden, d.q_dim, &l.o, &l.o_q));
       KVGRID_RETURN_IF_ERROR(ReadPacked4Bit(c, quant, p + "mlp.down_proj", d.hidden, d.inter, &l.down, &l.down_q));
     } else {
@@ -476,7 +514,18 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
   // GGML permutes llama's q/k for its interleaved RoPE; Qwen2 uses the halves as HF does.
   const int64_t permute = arch == "llama" ? hd : 0;
   LlamaWeights w;
-  KVGRID_RETURN_IF_ERROR(GgufF32(f, "token_embd.weight", {d.hidden, d.vocab}, &w.embed));
+  {
+    // The embedding stays in its blocks: only the rows looked up are ever decoded.
+    KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* t, f.Find("token_embd.weight"));
+    if (cpu::WeightDTypeOfGgml(t->type)) {
+      if (t->ne != std::vector<int64_t>{d.hidden, d.vocab}) {
+        return absl::InvalidArgumentError("GGUF tensor 'token_embd.weight' has the wrong shape");
+      }
+      KVGRID_ASSIGN_OR_RETURN(w.embed_q, cpu::QuantMatrixFromGguf(*t));
+    } else {
+      KVGRID_RETURN_IF_ERROR(GgufF32(f, "token_embd.weight", {d.hidden, d.vocab}, &w.embed));
+    }
+  }
   KVGRID_RETURN_IF_ERROR(GgufF32(f, "output_norm.weight", {d.hidden}, &w.final_norm));
   if (!c.tie_word_embeddings) {
     KVGRID_RETURN_IF_ERROR(
@@ -498,7 +547,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
                                       &qkv[1].first, &qkv[1].second));
     KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "attn_v.weight", d.kv_dim, d.hidden, 0,
                                       &qkv[2].first, &qkv[2].second));
-    KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q));
+    KVGRID_RETURN_IF_ERROR(Stack(std::move(qkv), d.hidden, &l.qkv, &l.qkv_q, &l.qkv_parts));
     if (c.attention_bias) {
       std::vector<float> bias;
       for (auto [name, n] : {std::pair{"attn_q.bias", d.q_dim}, std::pair{"attn_k.bias", d.kv_dim},
@@ -513,7 +562,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
                                       &gate_up[0].first, &gate_up[0].second));
     KVGRID_RETURN_IF_ERROR(GgufLinear(f, b + "ffn_up.weight", d.inter, d.hidden, 0,
                                       &gate_up[1].first, &gate_up[1].second));
-    KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q));
+    KVGRID_RETURN_IF_ERROR(Stack(std::move(gate_up), d.hidden, &l.gate_up, &l.gate_up_q,
+                                 &l.gate_up_parts));
     KVGRID_RETURN_IF_ERROR(
         GgufLinear(f, b + "ffn_down.weight", d.hidden, d.inter, 0, &l.down, &l.down_q));
     w.layers.push_back(std::move(l));
@@ -526,6 +576,15 @@ absl::StatusOr<LlamaWeights> LlamaModel::ShardWeights(const model::ModelConfig& 
                                                       TensorParallel tp) {
   KVGRID_RETURN_IF_ERROR(tp.ValidateSplit(config));
   KVGRID_RETURN_IF_ERROR(CheckWeights(config, full_weights, {}));
+  const bool gguf_blocks =
+      !full_weights.embed_q.empty() ||
+      std::any_of(full_weights.layers.begin(), full_weights.layers.end(), [](const auto& l) {
+        return !l.qkv_parts.empty() || !l.gate_up_parts.empty();
+      });
+  if (gguf_blocks) {
+    return absl::UnimplementedError(
+        "ShardWeights: an embedding or fused projection held in GGUF blocks is not sliced");
+  }
   const ShardDims full = ShardDimsOf(config);
   const ShardDims d = ShardDimsOf(config, tp);
   const int64_t hd = d.head_dim;
@@ -628,13 +687,16 @@ LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t see
 
 int64_t LlamaModel::WeightBytes() const {
   int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
-  int64_t quantized = 0;
+  int64_t quantized = static_cast<int64_t>(w_.embed_q.data.size());
   for (const LayerWeights& l : w_.layers) {
     n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
          l.post_norm.size() + l.gate_up.size() + l.down.size() + l.q_norm.size() +
          l.k_norm.size();
     for (const cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
       quantized += static_cast<int64_t>(q->data.size());
+    }
+    for (const std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
+      for (const cpu::QuantMatrix& q : *parts) quantized += static_cast<int64_t>(q.data.size());
     }
   }
   quantized += static_cast<int64_t>(w_.lm_head_q.data.size());
@@ -651,7 +713,9 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
     std::vector<float>().swap(w);
     return absl::OkStatus();
   };
-  if (w_.lm_head_q.empty() && d.hidden % cpu::kQuantBlock == 0) {
+  // A tied head over an embedding in blocks (GGUF) already runs on those blocks.
+  const bool head_on_blocks = w_.lm_head.empty() && !w_.embed_q.empty();
+  if (w_.lm_head_q.empty() && !head_on_blocks && d.hidden % cpu::kQuantBlock == 0) {
     const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
     KVGRID_ASSIGN_OR_RETURN(w_.lm_head_q, cpu::QuantizeMatrix(head.data(), d.vocab_local,
                                                               d.hidden, cpu::WeightDType::kQ8_0));
@@ -702,7 +766,8 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   act_.resize(n * d.inter);
 
   if (d.vocab_local == d.vocab) {
-    KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed.data(),
+    KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed_q.empty() ? w_.embed.data() : nullptr,
+                                           .blocks = w_.embed_q.empty() ? nullptr : &w_.embed_q,
                                            .ids = b.token_ids.data(),
                                            .output = x_.data(),
                                            .vocab = d.vocab,
@@ -719,7 +784,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                                        d.vocab, ")"));
       }
       float* row = x_.data() + t * d.hidden;
-      if (id >= d.vocab_begin && id < d.vocab_begin + d.vocab_local) {
+      if (id >= d.vocab_begin && id < d.vocab_begin + d.vocab_local && !w_.embed_q.empty()) {
+        cpu::DequantizeRow(w_.embed_q, id - d.vocab_begin, row);
+      } else if (id >= d.vocab_begin && id < d.vocab_begin + d.vocab_local) {
         std::memcpy(row, w_.embed.data() + (id - d.vocab_begin) * d.hidden,
                     sizeof(float) * d.hidden);
       } else {
@@ -737,9 +804,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                          .num_tokens = n,
                                          .hidden = d.hidden,
                                          .eps = eps}));
-    KVGRID_RETURN_IF_ERROR(AnyLinear(h_.data(), l.qkv, l.qkv_q,
-                                     l.qkv_bias.empty() ? nullptr : l.qkv_bias.data(),
-                                     qkv_.data(), n, d.hidden, d.qkv_dim, false));
+    KVGRID_RETURN_IF_ERROR(FusedLinear(h_.data(), l.qkv, l.qkv_q, l.qkv_parts,
+                                       l.qkv_bias.empty() ? nullptr : l.qkv_bias.data(),
+                                       qkv_.data(), n, d.hidden, d.qkv_dim));
     for (int64_t t = 0; t < n; ++t) {
       const float* row = qkv_.data() + t * d.qkv_dim;
       std::memcpy(q_.data() + t * d.q_dim, row, sizeof(float) * d.q_dim);
@@ -813,8 +880,8 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                          .num_tokens = n,
                                          .hidden = d.hidden,
                                          .eps = eps}));
-    KVGRID_RETURN_IF_ERROR(AnyLinear(h_.data(), l.gate_up, l.gate_up_q, nullptr,
-                                     gate_up_.data(), n, d.hidden, 2 * d.inter, false));
+    KVGRID_RETURN_IF_ERROR(FusedLinear(h_.data(), l.gate_up, l.gate_up_q, l.gate_up_parts,
+                                       nullptr, gate_up_.data(), n, d.hidden, 2 * d.inter));
     KVGRID_RETURN_IF_ERROR(cpu::SiluAndMul({.gate_up = gate_up_.data(),
                                             .output = act_.data(),
                                             .num_tokens = n,
@@ -837,12 +904,16 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                        .hidden = d.hidden,
                                        .eps = eps}));
   const std::vector<float>& head = w_.lm_head.empty() ? w_.embed : w_.lm_head;
+  // The head's blocks: lm_head's, or, for a head tied to an embedding in blocks, the
+  // embedding's own (no copy).
+  const cpu::QuantMatrix& head_q =
+      !w_.lm_head_q.empty() || !w_.lm_head.empty() ? w_.lm_head_q : w_.embed_q;
   if (d.vocab_local < d.vocab) {
     // Vocabulary-parallel head: each rank projects onto its slice of the vocabulary and the
     // slices are gathered, so the largest GEMM of a decode step is split like the layers.
     const int64_t local = d.vocab_local;
     partial_.resize(m * local);
-    KVGRID_RETURN_IF_ERROR(AnyLinear(rows_.data(), head, w_.lm_head_q, nullptr, partial_.data(),
+    KVGRID_RETURN_IF_ERROR(AnyLinear(rows_.data(), head, head_q, nullptr, partial_.data(),
                                      m, d.hidden, local, false));
     gathered_.resize(tp_.size * m * local);
     KVGRID_RETURN_IF_ERROR(tp_.comm->AllGather(partial_, std::span<float>(gathered_)));
@@ -858,7 +929,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   }
   if (tp_.rank != 0) return absl::OkStatus();  // only the leader samples
   logits->resize(m * d.vocab);
-  return AnyLinear(rows_.data(), head, w_.lm_head_q, nullptr, logits->data(), m, d.hidden, d.vocab,
+  return AnyLinear(rows_.data(), head, head_q, nullptr, logits->data(), m, d.hidden, d.vocab,
                    false);
 }
 
@@ -873,6 +944,27 @@ absl::Status LlamaModel::AnyLinear(const float* input, const std::vector<float>&
   return cpu::Linear({.input = input, .weight = weight.data(), .bias = bias, .output = output,
                       .num_tokens = n, .in_features = in_features,
                       .out_features = out_features, .accumulate = accumulate});
+}
+
+absl::Status LlamaModel::FusedLinear(const float* input, const std::vector<float>& weight,
+                                     const cpu::QuantMatrix& quantized,
+                                     const std::vector<cpu::QuantMatrix>& parts,
+                                     const float* bias, float* output, int64_t n,
+                                     int64_t in_features, int64_t out_features) {
+  if (parts.empty()) {
+    return AnyLinear(input, weight, quantized, bias, output, n, in_features, out_features, false);
+  }
+  int64_t row = 0;  // the part's first output row: its columns of `output`
+  for (const cpu::QuantMatrix& part : parts) {
+    KVGRID_RETURN_IF_ERROR(cpu::QuantLinear({.input = input,
+                                             .weight = &part,
+                                             .bias = bias ? bias + row : nullptr,
+                                             .output = output + row,
+                                             .num_tokens = n,
+                                             .output_stride = out_features}));
+    row += part.rows;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status LlamaModel::RowParallelLinear(const float* input, const std::vector<float>& weight,

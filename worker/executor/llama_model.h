@@ -80,15 +80,24 @@ struct LayerWeights {
   // After QuantizeWeights: the same matrices in Q8_0/Q4_0 (their fp32 vectors then empty); a
   // matrix whose input width is not a multiple of 32 stays fp32.
   kernels::cpu::QuantMatrix qkv_q, o_q, gate_up_q, down_q;
+  // A fused projection whose parts are quantized differently (a GGUF layer with q/k in Q4_K and
+  // v in Q6_K, or gate and up of different types): each part in its own blocks, covering the
+  // next rows of the output (q, k, v; gate, up), computed part by part into column slices of
+  // the output. qkv/qkv_q (gate_up/gate_up_q) are then empty.
+  std::vector<kernels::cpu::QuantMatrix> qkv_parts, gate_up_parts;
 };
 
 struct LlamaWeights {
   std::vector<float> embed;       // [vocab, hidden] (a rank's slice of the vocabulary)
+  // The embedding in the blocks a GGUF file stores it in (Q8_0, Q4_K, Q6_K...): `embed` is then
+  // empty, the lookup decodes only the rows it reads, and a tied head multiplies these blocks.
+  kernels::cpu::QuantMatrix embed_q;  // [vocab, hidden] or empty
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [hidden]
   std::vector<float> lm_head;     // [vocab, hidden] (sliced like embed); empty when tied
   // After QuantizeWeights: the head in Q8_0 (a copy of `embed` when tied, which stays fp32 for
-  // the lookup); lm_head is then empty.
+  // the lookup); lm_head is then empty. GGUF: output.weight's blocks as stored. A tied head
+  // with embed_q and no lm_head_q runs on embed_q.
   kernels::cpu::QuantMatrix lm_head_q;
 };
 
@@ -131,10 +140,14 @@ class LlamaModel {
                                                           TensorParallel tp = {});
 
   // Reads a GGUF file from llama.cpp (architecture llama, mistral, qwen2 or qwen3 with its
-  // attn_q_norm/attn_k_norm): the config from its
-  // metadata, F32/F16/BF16 tensors converted to fp32, Q8_0/Q4_0 linear weights kept in their
-  // blocks (used directly by the quantized kernels), llama's q/k rows un-permuted from GGML's
-  // interleaved RoPE order. Tensor parallelism is not supported for GGUF yet.
+  // attn_q_norm/attn_k_norm): the config from its metadata, F32/F16/BF16 tensors converted to
+  // fp32, every block-format tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) kept in
+  // its blocks as stored and used directly by the quantized kernels: the linear weights; q/k/v
+  // and gate/up stacked into one matrix when their types agree, else held as parts of their
+  // own types (LayerWeights::qkv_parts, as Q4_K_M files mix Q4_K and Q6_K); the embedding
+  // (LlamaWeights::embed_q: only the rows looked up are decoded, and a file without
+  // output.weight gets a head tied to the same blocks). llama's q/k rows are un-permuted from
+  // GGML's interleaved RoPE order. Tensor parallelism is not supported for GGUF yet.
   // Errors: as model::GgufFile::Open; INVALID_ARGUMENT naming a missing or mis-shaped tensor or
   // metadata key; UNIMPLEMENTED for other architectures, RoPE scaling types or tp > 1.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadGguf(const std::filesystem::path& path,
@@ -200,6 +213,13 @@ class LlamaModel {
                          const kernels::cpu::QuantMatrix& quantized, const float* bias,
                          float* output, int64_t n, int64_t in_features, int64_t out_features,
                          bool accumulate);
+  // output = input x weight^T (+ bias) for a fused projection: AnyLinear, or one QuantLinear
+  // per part into the part's columns of output [n, out_features] when `parts` is not empty.
+  absl::Status FusedLinear(const float* input, const std::vector<float>& weight,
+                           const kernels::cpu::QuantMatrix& quantized,
+                           const std::vector<kernels::cpu::QuantMatrix>& parts,
+                           const float* bias, float* output, int64_t n, int64_t in_features,
+                           int64_t out_features);
   // x_ += input x weight^T (+ bias) for a layer whose inputs are split across the group
   // (o_proj, down_proj): the partial products are all-reduced first.
   absl::Status RowParallelLinear(const float* input, const std::vector<float>& weight,
