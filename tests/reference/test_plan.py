@@ -160,10 +160,14 @@ def test_gguf_weights_as_stored(tmp_path):
                     str(source / "models" / "kjv-tiny"), "--out", str(path), "--type", "q4_0"],
                    check=True)
     reader = gguf.GGUFReader(str(path))
-    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    # As held: blocks as stored, F32/F16/BF16 tensors as fp32.
+    dense = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+             gguf.GGMLQuantizationType.BF16)
+    held = sum(4 * int(t.n_elements) if t.tensor_type in dense else int(t.n_bytes)
+               for t in reader.tensors)
     rows, _ = plan_json("--model", path, "--memory", "256MiB", "--context", 512)
     assert rows["fp16"]["weight_dtype"] == "gguf"
-    assert rows["fp16"]["weight_bytes"] == stored
+    assert rows["fp16"]["weight_bytes"] == held
     assert rows["fp16"]["bytes_per_token"] == 4 * 2 * 64 * 2 * 2  # 4 layers, 2 KV heads, fp16
     r = run("--model", path, "--memory", "256MiB", "--weight-dtype", "q4_0")
     assert r.returncode != 0 and "planned as stored" in r.stderr

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cpu/quant_linear.h"
 #include "model/gguf.h"
 #include "model/gguf_config.h"
 #include "model/model_config.h"
@@ -36,9 +37,11 @@ constexpr char kHelp[] =
     "config's 4-bit layers (as kvgrid holds them: 20 bytes per 32 weights), else the config's\n"
     "torch_dtype (fp32 when absent). q8_0/q4_0/q4_1: the layers' linear weights in blocks of\n"
     "32 (34/18/20 bytes) and the head in Q8_0, as --weight-dtype quantizes at load; the rest\n"
-    "at torch_dtype. A .gguf model: its tensors' sizes as stored, blocks of any type it may\n"
-    "hold (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) at their size (--weight-dtype must\n"
-    "be auto). --tp T: --memory is each card's of a tensor-parallel group of T (as kvgrid-worker\n"
+    "at torch_dtype. A .gguf model: its tensors as kvgrid holds them, blocks of any type it may\n"
+    "hold (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) at their size as stored (mixed\n"
+    "q/k/v or gate/up types and the embedding too), F32/F16/BF16 tensors as fp32\n"
+    "(--weight-dtype must be auto). --tp T: --memory is each card's of a tensor-parallel\n"
+    "group of T (as kvgrid-worker\n"
     "--tensor-parallel-size shards: heads, KV heads and MLP columns split, KV heads replicated\n"
     "when T exceeds them, the vocabulary split when T divides it); a card holds its share of\n"
     "the weights and of every token's KV, so the token and sequence figures are the group's.\n"
@@ -48,12 +51,16 @@ constexpr char kHelp[] =
     "slide (Qwen2 with max_window_layers) free nothing and are planned as full attention.\n"
     "--json: one JSON object per dtype per line.\n";
 
-// A GGUF file's weights as stored: every tensor's bytes (quantized blocks at their size).
+// A GGUF file's weights as LlamaModel::LoadGguf holds them: tensors in blocks at their size as
+// stored (every one: mixed-type layers are held as parts, the embedding in its blocks), the
+// F32/F16/BF16 ones as fp32.
 worker::WeightFootprint GgufFootprint(const model::GgufFile& file) {
   worker::WeightFootprint f{.dtype = "gguf"};
   for (const auto& [name, tensor] : file.tensors()) {
     f.params += tensor.NumElements();
-    f.bytes += static_cast<int64_t>(tensor.data.size());
+    f.bytes += kernels::cpu::WeightDTypeOfGgml(tensor.type)
+                   ? static_cast<int64_t>(tensor.data.size())
+                   : tensor.NumElements() * static_cast<int64_t>(sizeof(float));
   }
   return f;
 }
