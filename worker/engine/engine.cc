@@ -238,7 +238,15 @@ absl::Status Engine::AddRequest(GenerationRequest request) {
   seq->history = TokenHistory(request.sampling, request.prompt);
   seq->request = std::move(request);
   seq->arrival = std::chrono::steady_clock::now();
-  if (options_.tokenizer) seq->detok.emplace(options_.tokenizer, /*skip_special_tokens=*/true);
+  if (options_.tokenizer) {
+    // The text continues the prompt's, as vLLM reports it: "▁Paris" after a prompt is
+    // " Paris". A prompt that decodes to nothing (empty, or special tokens only, which the
+    // text skips) leaves nothing to continue, so a SentencePiece first space is dropped.
+    const model::Tokenizer* tok = options_.tokenizer;
+    const bool continues_text = std::any_of(seq->tokens.begin(), seq->tokens.end(),
+                                            [tok](int32_t id) { return !tok->IsSpecial(id); });
+    seq->detok.emplace(tok, /*skip_special_tokens=*/true, continues_text);
+  }
   if (!seq->request.stopping.stop_strings.empty()) {
     seq->stops.emplace(seq->request.stopping.stop_strings,
                        seq->request.stopping.include_stop_str_in_output);
