@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "coordinator/chat_request.h"
 #include "coordinator/openai_protocol.h"
+#include "model/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "proto/grpc_status.h"
 
@@ -41,15 +42,28 @@ openai::TokenText TokenTextOf(const ServedModel& model) {
   openai::TokenText t;
   if (!model.tokenizer) return t;
   const model::Tokenizer* tok = model.tokenizer.get();
-  t.text = [tok](int32_t id) {
-    const int32_t ids[1] = {id};
-    absl::StatusOr<std::string> s = tok->Decode(ids, /*skip_special_tokens=*/false);
+  // A token's text as part of the completion, which continues the prompt: a SentencePiece
+  // "▁the" is " the" (Decode alone strips that first space), so the tokens add up to the text.
+  auto continued = [tok](int32_t id) -> absl::StatusOr<std::string> {
+    model::IncrementalDetokenizer d(tok, /*skip_special_tokens=*/false, /*continues_text=*/true);
+    absl::StatusOr<std::string> text = d.Push(id);
+    if (!text.ok()) return text.status();
+    return *text + d.Finish();
+  };
+  t.text = [continued](int32_t id) {
+    absl::StatusOr<std::string> s = continued(id);
     return s.ok() ? *std::move(s) : absl::StrCat("token_id:", id);
   };
-  t.bytes = [tok](int32_t id) -> std::optional<std::string> {
+  t.bytes = [tok, continued](int32_t id) -> std::optional<std::string> {
     const int32_t ids[1] = {id};
     absl::StatusOr<std::string> s = tok->DecodeBytes(ids, /*skip_special_tokens=*/false);
     if (!s.ok()) return std::nullopt;
+    // What continuing adds in front (the space a first token loses), then the bytes.
+    absl::StatusOr<std::string> alone = tok->Decode(ids, /*skip_special_tokens=*/false);
+    absl::StatusOr<std::string> text = continued(id);
+    if (alone.ok() && text.ok() && text->size() > alone->size() && text->ends_with(*alone)) {
+      return text->substr(0, text->size() - alone->size()) + *s;
+    }
     return *std::move(s);
   };
   return t;

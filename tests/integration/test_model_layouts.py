@@ -409,8 +409,14 @@ def check_openai(s):
     forced = dict(params, max_tokens=3, logit_bias={str(the): 100})
     want = s.continuation(ids, [the] * 3)
     assert want == " the the the", want
-    r = s.oai.completions.create(prompt=PROMPT, **forced)
+    r = s.oai.completions.create(prompt=PROMPT, logprobs=1, **forced)
     assert r.choices[0].text == want
+    # The logprobs' token strings are pieces of that text (OpenAI's shape: they add up to it).
+    assert r.choices[0].logprobs.tokens == [" the"] * 3, r.choices[0].logprobs
+    assert r.choices[0].logprobs.text_offset == [0, 4, 8]
+    c = s.oai.chat.completions.create(messages=messages, logprobs=True, **forced)
+    assert [(e.token, bytes(e.bytes)) for e in c.choices[0].logprobs.content] == \
+        [(" the", b" the")] * 3
     chunks = list(s.oai.chat.completions.create(messages=messages, stream=True, **forced))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
