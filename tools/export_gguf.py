@@ -344,6 +344,32 @@ def rope_scaling_metadata(w, cfg, head_dim):
     raise SystemExit(f"rope_scaling type {kind!r} has no GGUF form (linear, yarn and llama3 do)")
 
 
+def sliding_window(cfg):
+    """The window GGUF's <arch>.attention.sliding_window carries, or 0 for full attention.
+
+    Which layers slide is decided as transformers does (Mistral: every layer when
+    sliding_window is set; Qwen2-family: use_sliding_window for layers >= max_window_layers,
+    or layer_types). GGUF has one window for every layer, so a model where only some layers
+    slide has no GGUF form.
+    """
+    window = cfg.get("sliding_window") or 0
+    layers = cfg["num_hidden_layers"]
+    if "layer_types" in cfg and cfg["layer_types"] is not None:
+        sliding = [t == "sliding_attention" for t in cfg["layer_types"]]
+    elif cfg["model_type"] in ("qwen2", "qwen3"):
+        first = cfg.get("max_window_layers", 28)
+        sliding = [bool(cfg.get("use_sliding_window", False)) and i >= first
+                   for i in range(layers)]
+    else:
+        sliding = [True] * layers
+    if not window or not any(sliding):
+        return 0
+    if not all(sliding):
+        raise SystemExit("sliding_window: only some layers slide; GGUF's "
+                         "attention.sliding_window applies to every layer")
+    return int(window)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, type=Path)
@@ -375,6 +401,9 @@ def main():
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     rope_freqs = rope_scaling_metadata(w, cfg, head_dim)
+    window = sliding_window(cfg)
+    if window:
+        w.add_sliding_window(window)
     tok_path = args.model / "tokenizer.json"
     if not args.no_tokenizer and tok_path.exists():
         tok = json.loads(tok_path.read_text(encoding="utf-8"))

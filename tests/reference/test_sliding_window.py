@@ -17,11 +17,13 @@ window as it goes, so these runs also check that the kernels never read a freed 
 
 import json
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import numpy_llama
+from conftest import SOURCE_DIR
 
 MODEL = "mistral-window-tiny"
 WINDOW = 24
@@ -221,3 +223,17 @@ def test_mixed_layers_slide_per_layer_and_free_nothing(fixtures_dir, kvgrid, kvg
                            "--json"], capture_output=True, text=True, check=True, timeout=60)
     rows = [json.loads(line) for line in plan.stdout.splitlines()]
     assert rows and all(r["kv_window"] == 0 for r in rows), rows[:1]
+
+
+def test_gguf_export_keeps_the_window(fixtures_dir, kvgrid, reference, memo, tmp_path):
+    # tools/export_gguf.py writes llama.attention.sliding_window; the GGUF model then masks
+    # as the checkpoint does (without the key it would attend to everything: > 1.0 away).
+    out = tmp_path / "window.gguf"
+    subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "export_gguf.py"), "--model",
+                    str(fixtures_dir / MODEL), "--out", str(out), "--type", "f32"], check=True)
+    ids = sequence(fixtures_dir, 200, 1)
+    out_logits = kvgrid("logits", "--model", out, "--prompt-ids", ids_arg(ids),
+                        "--kv-cache-dtype", "fp32", "--block-size", 16, "--prefill-chunk", 40)
+    got = np.asarray(out_logits["logits"], dtype=np.float64)
+    want = ref_logits(reference, memo, ids)
+    assert max_diff(got, want) <= LOGITS_TOL_FP32, max_diff(got, want)
