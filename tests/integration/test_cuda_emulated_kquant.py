@@ -11,22 +11,12 @@ import sys
 
 import pytest
 
-from .conftest import MODEL_DIR, SOURCE_DIR, bin_dir
+from .conftest import MODEL_DIR, SOURCE_DIR
+# emulated_plugin is autouse: imported here, it points this module's workers at the plugin.
+from .test_cuda_emulated import CUDA_FLAGS, PROMPT_IDS, emulated_plugin  # noqa: F401
 from .test_tensor_parallel import run_json
 
 pytest.importorskip("gguf")
-
-PROMPT_IDS = [258, 900, 44, 267, 309]
-CUDA_FLAGS = ["--device", "cuda", "--dtype", "fp32", "--kv-cache-dtype", "fp32",
-              "--kv-cache-memory", "64MiB"]
-
-
-@pytest.fixture(autouse=True)
-def emulated_plugin(monkeypatch):
-    plugin = bin_dir() / "libkvgrid_cuda_plugin_emu.so"
-    if not plugin.exists():
-        pytest.skip(f"{plugin} not built (the CUDA toolkit's headers were not found)")
-    monkeypatch.setenv("KVGRID_CUDA_PLUGIN", str(plugin))
 
 
 @pytest.fixture(scope="module", params=["q6_k", "q4_k_m-tied"])

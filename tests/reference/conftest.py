@@ -24,6 +24,17 @@ SOURCE_DIR = Path(os.environ.get("KVGRID_SOURCE_DIR", HERE.parent.parent))
 FIXTURE_MODELS = ["llama3-tiny", "qwen2-tiny"]
 
 
+def ids_arg(ids):
+    """Token ids as `kvgrid logits --prompt-ids` takes them."""
+    return ",".join(str(int(t)) for t in ids)
+
+
+@pytest.fixture(scope="module")
+def memo():
+    """A dict a test module keeps results in (reference logits are slow to compute)."""
+    return {}
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory):
     d = os.environ.get("KVGRID_FIXTURES")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import FIXTURE_MODELS
+from conftest import FIXTURE_MODELS, ids_arg
 import numpy_llama
 
 # The reference runs in float64; a float32 engine lands within ~5e-5 of it on these
@@ -36,15 +36,6 @@ GREEDY_TOKENS = 32
 
 CASES = {name: (plen, dlen) for name, plen, dlen in numpy_llama.CASES}
 PREFILL_CASES = [name for name, (_, dlen) in CASES.items() if dlen == 0]
-
-
-def ids_arg(ids):
-    return ",".join(str(int(t)) for t in ids)
-
-
-@pytest.fixture(scope="module")
-def memo():
-    return {}
 
 
 def case(fixtures_dir, model, name):

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import SOURCE_DIR
+from conftest import SOURCE_DIR, ids_arg
 import numpy_llama
 
 pytest.importorskip("gguf")  # tools/export_gguf.py writes with it
@@ -29,15 +29,6 @@ FEATURE_EFFECT = 1e-2
 MODELS = ["qwen3-tiny", "llama-yarn-tiny", "llama-dynamic-tiny"]
 GGUF_MODELS = ["qwen3-tiny", "llama-yarn-tiny", "llama3-tiny"]
 CASES = {"p40_d10": (40, 10), "p100": (100, 0)}
-
-
-def ids_arg(ids):
-    return ",".join(str(int(t)) for t in ids)
-
-
-@pytest.fixture(scope="module")
-def memo():
-    return {}
 
 
 def case(fixtures_dir, model, name):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import numpy_llama
-from conftest import SOURCE_DIR
+from conftest import SOURCE_DIR, ids_arg
 
 MODEL = "mistral-window-tiny"
 WINDOW = 24
@@ -75,19 +75,10 @@ def round_int4(x, group=32):
 ROUNDING = {"int8": round_int8, "int4": round_int4}
 
 
-def ids_arg(ids):
-    return ",".join(str(int(t)) for t in ids)
-
-
 def sequence(fixtures_dir, n, seed):
     rng = np.random.default_rng(seed)
     limit = numpy_llama.ordinary_vocab_limit(fixtures_dir / MODEL)
     return rng.integers(0, limit, n).tolist()
-
-
-@pytest.fixture(scope="module")
-def memo():
-    return {}
 
 
 def ref_logits(reference, memo, prompt, dec=(), full=False, kv=None):
