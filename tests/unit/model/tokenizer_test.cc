@@ -578,8 +578,12 @@ TEST(SentencePieceTest, AddedTokenFlags) {
 
 TEST(SentencePieceTest, UnsupportedDecodersAndBadFields) {
   SpmSpec spec;
+  // A Replace after Fuse could match across tokens unless its pattern is one character.
   spec.decoder = R"({"type": "Sequence", "decoders": [{"type": "Fuse"},
       {"type": "Replace", "pattern": {"String": "a"}, "content": "b"}]})";
+  EXPECT_TRUE(Tokenizer::FromJson(spec.Json(), "spm.json").ok());
+  spec.decoder = R"({"type": "Sequence", "decoders": [{"type": "Fuse"},
+      {"type": "Replace", "pattern": {"String": "ab"}, "content": "b"}]})";
   auto status = Tokenizer::FromJson(spec.Json(), "spm.json").status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(),
