@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
 #include "worker/executor/cpu_executor.h"
+#include "worker/kv/kv_planner.h"
 
 namespace kvgrid::worker {
 
@@ -130,10 +131,7 @@ Engine::Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
       kv_window_(executor_->config().KvWindow()) {}
 
 int64_t Engine::WindowedBlocks(int64_t total, int64_t chunk) const {
-  const int64_t all = blocks_.BlocksFor(total);
-  if (kv_window_ <= 0) return all;
-  // Positions [c - window + 1, c + chunk) may start mid-block: one more block.
-  return std::min(all, blocks_.BlocksFor(kv_window_ - 1 + std::min(chunk, total)) + 1);
+  return SequenceBlocks(total, blocks_.block_size(), kv_window_, chunk);
 }
 
 absl::Status Engine::AddRequest(GenerationRequest request) {

@@ -296,9 +296,8 @@ class Engine {
   absl::Status Schedule(bool decodes, int64_t* budget);
   FinishReason CheckStop(const Sequence& seq, int32_t token) const;
   // Blocks a sequence of `total` tokens (prompt + generated, at most) can hold at once when
-  // each step computes at most `chunk` of its tokens: with a KV window the blocks overlapping
-  // the window plus the chunk (a step computing [c, c + chunk) reads keys from c - window + 1),
-  // otherwise all of them.
+  // each step computes at most `chunk` of its tokens: kv_planner.h's SequenceBlocks for this
+  // pool's block size and the model's KV window.
   [[nodiscard]] int64_t WindowedBlocks(int64_t total, int64_t chunk) const;
   [[nodiscard]] int64_t CapacityTokens() const {
     return static_cast<int64_t>(executor_->num_blocks()) * executor_->kv_geometry().block_size;

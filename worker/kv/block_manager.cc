@@ -195,14 +195,16 @@ int64_t BlockManager::ReleaseBefore(SequenceId seq, int64_t first_needed) {
   SeqState& state = it->second;
   const int64_t end = std::min<int64_t>(first_needed / block_size_,
                                         static_cast<int64_t>(state.blocks.size()));
-  int64_t released = 0;
-  for (int64_t i = 0; i < end; ++i) {
-    if (state.blocks[i] == kHole) continue;
+  // Holes are a prefix of the table: the blocks to release are those between the last hole
+  // and the window's edge. Finding them from the edge keeps this call, made after every step,
+  // from rescanning every hole of a long sequence; they are released in table order.
+  int64_t begin = end;
+  while (begin > 0 && state.blocks[begin - 1] != kHole) --begin;
+  for (int64_t i = begin; i < end; ++i) {
     Release(state.blocks[i]);
     state.blocks[i] = kHole;
-    ++released;
   }
-  return released;
+  return end - begin;
 }
 
 int64_t BlockManager::NumHoles(SequenceId seq) const {
