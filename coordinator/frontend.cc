@@ -114,6 +114,9 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
     return absl::InvalidArgumentError(
         "prompt: must not be empty (set prompt, prompt_token_ids or messages)");
   }
+  if (request.add_special_tokens() && !has_text) {
+    return absl::InvalidArgumentError("add_special_tokens: only with a text prompt");
+  }
   if (has_messages) {
     // A conversation becomes a prompt of token ids here; from then on it is one request path.
     KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids, EncodeChat(m, request));
@@ -127,7 +130,8 @@ absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
           "prompt: model '", m.name, "' has no tokenizer; send prompt_token_ids"));
     }
     KVGRID_ASSIGN_OR_RETURN(const std::vector<int32_t> ids,
-                            EncodeText(m, request.prompt(), request.add_bos()));
+                            EncodeText(m, request.prompt(), request.add_bos(),
+                                       request.add_special_tokens()));
     out.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
   } else if (has_ids) {
     const int64_t vocab = m.config.vocab_size;

@@ -170,17 +170,17 @@ absl::StatusOr<const ServedModel*> ModelCatalog::FindWithTokenizer(const std::st
 }
 
 absl::StatusOr<std::vector<int32_t>> EncodeText(const ServedModel& m, std::string_view text,
-                                                bool add_bos) {
-  std::vector<int32_t> ids;
+                                                bool add_bos, bool add_special_tokens) {
+  std::vector<int32_t> ids = m.tokenizer->Encode(text, add_special_tokens);
   if (add_bos) {
     if (!m.bos_token_id) {
       return absl::InvalidArgumentError(
           absl::StrCat("add_bos: model '", m.name, "' defines no BOS token"));
     }
-    ids.push_back(*m.bos_token_id);
+    if (!add_special_tokens || ids.empty() || ids.front() != *m.bos_token_id) {
+      ids.insert(ids.begin(), *m.bos_token_id);
+    }
   }
-  const std::vector<int32_t> text_ids = m.tokenizer->Encode(text);
-  ids.insert(ids.end(), text_ids.begin(), text_ids.end());
   return ids;
 }
 

@@ -72,10 +72,13 @@ class ModelCatalog {
   std::vector<std::unique_ptr<ServedModel>> models_;
 };
 
-// Token ids of `text` with `model`'s tokenizer (which must be present), after its BOS token
-// when `add_bos`. Errors: INVALID_ARGUMENT naming add_bos when the model defines no BOS.
+// Token ids of `text` with `model`'s tokenizer (which must be present): with
+// `add_special_tokens`, with what the tokenizer's post-processor adds (Tokenizer::Encode's
+// add_special_tokens); after the model's BOS token when `add_bos` (not doubled when the
+// post-processor already put it first). Errors: INVALID_ARGUMENT naming add_bos when the model
+// defines no BOS.
 absl::StatusOr<std::vector<int32_t>> EncodeText(const ServedModel& model, std::string_view text,
-                                                bool add_bos);
+                                                bool add_bos, bool add_special_tokens = false);
 
 // Fills the sampling fields a request left unset from the model's generation_config.json
 // (as the CLI does), so the cluster samples like `kvgrid run` by default.

@@ -329,11 +329,7 @@ void OpenAiApi::Generate(int endpoint_int, const HttpRequest& request,
   if (endpoint == openai::Endpoint::kCompletions && call->add_special_tokens) {
     // As vLLM tokenizes a completion's text prompt: with the post-processor's tokens.
     for (v1::GenerateRequest& r : call->requests) {
-      absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(r.model());
-      if (r.prompt().empty() || !m.ok()) continue;  // Admit reports a missing model
-      const std::vector<int32_t> ids = (*m)->tokenizer->Encode(r.prompt(), true);
-      r.clear_prompt();
-      r.mutable_prompt_token_ids()->Add(ids.begin(), ids.end());
+      if (!r.prompt().empty()) r.set_add_special_tokens(true);
     }
   }
   std::vector<GenerationService::Admitted> admitted;
@@ -374,10 +370,8 @@ void OpenAiApi::Tokenize(const HttpRequest& request,
   // A prompt with add_special_tokens gets what the tokenizer's post-processor adds, as in
   // vLLM (and as /v1/completions tokenizes it).
   absl::StatusOr<std::vector<int32_t>> ids =
-      !call->prompt ? EncodeChat(**m, call->chat)
-      : call->add_special_tokens
-          ? absl::StatusOr<std::vector<int32_t>>((*m)->tokenizer->Encode(*call->prompt, true))
-          : EncodeText(**m, *call->prompt, false);
+      call->prompt ? EncodeText(**m, *call->prompt, /*add_bos=*/false, call->add_special_tokens)
+                   : EncodeChat(**m, call->chat);
   if (!ids.ok()) return RespondError(*responder, ids.status());
   responder->Respond(200, kJson,
                      Dump(Json{{"count", ids->size()},
