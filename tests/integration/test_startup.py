@@ -24,3 +24,57 @@ def test_a_port_already_taken_is_refused(cluster):
     assert rc != 0, second.describe()
     assert "cannot listen" in second.log(), second.describe()
     assert c.coordinator.alive()
+
+
+def _run_on_a_terminal(argv) -> tuple[int, str]:
+    """Runs argv with stderr on a pseudo-terminal; returns its exit code and what it printed
+    there."""
+    import os
+    import pty
+    import subprocess
+    primary, secondary = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=secondary)
+        os.close(secondary)
+        chunks = []
+        while True:
+            try:
+                data = os.read(primary, 4096)
+            except OSError:  # EIO once the child closed its side
+                break
+            if not data:
+                break
+            chunks.append(data)
+        return proc.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+    finally:
+        os.close(primary)
+
+
+def _load_argv(model) -> list:
+    return [str(executable("kvgrid")), "run", "--model", str(model), "--prompt", "In the",
+            "--max-new-tokens", "1", "--temperature", "0"]
+
+
+def test_loading_shows_progress_on_a_terminal_and_not_in_logs(tmp_path):
+    import subprocess
+    import sys
+    from .conftest import SOURCE_DIR
+    gguf = tmp_path / "kjv-tiny.gguf"
+    subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "export_gguf.py"), "--model",
+                    str(MODEL_DIR), "--out", str(gguf)], check=True)
+    layers = __import__("json").loads((MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
+    for model in (MODEL_DIR, gguf):
+        rc, err = _run_on_a_terminal(_load_argv(model))
+        assert rc == 0, err
+        # The last update counts every layer and every tensor of the file.
+        lines = [l for l in err.replace("\r", "\n").splitlines() if "loading weights" in l]
+        assert lines, err
+        last = lines[-1]
+        assert f"layer {layers}/{layers}" in last, err
+        done, total = last.split(", ")[1].split(" ")[0].split("/")
+        assert done == total and int(total) > 0, last
+    # Not a terminal: nothing of the kind in the output a log would keep.
+    piped = subprocess.run(_load_argv(MODEL_DIR), capture_output=True, text=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert "loading weights" not in piped.stderr

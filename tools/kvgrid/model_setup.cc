@@ -1,5 +1,6 @@
 #include "tools/kvgrid/model_setup.h"
 
+#include <cerrno>  // program_invocation_short_name
 #include <cstdlib>
 #include <string>
 
@@ -41,14 +42,17 @@ absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
   const std::filesystem::path home = gguf ? dir.parent_path() : dir;
   LoadedModel out;
   out.dir = home;
+  // On a terminal, a line that counts layers, tensors and bytes as they are read.
+  const worker::LoadProgressFn progress = worker::TerminalLoadProgress(program_invocation_short_name);
   if (gguf) {
-    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::LoadGguf(dir, tp));
+    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::LoadGguf(dir, tp, progress));
   } else {
-    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp));
+    KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp, progress));
   }
   KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
   KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::LoadModelTokenizer(dir));
-  KVGRID_ASSIGN_OR_RETURN(out.generation, model::LoadGenerationConfig(home));
+  KVGRID_ASSIGN_OR_RETURN(out.generation,
+                          model::LoadGenerationConfig(home, out.model->config().vocab_size));
   return out;
 }
 

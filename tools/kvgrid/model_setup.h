@@ -33,7 +33,8 @@ struct LoadedModel {
 
 // Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
 // `tp`: this rank's shard of the weights (default: the whole model). `weight_dtype`: Q8_0 or
-// Q4_0 quantizes the layers' linear weights at load (round to nearest).
+// Q4_0 quantizes the layers' linear weights at load (round to nearest). When stderr is a
+// terminal, the weights' loading progress is shown there (worker::TerminalLoadProgress).
 absl::StatusOr<LoadedModel> LoadModelDir(
     const std::filesystem::path& dir, worker::TensorParallel tp = {},
     kernels::cpu::WeightDType weight_dtype = kernels::cpu::WeightDType::kF32);

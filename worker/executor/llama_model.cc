@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <utility>
@@ -343,7 +344,8 @@ ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int
 }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesystem::path& dir,
-                                                             TensorParallel tp) {
+                                                             TensorParallel tp,
+                                                             const LoadProgressFn& progress) {
   absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
   if (!config.ok()) return config.status();
   KVGRID_RETURN_IF_ERROR(tp.Validate(*config));
@@ -353,6 +355,15 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
   const ShardDims full = ShardDimsOf(*config);
   const ShardDims d = ShardDimsOf(*config, tp);
   const int64_t hd = d.head_dim;
+  std::optional<LoadTally> tally;
+  if (progress) {
+    std::vector<LoadTally::Tensor> tensors;
+    for (const std::string& name : c.Names()) {
+      absl::StatusOr<const model::TensorView*> t = c.Find(name);
+      if (t.ok()) tensors.push_back({name, static_cast<int64_t>((*t)->data.size())});
+    }
+    tally.emplace(tensors, "model.layers.", config->num_hidden_layers);
+  }
 
   LlamaWeights w;
   std::vector<float> scratch;
@@ -385,6 +396,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
     return absl::UnimplementedError(absl::StrCat(
         dir.string(), ": 4-bit AWQ/GPTQ checkpoints run on one worker (tensor parallel size 1)"));
   }
+  if (tally) progress(tally->After(0));
   for (int64_t i = 0; i < config->num_hidden_layers; ++i) {
     LayerWeights l;
     const std::string p = absl::StrCat("model.layers.", i, ".");
@@ -435,6 +447,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const std::filesyst
       KVGRID_RETURN_IF_ERROR(c.ReadF32(p + "self_attn.o_proj.bias", std::vector<int64_t>{d.hidden}, &l.o_bias));
     }
     w.layers.push_back(std::move(l));
+    if (tally) progress(tally->After(i + 1));
   }
   return FromWeights(*config, std::move(w), tp);
 }
@@ -499,7 +512,8 @@ absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::filesystem::path& path,
-                                                                 TensorParallel tp) {
+                                                                 TensorParallel tp,
+                                                                 const LoadProgressFn& progress) {
   if (tp.size != 1) {
     return absl::UnimplementedError("GGUF models run on one worker (tensor parallel size 1)");
   }
@@ -508,6 +522,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
   KVGRID_ASSIGN_OR_RETURN(const model::ModelConfig c, model::ModelConfigFromGguf(f));
   const std::string& arch = c.model_type;
   KVGRID_RETURN_IF_ERROR(tp.Validate(c));
+  std::optional<LoadTally> tally;
+  if (progress) {
+    std::vector<LoadTally::Tensor> tensors;
+    for (const auto& [name, t] : f.tensors()) {
+      tensors.push_back({name, static_cast<int64_t>(t.data.size())});
+    }
+    tally.emplace(tensors, "blk.", c.num_hidden_layers);
+  }
 
   const ShardDims d = ShardDimsOf(c);
   const int64_t hd = d.head_dim;
@@ -531,6 +553,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
     KVGRID_RETURN_IF_ERROR(
         GgufLinear(f, "output.weight", d.vocab, d.hidden, 0, &w.lm_head, &w.lm_head_q));
   }
+  if (tally) progress(tally->After(0));
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string b = absl::StrCat("blk.", i, ".");
     LayerWeights l;
@@ -567,6 +590,7 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
     KVGRID_RETURN_IF_ERROR(
         GgufLinear(f, b + "ffn_down.weight", d.hidden, d.inter, 0, &l.down, &l.down_q));
     w.layers.push_back(std::move(l));
+    if (tally) progress(tally->After(i + 1));
   }
   return FromWeights(c, std::move(w), tp);
 }

@@ -32,6 +32,7 @@
 #include "kernels/cpu/quant_linear.h"
 #include "model/model_config.h"
 #include "worker/comm/communicator.h"
+#include "worker/executor/load_progress.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
 
@@ -135,9 +136,11 @@ class LlamaModel {
  public:
   // Reads config.json and the safetensors checkpoint in `dir`.
   // Errors: as model::LoadModelConfig and model::Checkpoint (naming file and tensor), plus
-  // INVALID_ARGUMENT for a missing or mis-shaped tensor.
+  // INVALID_ARGUMENT for a missing or mis-shaped tensor. `progress` (may be empty) is called
+  // once the tensors outside the layers are read, then after each layer.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const std::filesystem::path& dir,
-                                                          TensorParallel tp = {});
+                                                          TensorParallel tp = {},
+                                                          const LoadProgressFn& progress = {});
 
   // Reads a GGUF file from llama.cpp (architecture llama, mistral, qwen2 or qwen3 with its
   // attn_q_norm/attn_k_norm): the config from its metadata, F32/F16/BF16 tensors converted to
@@ -150,8 +153,10 @@ class LlamaModel {
   // GGML's interleaved RoPE order. Tensor parallelism is not supported for GGUF yet.
   // Errors: as model::GgufFile::Open; INVALID_ARGUMENT naming a missing or mis-shaped tensor or
   // metadata key; UNIMPLEMENTED for other architectures, RoPE scaling types or tp > 1.
+  // `progress` as for Load.
   static absl::StatusOr<std::unique_ptr<LlamaModel>> LoadGguf(const std::filesystem::path& path,
-                                                              TensorParallel tp = {});
+                                                              TensorParallel tp = {},
+                                                              const LoadProgressFn& progress = {});
 
   // Builds a model from weights in memory (benchmarks, tests).
   // Errors: INVALID_ARGUMENT when a tensor's size disagrees with `config`.
