@@ -4,6 +4,7 @@
 // reflection. SIGTERM/SIGINT drain: health NOT_SERVING, new requests refused with
 // UNAVAILABLE, running ones finish within --drain-timeout-s, then exit.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -67,14 +68,30 @@ constexpr char kHelp[] =
     "                              seconds aborts its request (default 60)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes)\n"
-    "  --worker-listen HOST:PORT   serve the worker API (registration, heartbeats) there in\n"
-    "                              plaintext instead of on the API port (use with TLS)\n"
+    "  --worker-listen HOST:PORT   serve the worker API (registration, heartbeats) there\n"
+    "                              instead of on the API port; TLS with --worker-tls-cert\n"
     "  --tls-cert F --tls-key F    TLS on the API port (PEM); --tls-ca F also requires and\n"
     "                              verifies client certificates (mTLS)\n"
+    "  --worker-tls-cert F --worker-tls-key F --worker-tls-ca F\n"
+    "                              TLS between coordinator and workers (PEM): cert and key\n"
+    "                              serve --worker-listen and are the client certificate the\n"
+    "                              coordinator presents to workers; the CA verifies workers'\n"
+    "                              certificates when dialling them and, with cert and key,\n"
+    "                              requires client certificates on --worker-listen (mTLS)\n"
+    "  --worker-tls-server-name N  the name checked in every worker's certificate (default:\n"
+    "                              the host of the address the worker registers)\n"
+    "  --tls-refresh-s S           certificate files are re-read this often: a replaced\n"
+    "                              certificate serves new connections (default 60)\n"
     "  --api-keys K1,K2 | --api-key-file F\n"
     "                              clients must send 'authorization: Bearer <key>'\n"
     "  --cluster-token T | --cluster-token-file F\n"
-    "                              shared secret of coordinator and workers\n"
+    "                              shared secret of coordinator and workers; refused over\n"
+    "                              plaintext links (no --worker-tls-*) unless\n"
+    "  --allow-insecure-cluster    is given (a warning at startup)\n"
+    "  --insecure-open-registration\n"
+    "                              with --api-keys and no --cluster-token, let anyone who\n"
+    "                              reaches the API port register a worker (refused otherwise\n"
+    "                              when workers register on the API port)\n"
     "\n"
     "Every flag can also be given as an environment variable: --max-queue-depth as\n"
     "KVGRID_MAX_QUEUE_DEPTH (the command line wins).\n";
@@ -95,9 +112,24 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto http_write_timeout, args.GetDouble("http-write-timeout-s"));
   const std::optional<std::string> health_listen = args.GetString("health-listen");
   const std::optional<std::string> worker_listen = args.GetString("worker-listen");
+  KVGRID_ASSIGN_OR_RETURN(auto tls_refresh, args.GetInt("tls-refresh-s"));
+  const int refresh_s = static_cast<int>(std::clamp<int64_t>(
+      tls_refresh.value_or(kvgrid::auth::kDefaultTlsRefreshSeconds), 0, 86400));
   const kvgrid::auth::TlsFiles tls{.cert = args.GetString("tls-cert"),
                                    .key = args.GetString("tls-key"),
-                                   .ca = args.GetString("tls-ca")};
+                                   .ca = args.GetString("tls-ca"),
+                                   .refresh_s = refresh_s};
+  const kvgrid::auth::ClusterTls worker_tls{
+      .files = {.cert = args.GetString("worker-tls-cert"),
+                .key = args.GetString("worker-tls-key"),
+                .ca = args.GetString("worker-tls-ca"),
+                .flag_prefix = "worker-tls",
+                .refresh_s = refresh_s},
+      .server_name = args.GetString("worker-tls-server-name")};
+  KVGRID_ASSIGN_OR_RETURN(const bool allow_insecure_cluster,
+                          args.GetBool("allow-insecure-cluster", false));
+  KVGRID_ASSIGN_OR_RETURN(const bool open_registration,
+                          args.GetBool("insecure-open-registration", false));
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::auth::BearerAuth api_keys,
                           kvgrid::auth::BearerAuth::FromFlags(args.GetString("api-key-file"),
                                                               args.GetString("api-keys"),
@@ -109,12 +141,48 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                           kvgrid::auth::ServerCredentials(tls));
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  // The worker API's port: its own (--worker-listen, --worker-tls-*) or the public one.
+  std::shared_ptr<grpc::ServerCredentials> worker_credentials;
+  if (worker_listen) {
+    KVGRID_ASSIGN_OR_RETURN(worker_credentials, kvgrid::auth::ServerCredentials(worker_tls.files));
+  }
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::auth::ClusterChannels worker_channels,
+                          kvgrid::auth::ClusterChannels::ForClient(worker_tls));
+  const bool registration_tls = worker_listen ? worker_tls.serves_tls() : tls.cert.has_value();
+  std::string plaintext_links;
+  if (!registration_tls) {
+    plaintext_links = worker_listen ? "the worker port (--worker-listen without --worker-tls-cert)"
+                                    : "the API port workers register on (no --tls-cert)";
+  }
+  if (!worker_channels.tls()) {
+    absl::StrAppend(&plaintext_links, plaintext_links.empty() ? "" : " and ",
+                    "the calls to workers (no --worker-tls-ca)");
+  }
+  KVGRID_RETURN_IF_ERROR(kvgrid::auth::CheckTokenTransport(
+      "kvgrid-coordinator", cluster_token, plaintext_links, allow_insecure_cluster));
+  // Registration on the public port without a token: whoever reaches the port can add a
+  // worker and be sent clients' prompts. With API keys the port is meant to be private, so
+  // that is refused unless asked for.
+  if (!worker_listen && cluster_token.empty()) {
+    if (api_keys.enabled() && !open_registration) {
+      return absl::InvalidArgumentError(
+          "--api-keys: workers register on the API port, and without --cluster-token anyone "
+          "who reaches it could register a worker and receive clients' requests; give "
+          "--cluster-token (or --cluster-token-file), or --insecure-open-registration");
+    }
+    std::fprintf(stderr,
+                 "kvgrid-coordinator: WARNING: workers register on the API port without a "
+                 "cluster token: anyone who reaches port %s can add a worker (give "
+                 "--cluster-token)\n",
+                 listen.substr(listen.rfind(':') + 1).c_str());
+  }
   if (!models) return absl::InvalidArgumentError("--model: required (a model directory)");
   std::vector<std::filesystem::path> dirs;
   for (absl::string_view d : absl::StrSplit(*models, ',', absl::SkipEmpty())) {
     dirs.emplace_back(std::string(d));
   }
   kvgrid::coordinator::RegistryOptions ro;
+  ro.worker_channels = worker_channels;
   if (interval_ms) {
     if (*interval_ms < 10) return absl::InvalidArgumentError("--heartbeat-interval-ms: must be >= 10");
     ro.heartbeat_interval = absl::Milliseconds(*interval_ms);
@@ -240,10 +308,11 @@ absl::Status Serve(Args& args) {
   }
   std::unique_ptr<grpc::Server> worker_server;
   if (worker_listen) {
-    // Plaintext, inside the cluster, guarded by the cluster token: registration, heartbeats.
+    // Inside the cluster, guarded by the cluster token (and TLS with --worker-tls-cert):
+    // registration, heartbeats, the groups' rendezvous.
     grpc::ServerBuilder wb;
     int worker_port = 0;
-    wb.AddListeningPort(*worker_listen, grpc::InsecureServerCredentials(), &worker_port);
+    wb.AddListeningPort(*worker_listen, worker_credentials, &worker_port);
     wb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     wb.RegisterService(&registry_service);
     worker_server = wb.BuildAndStart();
@@ -251,7 +320,8 @@ absl::Status Serve(Args& args) {
       return absl::UnavailableError(absl::StrCat("--worker-listen: cannot listen on ",
                                                  *worker_listen));
     }
-    std::fprintf(stderr, "kvgrid-coordinator: worker API on port %d\n", worker_port);
+    std::fprintf(stderr, "kvgrid-coordinator: worker API on port %d%s\n", worker_port,
+                 worker_tls.serves_tls() ? (worker_tls.files.ca ? " (mTLS)" : " (TLS)") : "");
   }
   std::unique_ptr<grpc::Server> health_server;
   int health_port = 0;

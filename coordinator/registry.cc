@@ -69,8 +69,7 @@ std::string WorkerRegistry::Register(const v1::RegisterWorkerRequest& request) {
               static_cast<int>(std::max(interval_ms, kKeepAliveAckFloorMs)));
   // A server stream's client sends no data after its request: allow pings regardless.
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
-  e.stub = v1::Worker::NewStub(grpc::CreateCustomChannel(
-      request.address(), grpc::InsecureChannelCredentials(), args));
+  e.stub = v1::Worker::NewStub(options_.worker_channels.Create(request.address(), args));
   e.usage.set_blocks_free(request.capacity().blocks_total());
   e.last_heartbeat = absl::Now();
   const std::string id = e.id;

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "auth/tls.h"
 #include "kvgrid/v1/generation.pb.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
 
@@ -32,6 +33,8 @@ struct RegistryOptions {
   absl::Duration heartbeat_timeout = absl::Seconds(3);
   // Requests a worker may queue beyond its max_num_seqs.
   int64_t max_queue_depth = 64;
+  // How the coordinator dials its workers (--worker-tls-*): plaintext by default.
+  auth::ClusterChannels worker_channels;
 };
 
 class WorkerRegistry {

@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "auth/bearer_auth.h"
+#include "auth/tls.h"
 #include "kernels/cpu/gemm.h"
 #include "metrics/http_endpoint.h"
 #include "model/model_config.h"
@@ -59,7 +61,20 @@ constexpr char kHelp[] =
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --cluster-token T | --cluster-token-file F\n"
     "                              shared secret of coordinator and workers: sent to the\n"
-    "                              coordinator, and required of every caller of this worker\n"
+    "                              coordinator, and required of every caller of this worker;\n"
+    "                              refused over plaintext unless --allow-insecure-cluster\n"
+    "  --worker-tls-cert F --worker-tls-key F --worker-tls-ca F\n"
+    "                              TLS between coordinator and workers (PEM): cert and key\n"
+    "                              serve this worker's port and are the client certificate it\n"
+    "                              presents to the coordinator; the CA verifies the\n"
+    "                              coordinator when dialling it and, with cert and key,\n"
+    "                              requires client certificates on this port (mTLS). The\n"
+    "                              certificate must name the host of --advertise (or the\n"
+    "                              coordinator's --worker-tls-server-name)\n"
+    "  --worker-tls-server-name N  the name checked in the coordinator's certificate\n"
+    "                              (default: the host of --coordinator)\n"
+    "  --tls-refresh-s S           certificate files are re-read this often (default 60)\n"
+    "  --allow-insecure-cluster    send and accept the cluster token over plaintext (warns)\n"
     "  --tensor-parallel-size N --rank R\n"
     "                              one of N ranks sharing the model (Megatron sharding over\n"
     "                              Gloo on cpu, NCCL on cuda); rank 0 serves and registers the\n"
@@ -195,6 +210,17 @@ absl::Status Serve(Args& args) {
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
                                  args.GetString("cluster-token"), "cluster-token-file"));
+  KVGRID_ASSIGN_OR_RETURN(auto tls_refresh, args.GetInt("tls-refresh-s"));
+  const kvgrid::auth::ClusterTls cluster_tls{
+      .files = {.cert = args.GetString("worker-tls-cert"),
+                .key = args.GetString("worker-tls-key"),
+                .ca = args.GetString("worker-tls-ca"),
+                .flag_prefix = "worker-tls",
+                .refresh_s = static_cast<int>(std::clamp<int64_t>(
+                    tls_refresh.value_or(kvgrid::auth::kDefaultTlsRefreshSeconds), 0, 86400))},
+      .server_name = args.GetString("worker-tls-server-name")};
+  KVGRID_ASSIGN_OR_RETURN(const bool allow_insecure_cluster,
+                          args.GetBool("allow-insecure-cluster", false));
   const std::string device = args.GetString("device").value_or("cpu");
   KVGRID_ASSIGN_OR_RETURN(auto gpu_memory_utilization, args.GetDouble("gpu-memory-utilization"));
   const std::string dense_dtype = args.GetString("dtype").value_or("auto");
@@ -211,6 +237,20 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::kernels::cpu::WeightDType weight_dtype,
                           kvgrid::cli::WeightDTypeFromArgs(args));
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  KVGRID_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
+                          kvgrid::auth::ServerCredentials(cluster_tls.files));
+  KVGRID_ASSIGN_OR_RETURN(kvgrid::auth::ClusterChannels coordinator_channels,
+                          kvgrid::auth::ClusterChannels::ForClient(cluster_tls));
+  {
+    std::string plaintext_links;
+    if (!cluster_tls.serves_tls()) plaintext_links = "this worker's port (no --worker-tls-cert)";
+    if (coordinator && !coordinator_channels.tls()) {
+      absl::StrAppend(&plaintext_links, plaintext_links.empty() ? "" : " and ",
+                      "the channel to the coordinator (no --worker-tls-ca)");
+    }
+    KVGRID_RETURN_IF_ERROR(kvgrid::auth::CheckTokenTransport(
+        "kvgrid-worker", cluster_token, plaintext_links, allow_insecure_cluster));
+  }
 
   if (device != "cpu" && device != "cuda") {
     return absl::InvalidArgumentError(
@@ -283,7 +323,8 @@ absl::Status Serve(Args& args) {
     const auto timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * collective_timeout.value_or(30.0)));
     kvgrid::worker::CoordinatorStore store(*coordinator, cluster_token, group,
-                                           std::chrono::milliseconds(120'000));
+                                           std::chrono::milliseconds(120'000),
+                                           coordinator_channels);
     std::fprintf(stderr, "kvgrid-worker: rank %d of group %s (size %d) joining\n", my_rank,
                  group.c_str(), tp);
     KVGRID_ASSIGN_OR_RETURN(comm, kvgrid::worker::GlooCommunicator::Connect(
@@ -337,7 +378,7 @@ absl::Status Serve(Args& args) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, server_credentials, &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(64 << 20);
   // The coordinator pings its streams to this worker about every heartbeat timeout to notice a
@@ -371,7 +412,7 @@ absl::Status Serve(Args& args) {
     reg.set_pid(getpid());
     registrar = std::make_unique<kvgrid::worker::Registrar>(
         *coordinator, cluster_token, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
-        [&service] { return service.draining(); });
+        [&service] { return service.draining(); }, coordinator_channels);
   }
 
   kvgrid::cli::WaitForShutdownSignal();

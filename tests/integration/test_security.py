@@ -49,7 +49,9 @@ def secure_cluster(tmp_path, certs):
         "--health-listen", f"127.0.0.1:{health_port}",
         "--worker-listen", f"127.0.0.1:{worker_port}"],
         tmp_path / "coordinator.log",
-        env={"KVGRID_API_KEYS": ",".join(API_KEYS), "KVGRID_CLUSTER_TOKEN": CLUSTER_TOKEN})
+        env={"KVGRID_API_KEYS": ",".join(API_KEYS), "KVGRID_CLUSTER_TOKEN": CLUSTER_TOKEN,
+             # The cluster links are plaintext here (test_cluster_tls.py covers their TLS).
+             "KVGRID_ALLOW_INSECURE_CLUSTER": "true"})
     procs.append(coordinator)
     coordinator.wait_listening()
     worker = Proc("worker", [executable("kvgrid-worker")], tmp_path / "worker.log",
@@ -57,6 +59,7 @@ def secure_cluster(tmp_path, certs):
                        "KVGRID_COORDINATOR": f"127.0.0.1:{worker_port}",
                        "KVGRID_LISTEN": "127.0.0.1:0",
                        "KVGRID_CLUSTER_TOKEN": CLUSTER_TOKEN,
+                       "KVGRID_ALLOW_INSECURE_CLUSTER": "true",
                        "KVGRID_KV_CACHE_MEMORY": "16MiB"})
     procs.append(worker)
     worker.wait_listening()

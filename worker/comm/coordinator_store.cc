@@ -17,9 +17,9 @@ constexpr auto kRpcTimeout = std::chrono::seconds(5);
 
 CoordinatorStore::CoordinatorStore(const std::string& coordinator_address, std::string token,
                                    const std::string& group_id,
-                                   std::chrono::milliseconds timeout)
-    : stub_(v1::Coordinator::NewStub(
-          grpc::CreateChannel(coordinator_address, grpc::InsecureChannelCredentials()))),
+                                   std::chrono::milliseconds timeout,
+                                   const auth::ClusterChannels& channels)
+    : stub_(v1::Coordinator::NewStub(channels.Create(coordinator_address))),
       token_(std::move(token)),
       prefix_(absl::StrCat("group/", group_id, "/")),
       timeout_(timeout) {}

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "auth/tls.h"
 #include "gloo/rendezvous/store.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
 
@@ -19,9 +20,11 @@ namespace kvgrid::worker {
 
 class CoordinatorStore final : public gloo::rendezvous::Store {
  public:
-  // `token`: the cluster token (may be empty). `timeout` bounds get/wait.
+  // `token`: the cluster token (may be empty). `timeout` bounds get/wait. `channels` makes
+  // the channel to the coordinator (--worker-tls-*; plaintext by default).
   CoordinatorStore(const std::string& coordinator_address, std::string token,
-                   const std::string& group_id, std::chrono::milliseconds timeout);
+                   const std::string& group_id, std::chrono::milliseconds timeout,
+                   const auth::ClusterChannels& channels = {});
 
   void set(const std::string& key, const std::vector<char>& data) override;
   std::vector<char> get(const std::string& key) override;

@@ -18,9 +18,9 @@ constexpr auto kRpcTimeout = std::chrono::seconds(2);
 
 Registrar::Registrar(std::string coordinator_address, std::string token,
                      v1::RegisterWorkerRequest registration,
-                     std::function<v1::KvUsage()> usage, std::function<bool()> draining)
-    : stub_(v1::Coordinator::NewStub(
-          grpc::CreateChannel(coordinator_address, grpc::InsecureChannelCredentials()))),
+                     std::function<v1::KvUsage()> usage, std::function<bool()> draining,
+                     const auth::ClusterChannels& channels)
+    : stub_(v1::Coordinator::NewStub(channels.Create(coordinator_address))),
       token_(std::move(token)),
       registration_(std::move(registration)),
       usage_(std::move(usage)),

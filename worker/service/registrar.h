@@ -13,6 +13,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "auth/tls.h"
 #include "kvgrid/v1/worker.grpc.pb.h"
 
 namespace kvgrid::worker {
@@ -20,10 +21,11 @@ namespace kvgrid::worker {
 class Registrar {
  public:
   // `usage` is called on the registrar's thread for each heartbeat; `draining` likewise.
-  // `token` (the cluster token; may be empty) goes with every call to the coordinator.
+  // `token` (the cluster token; may be empty) goes with every call to the coordinator, over
+  // a channel made by `channels` (--worker-tls-*; plaintext by default).
   Registrar(std::string coordinator_address, std::string token,
             v1::RegisterWorkerRequest registration, std::function<v1::KvUsage()> usage,
-            std::function<bool()> draining);
+            std::function<bool()> draining, const auth::ClusterChannels& channels = {});
   ~Registrar();
   Registrar(const Registrar&) = delete;
   Registrar& operator=(const Registrar&) = delete;
