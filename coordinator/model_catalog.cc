@@ -90,10 +90,14 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
     if (dir.extension() == ".gguf" && std::filesystem::is_regular_file(dir, ec)) {
       KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<model::GgufFile> gguf, model::GgufFile::Open(dir));
       KVGRID_ASSIGN_OR_RETURN(m->config, model::ModelConfigFromGguf(*gguf));
-      KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir.parent_path()));
+      KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir.parent_path(),
+                                                                         m->config.vocab_size));
     } else {
-      KVGRID_ASSIGN_OR_RETURN(m->config, model::LoadModelConfig(dir / "config.json"));
-      KVGRID_ASSIGN_OR_RETURN(m->generation, model::LoadGenerationConfig(dir));
+      const std::filesystem::path config =
+          std::filesystem::is_directory(dir, ec) ? dir : dir / "config.json";
+      KVGRID_ASSIGN_OR_RETURN(m->config, model::LoadModelConfig(config));
+      KVGRID_ASSIGN_OR_RETURN(m->generation,
+                              model::LoadGenerationConfig(dir, m->config.vocab_size));
     }
     KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::LoadModelTokenizer(dir));
     if (!m->tokenizer) {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "model/gguf.h"
 #include "model/json_util.h"
+#include "model/model_dir.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -135,9 +136,11 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::ForModel(
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<ChatTemplate> config, ReadTokenizerConfig(dir));
   std::unique_ptr<ChatTemplate> found;
   if (const auto p = dir / "chat_template.jinja"; !is_gguf && Exists(p)) {
+    KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(dir, p));
     KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxTemplateBytes));
     KVGRID_ASSIGN_OR_RETURN(found, FromSource(text, p.string()));
   } else if (const auto p = dir / "chat_template.json"; !is_gguf && Exists(p)) {
+    KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(dir, p));
     KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
     KVGRID_ASSIGN_OR_RETURN(found, FromConfigJson(text, p.string()));
     if (found->templates_.empty()) {
@@ -164,6 +167,7 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::ReadTokenizerConfig(
     const std::filesystem::path& dir) {
   const auto p = dir / "tokenizer_config.json";
   if (!Exists(p)) return nullptr;
+  KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(dir, p));
   KVGRID_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(p, kMaxConfigBytes));
   return FromConfigJson(text, p.string());
 }

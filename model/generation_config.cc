@@ -8,6 +8,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "model/json_util.h"
+#include "model/model_dir.h"
+#include "model/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace kvgrid::model {
@@ -122,7 +124,8 @@ class Reader {
 }  // namespace
 
 absl::StatusOr<GenerationConfig> ParseGenerationConfig(std::string_view json_text,
-                                                       std::string_view source) {
+                                                       std::string_view source,
+                                                       int64_t vocab_size) {
   absl::StatusOr<Json> parsed = ParseJsonObject(json_text, source);
   if (!parsed.ok()) return parsed.status();
   const Json& root = *parsed;
@@ -144,18 +147,37 @@ absl::StatusOr<GenerationConfig> ParseGenerationConfig(std::string_view json_tex
        }) {
     if (!s.ok()) return s;
   }
+  if (vocab_size > 0) {
+    std::optional<int64_t> pad;
+    KVGRID_RETURN_IF_ERROR(r.Int("pad_token_id", std::numeric_limits<int64_t>::min(), &pad));
+    const auto outside = [&](std::string_view key, int64_t id) {
+      return FieldError(source, key, absl::StrCat("token id ", id,
+                                                  " is outside the vocabulary (vocab_size ",
+                                                  vocab_size, ")"));
+    };
+    for (int64_t id : config.eos_token_ids) {
+      if (id >= vocab_size) return outside("eos_token_id", id);
+    }
+    if (config.bos_token_id && *config.bos_token_id >= vocab_size) {
+      return outside("bos_token_id", *config.bos_token_id);
+    }
+    // Negative means "none" in some files; only an id past the vocabulary is wrong.
+    if (pad && *pad >= vocab_size) return outside("pad_token_id", *pad);
+  }
   return config;
 }
 
-absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::filesystem::path& dir) {
+absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::filesystem::path& dir,
+                                                      int64_t vocab_size) {
   std::error_code ec;
   // Callers may also hand over the file itself.
   const std::filesystem::path file =
       std::filesystem::is_regular_file(dir, ec) ? dir : dir / "generation_config.json";
+  if (file != dir) KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(dir, file));
   if (!std::filesystem::exists(file, ec)) return GenerationConfig{};
   absl::StatusOr<std::string> text = ReadSmallFile(file, kMaxGenerationConfigBytes);
   if (!text.ok()) return text.status();
-  return ParseGenerationConfig(*text, file.string());
+  return ParseGenerationConfig(*text, file.string(), vocab_size);
 }
 
 }  // namespace kvgrid::model

@@ -25,12 +25,17 @@ struct GenerationConfig {
   std::optional<int64_t> max_new_tokens;
 };
 
+// With `vocab_size` > 0, eos_token_id, bos_token_id and pad_token_id must lie below it.
 // Errors: INVALID_ARGUMENT naming `source` and the field.
 absl::StatusOr<GenerationConfig> ParseGenerationConfig(std::string_view json_text,
-                                                       std::string_view source);
+                                                       std::string_view source,
+                                                       int64_t vocab_size = 0);
 
-// Reads `dir`/generation_config.json. A missing file gives an empty GenerationConfig.
-absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::filesystem::path& dir);
+// Reads `dir`/generation_config.json (which must not link outside `dir`, see model_dir.h),
+// checking its ids against `vocab_size` as ParseGenerationConfig. A missing file gives an
+// empty GenerationConfig.
+absl::StatusOr<GenerationConfig> LoadGenerationConfig(const std::filesystem::path& dir,
+                                                      int64_t vocab_size = 0);
 
 }  // namespace kvgrid::model
 

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
 
 namespace kvgrid::model {
 namespace {
@@ -44,6 +45,12 @@ class Cursor {
   }
   [[nodiscard]] size_t offset() const { return static_cast<size_t>(p_ - base_); }
   [[nodiscard]] size_t left() const { return static_cast<size_t>(end_ - p_); }
+  [[nodiscard]] const std::byte* here() const { return p_; }
+  bool Skip(size_t n) {
+    if (left() < n) return false;
+    p_ += n;
+    return true;
+  }
 
  private:
   const std::byte* p_;
@@ -94,6 +101,30 @@ bool ReadScalar(Cursor& c, ValueType t, GgufValue* out) {
 }
 
 }  // namespace
+
+size_t GgufNumberArray::element_bytes() const { return ScalarSize(static_cast<ValueType>(type_)); }
+
+int64_t GgufNumberArray::Int(size_t i) const {
+  const size_t width = element_bytes();
+  Cursor c(data_ + i * width, width);
+  GgufValue x;
+  ReadScalar(c, static_cast<ValueType>(type_), &x);  // checked when the file was parsed
+  if (const auto* v = std::get_if<int64_t>(&x)) return *v;
+  if (const auto* v = std::get_if<bool>(&x)) return *v ? 1 : 0;
+  if (const auto* v = std::get_if<double>(&x)) return static_cast<int64_t>(*v);
+  return 0;
+}
+
+double GgufNumberArray::Float(size_t i) const {
+  const size_t width = element_bytes();
+  Cursor c(data_ + i * width, width);
+  GgufValue x;
+  ReadScalar(c, static_cast<ValueType>(type_), &x);
+  if (const auto* v = std::get_if<double>(&x)) return *v;
+  if (const auto* v = std::get_if<int64_t>(&x)) return static_cast<double>(*v);
+  if (const auto* v = std::get_if<bool>(&x)) return *v ? 1.0 : 0.0;
+  return 0.0;
+}
 
 int64_t GgmlBlockElements(GgmlType type) {
   switch (type) {
@@ -226,35 +257,34 @@ absl::Status GgufFile::Parse() {
         return bad("metadata '", key, "': ", count, " elements do not fit in the file");
       }
       if (et == ValueType::kString) {
-        std::vector<std::string> v(static_cast<size_t>(count));
-        for (std::string& s : v) {
-          if (!c.ReadString(&s)) return bad("metadata '", key, "': truncated string array");
-        }
-        value = std::move(v);
-      } else if (et == ValueType::kF32 || et == ValueType::kF64) {
-        std::vector<double> v;
-        v.reserve(static_cast<size_t>(count));
+        // Each string costs at least its 8-byte length in the file; the vector grows with what
+        // is actually read, so a count that lies is found before it is allocated for.
+        std::vector<std::string> v;
+        v.reserve(static_cast<size_t>(std::min<uint64_t>(count, 1 << 16)));
         for (uint64_t j = 0; j < count; ++j) {
-          GgufValue x;
-          if (!ReadScalar(c, et, &x)) return bad("metadata '", key, "': truncated array");
-          v.push_back(std::get<double>(x));
+          std::string s;
+          if (!c.ReadString(&s)) return bad("metadata '", key, "': truncated string array");
+          v.push_back(std::move(s));
         }
         value = std::move(v);
       } else {
-        std::vector<int64_t> v;
-        v.reserve(static_cast<size_t>(count));
-        for (uint64_t j = 0; j < count; ++j) {
+        // Numbers stay in the mapping at their width. Bools (0 or 1) and u64s (that must fit in
+        // int64_t) are checked now, so reading an element later cannot fail.
+        const std::byte* data = c.here();
+        const bool checked = et == ValueType::kBool || et == ValueType::kU64;
+        if (!checked && !c.Skip(static_cast<size_t>(count) * min_size)) {
+          return bad("metadata '", key, "': truncated array");
+        }
+        for (uint64_t j = 0; checked && j < count; ++j) {
           GgufValue x;
-          if (!ReadScalar(c, et, &x)) return bad("metadata '", key, "': truncated array");
-          if (std::holds_alternative<int64_t>(x)) {
-            v.push_back(std::get<int64_t>(x));
-          } else if (std::holds_alternative<bool>(x)) {
-            v.push_back(std::get<bool>(x) ? 1 : 0);
-          } else {
+          if (!ReadScalar(c, et, &x)) {
+            return bad("metadata '", key, "': element ", j, " is out of range for its type");
+          }
+          if (std::holds_alternative<uint64_t>(x)) {
             return bad("metadata '", key, "': an array value does not fit in int64");
           }
         }
-        value = std::move(v);
+        value = GgufNumberArray(elem, static_cast<size_t>(count), data);
       }
     } else if (!ReadScalar(c, t, &value)) {
       return bad("metadata '", key, "': bad or truncated value of type ", type);
@@ -382,12 +412,19 @@ absl::StatusOr<const std::vector<std::string>*> GgufFile::GetStringArray(
       absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of strings"));
 }
 
-absl::StatusOr<const std::vector<int64_t>*> GgufFile::GetIntArray(const std::string& key) const {
-  auto it = metadata_.find(key);
-  if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
-  if (const auto* v = std::get_if<std::vector<int64_t>>(&it->second)) return v;
+absl::StatusOr<const GgufNumberArray*> GgufFile::GetIntArray(const std::string& key) const {
+  KVGRID_ASSIGN_OR_RETURN(const GgufNumberArray* v, GetNumberArray(key));
+  if (!v->is_float()) return v;
   return absl::InvalidArgumentError(
       absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of integers"));
+}
+
+absl::StatusOr<const GgufNumberArray*> GgufFile::GetNumberArray(const std::string& key) const {
+  auto it = metadata_.find(key);
+  if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
+  if (const auto* v = std::get_if<GgufNumberArray>(&it->second)) return v;
+  return absl::InvalidArgumentError(
+      absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of numbers"));
 }
 
 absl::StatusOr<const GgufTensor*> GgufFile::Find(const std::string& name) const {

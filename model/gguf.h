@@ -60,10 +60,35 @@ struct GgufTensor {
   [[nodiscard]] int64_t NumElements() const;
 };
 
-// A metadata value: scalars widened (integers to int64_t, floats to double), strings, or
-// arrays of those.
-using GgufValue = std::variant<int64_t, uint64_t, double, bool, std::string,
-                               std::vector<int64_t>, std::vector<double>,
+// A numeric metadata array held at its own element width: a view of its bytes inside the
+// mapping, so a 64 MiB u8 array costs no memory beyond the mapped file. Elements are read (and
+// widened) one at a time. Every element was checked when the file was opened: bools are 0 or
+// 1, u64 values fit in int64_t.
+class GgufNumberArray {
+ public:
+  // GGUF's element type codes (U8 = 0 ... F64 = 12).
+  GgufNumberArray(uint32_t type, size_t count, const std::byte* data)
+      : type_(type), count_(count), data_(data) {}
+  [[nodiscard]] size_t size() const { return count_; }
+  [[nodiscard]] bool empty() const { return count_ == 0; }
+  // F32 or F64 elements.
+  [[nodiscard]] bool is_float() const { return type_ == 6 || type_ == 12; }
+  // Bytes per element (1, 2, 4 or 8).
+  [[nodiscard]] size_t element_bytes() const;
+  // Element `i` (< size()) widened: integers and bools to int64_t (floats truncated), or to
+  // double.
+  [[nodiscard]] int64_t Int(size_t i) const;
+  [[nodiscard]] double Float(size_t i) const;
+
+ private:
+  uint32_t type_;
+  size_t count_;
+  const std::byte* data_;  // inside the mapping; count_ * element_bytes() bytes
+};
+
+// A metadata value: scalars widened (integers to int64_t, floats to double), strings, string
+// arrays, or numeric arrays at their own width.
+using GgufValue = std::variant<int64_t, uint64_t, double, bool, std::string, GgufNumberArray,
                                std::vector<std::string>>;
 
 class GgufFile {
@@ -89,11 +114,12 @@ class GgufFile {
   absl::StatusOr<std::string> GetString(const std::string& key) const;
   absl::StatusOr<bool> GetBool(const std::string& key) const;
   // Array metadata, owned by the file (valid while it lives). Every element was read from the
-  // file, so a length is bounded by the file's size. Integer arrays of any width (and bool
-  // arrays, as 0/1) come back widened to int64_t. Errors as above; INVALID_ARGUMENT also for
-  // an array of another element type.
+  // file, so a length is bounded by the file's size. GetIntArray: integer arrays of any width
+  // and bool arrays (as 0/1); GetNumberArray: those and float arrays. Errors as above;
+  // INVALID_ARGUMENT also for an array of another element type.
   absl::StatusOr<const std::vector<std::string>*> GetStringArray(const std::string& key) const;
-  absl::StatusOr<const std::vector<int64_t>*> GetIntArray(const std::string& key) const;
+  absl::StatusOr<const GgufNumberArray*> GetIntArray(const std::string& key) const;
+  absl::StatusOr<const GgufNumberArray*> GetNumberArray(const std::string& key) const;
   // Errors: NOT_FOUND naming the tensor and the file.
   absl::StatusOr<const GgufTensor*> Find(const std::string& name) const;
 

@@ -138,6 +138,31 @@ absl::StatusOr<ModelConfig> ModelConfigFromGguf(const GgufFile& f) {
   }
   c.tie_word_embeddings = !f.tensors().contains("output.weight");
   c.attention_bias = f.tensors().contains("blk.0.attn_q.bias");
+  // The embedding's rows are the vocabulary: a token list or a stated vocab_size that
+  // disagrees means ids the model cannot embed (or tokens it cannot produce), as llama.cpp,
+  // which sizes token_embd by the token list, also refuses.
+  if (auto tokens = f.GetStringArray("tokenizer.ggml.tokens"); tokens.ok()) {
+    if (static_cast<int64_t>((*tokens)->size()) != c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tokenizer.ggml.tokens has ", (*tokens)->size(),
+          " entries but token_embd.weight has ", c.vocab_size, " rows"));
+    }
+  }
+  if (auto stated = f.GetInt(arch + ".vocab_size"); stated.ok() && *stated != c.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", arch, ".vocab_size ", *stated,
+                                                   " differs from token_embd.weight's ",
+                                                   c.vocab_size, " rows"));
+  }
+  for (const char* key : {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                          "tokenizer.ggml.padding_token_id"}) {
+    absl::StatusOr<int64_t> id = f.GetInt(key);
+    if (!id.ok()) continue;
+    if (*id < 0 || *id >= c.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " ", *id,
+                                                     " is outside the vocabulary [0, ",
+                                                     c.vocab_size, ")"));
+    }
+  }
   if (auto bos = f.GetInt("tokenizer.ggml.bos_token_id"); bos.ok()) c.bos_token_id = *bos;
   if (auto eos = f.GetInt("tokenizer.ggml.eos_token_id"); eos.ok()) c.eos_token_ids = {*eos};
   return c;

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "model/json_util.h"
+#include "model/model_dir.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -158,7 +159,7 @@ absl::StatusOr<std::optional<T>> Optional(absl::StatusOr<T> value) {
 // A special token id from `key` that the post-processor will add: it must name a token.
 absl::StatusOr<int64_t> SpecialId(const GgufFile& f, const char* key, const char* flag_key,
                                   const std::vector<std::string>& tokens,
-                                  const std::vector<int64_t>* types) {
+                                  const GgufNumberArray* types) {
   const std::string path = f.path().string();
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> id, Optional(f.GetInt(key)));
   if (!id) {
@@ -166,7 +167,7 @@ absl::StatusOr<int64_t> SpecialId(const GgufFile& f, const char* key, const char
         absl::StrCat(path, ": ", flag_key, " is true but ", key, " is not set"));
   }
   if (*id < 0 || static_cast<uint64_t>(*id) >= tokens.size() ||
-      (types != nullptr && (*types)[*id] == kUnused)) {
+      (types != nullptr && types->Int(static_cast<size_t>(*id)) == kUnused)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", key, " ", *id,
                                                    " is not a token of ", kTokensKey, " (",
                                                    tokens.size(), " entries)"));
@@ -195,24 +196,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
   const size_t n = tokens->size();
 
   v.scores.assign(n, 0.0f);
-  if (auto it = f.metadata().find(kScoresKey); it != f.metadata().end()) {
-    const auto* scores = std::get_if<std::vector<double>>(&it->second);
-    const auto* int_scores = std::get_if<std::vector<int64_t>>(&it->second);
-    const size_t size = scores != nullptr ? scores->size()
-                        : int_scores != nullptr ? int_scores->size()
-                                                : 0;
-    if (scores == nullptr && int_scores == nullptr) {
-      return invalid(kScoresKey, " is not an array of numbers");
+  if (f.metadata().contains(kScoresKey)) {
+    KVGRID_ASSIGN_OR_RETURN(const GgufNumberArray* scores, f.GetNumberArray(kScoresKey));
+    if (scores->size() != n) {
+      return invalid(kScoresKey, " has ", scores->size(), " entries but ", kTokensKey, " has ", n);
     }
-    if (size != n) {
-      return invalid(kScoresKey, " has ", size, " entries but ", kTokensKey, " has ", n);
-    }
-    for (size_t i = 0; i < n; ++i) {
-      v.scores[i] = static_cast<float>(scores != nullptr ? (*scores)[i]
-                                                         : static_cast<double>((*int_scores)[i]));
-    }
+    for (size_t i = 0; i < n; ++i) v.scores[i] = static_cast<float>(scores->Float(i));
   }
-  KVGRID_ASSIGN_OR_RETURN(const std::optional<const std::vector<int64_t>*> types,
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<const GgufNumberArray*> types,
                           Optional(f.GetIntArray(kTypesKey)));
   v.types.assign(n, kNormal);
   if (types) {
@@ -221,7 +212,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
                      n);
     }
     for (size_t i = 0; i < n; ++i) {
-      const int64_t type = (**types)[i];
+      const int64_t type = (*types)->Int(i);
       if (type < kUndefined || type > kByte) {
         return invalid(kTypesKey, "[", i, "]: ", type, " is not a llama.cpp token type (0 to 6)");
       }
@@ -297,9 +288,9 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
     return invalid(kTokensKey, " has ", tokens->size(), " entries, more than ", kMaxTokens);
   }
   // Without types every token is normal, as llama.cpp reads such files.
-  KVGRID_ASSIGN_OR_RETURN(const std::optional<const std::vector<int64_t>*> types_or,
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<const GgufNumberArray*> types_or,
                           Optional(f.GetIntArray(kTypesKey)));
-  const std::vector<int64_t>* types = types_or.value_or(nullptr);
+  const GgufNumberArray* types = types_or.value_or(nullptr);
   if (types != nullptr && types->size() != tokens->size()) {
     return invalid(kTypesKey, " has ", types->size(), " entries but ", kTokensKey, " has ",
                    tokens->size());
@@ -312,7 +303,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
   first_index.reserve(tokens->size());
   for (size_t i = 0; i < tokens->size(); ++i) {
     const std::string& token = (*tokens)[i];
-    const int64_t type = types != nullptr ? (*types)[i] : kNormal;
+    const int64_t type = types != nullptr ? types->Int(i) : kNormal;
     if (!IsUtf8(token)) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
     switch (type) {
       case kUndefined:
@@ -410,10 +401,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> LoadModelTokenizer(
   std::error_code ec;
   if (std::filesystem::is_directory(model_path, ec)) {
     if (!std::filesystem::exists(model_path / "tokenizer.json", ec)) return nullptr;
+    KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(model_path, model_path / "tokenizer.json"));
     return Tokenizer::FromFile(model_path / "tokenizer.json");
   }
   const std::filesystem::path beside = model_path.parent_path() / "tokenizer.json";
-  if (std::filesystem::exists(beside, ec)) return Tokenizer::FromFile(beside);
+  if (std::filesystem::exists(beside, ec)) {
+    KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(model_path.parent_path(), beside));
+    return Tokenizer::FromFile(beside);
+  }
   if (model_path.extension() != ".gguf") return nullptr;
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> file, GgufFile::Open(model_path));
   // A GGUF written without tokenizer metadata is like a directory without tokenizer.json.

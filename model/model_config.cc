@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "model/json_util.h"
+#include "model/model_dir.h"
 #include "model/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -527,6 +528,27 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::st
     return r.Error("bos_token_id", absl::StrCat("token id ", *bos, " is negative"));
   }
   config.bos_token_id = bos.value_or(-1);
+  // Ids the embedding has no row for would index past it (or never match a sampled token).
+  for (int64_t id : config.eos_token_ids) {
+    if (id >= config.vocab_size) {
+      return r.Error("eos_token_id", absl::StrCat("token id ", id, " is outside the vocabulary (",
+                                                  "vocab_size ", config.vocab_size, ")"));
+    }
+  }
+  if (config.bos_token_id >= config.vocab_size) {
+    return r.Error("bos_token_id", absl::StrCat("token id ", config.bos_token_id,
+                                                " is outside the vocabulary (vocab_size ",
+                                                config.vocab_size, ")"));
+  }
+  // pad_token_id is not used, but a broken one says the file does not belong to these weights.
+  // Old conversions write -1 for "none"; that stays accepted.
+  std::optional<int64_t> pad;
+  KVGRID_ASSIGN_OR_RETURN(pad, r.Int("pad_token_id"));
+  if (pad.has_value() && *pad >= config.vocab_size) {
+    return r.Error("pad_token_id", absl::StrCat("token id ", *pad,
+                                                " is outside the vocabulary (vocab_size ",
+                                                config.vocab_size, ")"));
+  }
 
   // transformers >= 4.56 writes `dtype`; older files say `torch_dtype`.
   std::optional<std::string> dtype;
@@ -575,7 +597,10 @@ int64_t ScaledContextLength(const RopeScaling& s, int64_t max_position_embedding
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::filesystem::path& path) {
   std::error_code ec;
   std::filesystem::path file = path;
-  if (std::filesystem::is_directory(path, ec)) file = path / "config.json";
+  if (std::filesystem::is_directory(path, ec)) {
+    file = path / "config.json";
+    KVGRID_RETURN_IF_ERROR(CheckInsideModelDir(path, file));
+  }
   if (!std::filesystem::exists(file, ec)) {
     return absl::NotFoundError(absl::StrCat(file.string(), ": no such file"));
   }

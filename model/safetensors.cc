@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "model/json_util.h"
+#include "model/model_dir.h"
 #include "nlohmann/json.hpp"
 
 // The format stores little-endian data and ReadF32 copies it as is.
@@ -304,9 +305,11 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const fs::path& pat
     const fs::path index = path / "model.safetensors.index.json";
     const fs::path single = path / "model.safetensors";
     if (fs::exists(index, ec)) {
-      loaded = checkpoint->LoadIndex(index);
+      loaded = CheckInsideModelDir(path, index);
+      if (loaded.ok()) loaded = checkpoint->LoadIndex(index);
     } else if (fs::exists(single, ec)) {
-      loaded = checkpoint->LoadSingle(single);
+      loaded = CheckInsideModelDir(path, single);
+      if (loaded.ok()) loaded = checkpoint->LoadSingle(single);
     } else {
       return absl::NotFoundError(
           absl::StrCat("no model.safetensors or model.safetensors.index.json in ", path.string()));
@@ -358,6 +361,10 @@ absl::Status Checkpoint::LoadIndex(const fs::path& index_path) {
   const fs::path dir = index_path.parent_path();
   for (const auto& [shard_name, names] : shards) {
     const fs::path shard_path = dir / shard_name;
+    if (absl::Status inside = CheckInsideModelDir(dir, shard_path); !inside.ok()) {
+      return Invalid(index_path, "weight_map: shard \"", shard_name, "\" (holding tensor '",
+                     names.front(), "'): ", inside.message());
+    }
     absl::StatusOr<std::unique_ptr<SafetensorsFile>> file = SafetensorsFile::Open(shard_path);
     if (!file.ok()) {
       if (absl::IsNotFound(file.status())) {

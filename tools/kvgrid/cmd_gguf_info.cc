@@ -2,6 +2,7 @@
 // --dump NAME, one tensor's values as fp32 (block formats dequantized by kvgrid's kernels).
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -23,7 +24,23 @@ constexpr char kHelp[] =
     "  --json          print the metadata and tensor directory as one JSON object\n";
 
 nlohmann::json ToJson(const model::GgufValue& v) {
-  return std::visit([](const auto& x) { return nlohmann::json(x); }, v);
+  return std::visit(
+      [](const auto& x) -> nlohmann::json {
+        if constexpr (std::is_same_v<std::decay_t<decltype(x)>, model::GgufNumberArray>) {
+          nlohmann::json out = nlohmann::json::array();
+          for (size_t i = 0; i < x.size(); ++i) {
+            if (x.is_float()) {
+              out.push_back(x.Float(i));
+            } else {
+              out.push_back(x.Int(i));
+            }
+          }
+          return out;
+        } else {
+          return nlohmann::json(x);
+        }
+      },
+      v);
 }
 
 absl::Status GgufInfo(Args& args) {
@@ -40,15 +57,16 @@ absl::Status GgufInfo(Args& args) {
     std::printf("%s\n", nlohmann::json(values).dump().c_str());
     return absl::OkStatus();
   }
-  nlohmann::json meta = nlohmann::json::object(), tensors = nlohmann::json::array();
-  for (const auto& [key, value] : gguf->metadata()) meta[key] = ToJson(value);
-  for (const auto& [name, t] : gguf->tensors()) {
-    tensors.push_back({{"name", name}, {"type", model::GgmlTypeName(t.type)}, {"ne", t.ne},
-                       {"bytes", t.data.size()}});
-  }
-  const nlohmann::json j = {{"version", gguf->version()}, {"metadata", meta},
-                            {"tensors", tensors}};
   if (json) {
+    // Only --json renders the metadata: a large array is expanded only when asked for.
+    nlohmann::json meta = nlohmann::json::object(), tensors = nlohmann::json::array();
+    for (const auto& [key, value] : gguf->metadata()) meta[key] = ToJson(value);
+    for (const auto& [name, t] : gguf->tensors()) {
+      tensors.push_back({{"name", name}, {"type", model::GgmlTypeName(t.type)}, {"ne", t.ne},
+                         {"bytes", t.data.size()}});
+    }
+    const nlohmann::json j = {{"version", gguf->version()}, {"metadata", meta},
+                              {"tensors", tensors}};
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     std::printf("GGUF v%u: %zu metadata entries, %zu tensors\n", gguf->version(),

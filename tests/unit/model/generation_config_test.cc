@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
@@ -149,6 +151,26 @@ TEST(GenerationConfigTest, LoadFromDirectory) {
   EXPECT_THAT(std::string(bad.status().message()),
               HasSubstr((dir / "generation_config.json").string() + ": top_p"));
   std::filesystem::remove_all(dir);
+}
+
+TEST(GenerationConfigTest, IdsOutsideTheVocabularyAreRefusedNamingTheField) {
+  for (const auto& [text, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"eos_token_id": [1, 32000]})", "eos_token_id: token id 32000"},
+           {R"({"bos_token_id": 32001})", "bos_token_id: token id 32001"},
+           {R"({"pad_token_id": 40000})", "pad_token_id: token id 40000"},
+       }) {
+    absl::StatusOr<GenerationConfig> g =
+        ParseGenerationConfig(text, "generation_config.json", /*vocab_size=*/32000);
+    ASSERT_FALSE(g.ok()) << text;
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(g.status().message(), HasSubstr("generation_config.json: " + field));
+    EXPECT_THAT(g.status().message(), HasSubstr("outside the vocabulary (vocab_size 32000)"));
+    // Without a vocabulary to check against, the file parses as before.
+    EXPECT_TRUE(ParseGenerationConfig(text, "generation_config.json").ok()) << text;
+  }
+  EXPECT_TRUE(ParseGenerationConfig(R"({"eos_token_id": [31999], "pad_token_id": -1})",
+                                    "generation_config.json", 32000)
+                  .ok());
 }
 
 }  // namespace

@@ -141,5 +141,42 @@ TEST(GgufConfigTest, EmbeddingOfTheWrongWidthIsRefused) {
   EXPECT_THAT(c.status().message(), HasSubstr("token_embd.weight is not [vocab, 9]"));
 }
 
+// The finding: a token list shorter than the embedding, and ids past it, were accepted.
+TEST(GgufConfigTest, TokenListOfAnotherLengthThanTheEmbeddingIsRefused) {
+  gguf_test::GgufTestWriter w = Llama();
+  w.StringArray("tokenizer.ggml.tokens", {"a", "b", "c"});
+  absl::StatusOr<ModelConfig> c = ConfigOf(w);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("tokenizer.ggml.tokens has 3 entries but token_embd.weight has 5 rows"));
+}
+
+TEST(GgufConfigTest, StatedVocabSizeMustMatchTheEmbedding) {
+  gguf_test::GgufTestWriter w = Llama();
+  w.U32("llama.vocab_size", 7);
+  absl::StatusOr<ModelConfig> c = ConfigOf(w);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("llama.vocab_size 7 differs"));
+}
+
+TEST(GgufConfigTest, SpecialIdsOutsideTheVocabularyAreRefused) {
+  for (const char* key : {"tokenizer.ggml.eos_token_id", "tokenizer.ggml.bos_token_id",
+                          "tokenizer.ggml.padding_token_id"}) {
+    gguf_test::GgufTestWriter w = Llama();
+    w.StringArray("tokenizer.ggml.tokens", {"a", "b", "c", "d", "e"});
+    w.U32(key, kVocab);
+    absl::StatusOr<ModelConfig> c = ConfigOf(w);
+    ASSERT_FALSE(c.ok()) << key;
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(c.status().message(),
+                HasSubstr(std::string(key) + " 5 is outside the vocabulary [0, 5)"));
+  }
+  gguf_test::GgufTestWriter w = Llama();
+  w.U32("tokenizer.ggml.eos_token_id", kVocab - 1);
+  absl::StatusOr<ModelConfig> c = ConfigOf(w);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->eos_token_ids, ElementsAre(kVocab - 1));
+}
+
 }  // namespace
 }  // namespace kvgrid::model

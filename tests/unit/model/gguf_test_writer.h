@@ -53,6 +53,24 @@ class GgufTestWriter {
     for (int32_t v : values) Put(&kv_, v);
     ++n_kv_;
   }
+  // A u8 array of `count` copies of `value` (large arrays without a vector of their own).
+  void U8Array(const std::string& key, uint64_t count, uint8_t value) {
+    Key(key, kArray);
+    Put(&kv_, kU8);
+    Put(&kv_, count);
+    kv_.append(static_cast<size_t>(count), static_cast<char>(value));
+    ++n_kv_;
+  }
+  // An array header claiming `count` elements of GGUF type `elem`, followed by `payload` only:
+  // a count the file cannot hold.
+  void LyingArray(const std::string& key, uint32_t elem, uint64_t count,
+                  const std::string& payload) {
+    Key(key, kArray);
+    Put(&kv_, elem);
+    Put(&kv_, count);
+    kv_.append(payload);
+    ++n_kv_;
+  }
   // An F32 tensor; `ne` in GGUF order (ne[0] innermost).
   void F32Tensor(const std::string& name, const std::vector<uint64_t>& ne,
                  const std::vector<float>& values) {
@@ -98,7 +116,7 @@ class GgufTestWriter {
   }
 
  private:
-  static constexpr uint32_t kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7, kString = 8, kArray = 9;
+  static constexpr uint32_t kU8 = 0, kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7, kString = 8, kArray = 9;
   static constexpr size_t kAlignment = 32;
 
   template <typename T>

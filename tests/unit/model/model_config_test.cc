@@ -720,5 +720,19 @@ TEST(ModelConfigTest, ServedModelNameIgnoresTrailingSlashesAndDots) {
   EXPECT_EQ(ServedModelName("/srv/models--/snapshots/v1"), "v1");
 }
 
+// Ids the embedding has no row for are refused naming the field; ids inside it (and the old
+// conversions' pad_token_id of -1) load.
+TEST(ModelConfigTest, TokenIdsOutsideTheVocabularyAreRefused) {
+  ExpectInvalid(Minimal(R"("eos_token_id": 100)"), "eos_token_id: token id 100 is outside");
+  ExpectInvalid(Minimal(R"("eos_token_id": [2, 150])"), "eos_token_id: token id 150 is outside");
+  ExpectInvalid(Minimal(R"("bos_token_id": 100)"), "bos_token_id: token id 100 is outside");
+  ExpectInvalid(Minimal(R"("pad_token_id": 1000)"), "pad_token_id: token id 1000 is outside");
+  absl::StatusOr<ModelConfig> ok = ParseModelConfig(
+      Minimal(R"("eos_token_id": [98, 99], "bos_token_id": 0, "pad_token_id": -1)"),
+      "config.json");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_THAT(ok->eos_token_ids, ElementsAre(98, 99));
+}
+
 }  // namespace
 }  // namespace kvgrid::model
