@@ -399,7 +399,11 @@ class TokenTrie {
 
 class FieldReader {
  public:
-  explicit FieldReader(std::string_view source) : source_(source) {}
+  // `max_token_id`: ids at or above it are refused. An id sizes the id -> token tables, so a
+  // file must not be able to claim one far past what it holds: a real vocabulary is dense,
+  // and every entry costs the file more than one byte.
+  explicit FieldReader(std::string_view source, int64_t max_token_id = int64_t{1} << 24)
+      : source_(source), max_token_id_(max_token_id) {}
 
   absl::Status Error(absl::string_view field, absl::string_view message) const {
     return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, ": ", message));
@@ -436,6 +440,10 @@ class FieldReader {
       return Error(path, absl::StrCat("expected a token id (integer in [0, 2^24)), got ",
                                       j.is_number() ? j.dump() : TypeName(j)));
     }
+    if (j.get<int64_t>() >= max_token_id_) {
+      return Error(path, absl::StrCat("token id ", j.get<int64_t>(), " is larger than a file of ",
+                                      max_token_id_, " bytes can hold a vocabulary for"));
+    }
     return static_cast<int32_t>(j.get<int64_t>());
   }
 
@@ -449,6 +457,7 @@ class FieldReader {
 
  private:
   std::string source_;
+  int64_t max_token_id_;
 };
 
 // Shows a token in an error message: quoted, and cut short when long.
@@ -1826,7 +1835,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromFile(const std::filesy
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view json_text,
                                                                std::string_view source) {
-  const FieldReader r(source);
+  const FieldReader r(source, std::min<int64_t>(int64_t{1} << 24,
+                                                 static_cast<int64_t>(json_text.size())));
   if (absl::Status s = CheckJsonDepth(json_text, source); !s.ok()) return s;
   Json root;
   try {
