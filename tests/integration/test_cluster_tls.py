@@ -292,7 +292,8 @@ def test_kvgrid_serve_is_private_by_default(tmp_path):
     try:
         client = Client(f"127.0.0.1:{port}", timeout=60)
         assert wait_until(lambda: serving(client), timeout=120), serve.describe()
-        assert "ready" in serve.log()
+        assert wait_until(lambda: "kvgrid serve: ready" in serve.log(), timeout=30), \
+            serve.describe()
         worker_addr = serving(client)[0].address
         e = rpc_error(lambda: worker_stats(worker_addr, None, metadata=None))
         assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())

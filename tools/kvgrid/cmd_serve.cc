@@ -22,7 +22,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "auth/bearer_auth.h"
+#include "auth/throwaway_cluster.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/security/tls_certificate_verifier.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "kvgrid/v1/generation.grpc.pb.h"
 #include "model/model_config.h"
 #include "model/status_macros.h"
@@ -54,6 +58,14 @@ constexpr char kHelp[] =
     "                              coordinator\n"
     "  --drain-timeout-s S         on shutdown, how long running requests may take (default 30)\n"
     "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
+    "  coordinator flags, passed to it: --health-listen --metrics-listen --tls-cert --tls-key\n"
+    "  --tls-ca --tls-refresh-s --api-keys --api-key-file (see kvgrid-coordinator --help)\n"
+    "\n"
+    "The links between the processes are private by default: kvgrid serve makes a throwaway\n"
+    "CA, a certificate for 127.0.0.1 and a random cluster token in a private temporary\n"
+    "directory (removed on exit); the workers register on a port of their own with mutual\n"
+    "TLS. --worker-tls-cert --worker-tls-key --worker-tls-ca --worker-tls-server-name and\n"
+    "--cluster-token | --cluster-token-file use yours instead.\n"
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
@@ -68,6 +80,31 @@ constexpr const char* kWorkerFlags[] = {
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
     "weight-dtype",           "preemption-mode", "watermark",
     "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs"};
+
+constexpr const char* kCoordinatorFlags[] = {"health-listen", "metrics-listen", "tls-cert",
+                                             "tls-key",       "tls-ca",         "api-keys",
+                                             "api-key-file"};
+// Flags for the cluster links, passed to the coordinator and every worker.
+constexpr const char* kClusterFlags[] = {"worker-tls-cert", "worker-tls-key", "worker-tls-ca",
+                                         "worker-tls-server-name", "cluster-token",
+                                         "cluster-token-file", "tls-refresh-s"};
+
+// A port on 127.0.0.1 free now (0 when none could be bound).
+int64_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  int64_t port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  close(fd);
+  return port;
+}
 
 // Whether a TCP listener could bind 127.0.0.1:port now.
 bool PortFree(int64_t port) {
@@ -85,8 +122,9 @@ bool PortFree(int64_t port) {
 }
 
 // Workers in state SERVING, or -1 while the coordinator does not answer.
-int ServingWorkers(v1::Generation::Stub& stub) {
+int ServingWorkers(v1::Generation::Stub& stub, const std::string& api_key) {
   grpc::ClientContext ctx;
+  auth::AttachBearer(&ctx, api_key);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
   v1::ClusterStatusResponse resp;
   if (!stub.ClusterStatus(&ctx, v1::ClusterStatusRequest(), &resp).ok()) return -1;
@@ -112,7 +150,51 @@ absl::Status Serve(Args& args) {
       forwarded.push_back(*v);
     }
   }
+  std::vector<std::string> coordinator_flags;
+  for (const char* flag : kCoordinatorFlags) {
+    if (auto v = args.GetString(flag)) coordinator_flags.insert(coordinator_flags.end(),
+                                                                {absl::StrCat("--", flag), *v});
+  }
+  std::vector<std::string> cluster_flags;
+  for (const char* flag : kClusterFlags) {
+    if (auto v = args.GetString(flag)) cluster_flags.insert(cluster_flags.end(),
+                                                            {absl::StrCat("--", flag), *v});
+  }
+  const bool own_tls = args.Has("worker-tls-cert") || args.Has("worker-tls-key") ||
+                       args.Has("worker-tls-ca");
+  const bool own_token = args.Has("cluster-token") || args.Has("cluster-token-file");
+  const bool api_tls = args.Has("tls-cert");
+  KVGRID_ASSIGN_OR_RETURN(const std::string api_key,
+                          auth::ResolveToken(args.GetString("api-key-file"),
+                                             [&]() -> std::optional<std::string> {
+                                               auto keys = args.GetString("api-keys");
+                                               if (!keys) return std::nullopt;
+                                               return std::string(
+                                                   *absl::StrSplit(*keys, ',').begin());
+                                             }(),
+                                             "api-key-file"));
   KVGRID_RETURN_IF_ERROR(args.Finish());
+  // The cluster's links: a throwaway CA, certificate and token unless the user brought them.
+  std::unique_ptr<auth::ThrowawayCluster> throwaway;
+  if (!own_tls || !own_token) {
+    KVGRID_ASSIGN_OR_RETURN(throwaway, auth::ThrowawayCluster::Create());
+    if (!own_tls) {
+      cluster_flags.insert(cluster_flags.end(),
+                           {"--worker-tls-cert", throwaway->cert().string(), "--worker-tls-key",
+                            throwaway->key().string(), "--worker-tls-ca",
+                            throwaway->ca().string()});
+    }
+    if (!own_token) {
+      cluster_flags.insert(cluster_flags.end(),
+                           {"--cluster-token-file", throwaway->token_file().string()});
+    }
+    std::fprintf(stderr, "kvgrid serve: cluster links use %s (certificates in %s)\n",
+                 own_tls ? "your certificates and a random token" : "mutual TLS",
+                 throwaway->dir().c_str());
+  }
+  const int64_t worker_api_port = FreePort();
+  if (worker_api_port == 0) return absl::UnavailableError("no free port for the worker API");
+  const std::string worker_api = absl::StrCat("127.0.0.1:", worker_api_port);
   const bool on_cuda = args.GetString("device").value_or("cpu") == "cuda";
   const bool has_threads =
       std::find(forwarded.begin(), forwarded.end(), "--threads") != forwarded.end();
@@ -193,7 +275,10 @@ absl::Status Serve(Args& args) {
     }
   };
   std::vector<std::string> coordinator = {(bin / "kvgrid-coordinator").string(), "--model",
-                                          dir.string(), "--listen", addr};
+                                          dir.string(), "--listen", addr,
+                                          "--worker-listen", worker_api};
+  coordinator.insert(coordinator.end(), coordinator_flags.begin(), coordinator_flags.end());
+  coordinator.insert(coordinator.end(), cluster_flags.begin(), cluster_flags.end());
   if (drain) coordinator.insert(coordinator.end(), {"--drain-timeout-s", *drain});
   if (http_port > 0) coordinator.insert(coordinator.end(), {"--http-listen", http_addr});
   if (chat_template) coordinator.insert(coordinator.end(), {"--chat-template", *chat_template});
@@ -204,8 +289,9 @@ absl::Status Serve(Args& args) {
   for (size_t g = 0; g < groups.size(); ++g) {
     for (int32_t rank = 0; rank < groups[g]; ++rank) {
       std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model",
-                                         dir.string(), "--coordinator", addr, "--listen",
-                                         "127.0.0.1:0"};
+                                         dir.string(), "--coordinator", worker_api,
+                                         "--listen", "127.0.0.1:0"};
+      worker.insert(worker.end(), cluster_flags.begin(), cluster_flags.end());
       if (groups[g] > 1) {
         worker.insert(worker.end(), {"--group", absl::StrCat("g", g, "-", getpid()),
                                      "--tensor-parallel-size", absl::StrCat(groups[g]),
@@ -229,7 +315,18 @@ absl::Status Serve(Args& args) {
     }
   }
 
-  auto stub = v1::Generation::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  // Readiness is asked of our own child on loopback: with TLS on the API port its certificate
+  // is the user's (any CA, any name), so this one poll does not verify it.
+  std::shared_ptr<grpc::ChannelCredentials> poll_credentials = grpc::InsecureChannelCredentials();
+  if (api_tls) {
+    grpc::experimental::TlsChannelCredentialsOptions options;
+    options.set_verify_server_certs(false);
+    options.set_check_call_host(false);
+    options.set_certificate_verifier(
+        std::make_shared<grpc::experimental::NoOpCertificateVerifier>());
+    poll_credentials = grpc::experimental::TlsCredentials(options);
+  }
+  auto stub = v1::Generation::NewStub(grpc::CreateChannel(addr, poll_credentials));
   const auto ready_deadline = std::chrono::steady_clock::now() +
                               std::chrono::duration<double>(ready_timeout.value_or(120.0));
   bool ready = false;
@@ -259,7 +356,7 @@ absl::Status Serve(Args& args) {
     }
     if (!failure.ok()) break;
     if (!ready) {
-      if (ServingWorkers(*stub) >= workers) {
+      if (ServingWorkers(*stub, api_key) >= workers) {
         ready = true;
         std::fprintf(stderr,
                      "kvgrid serve: ready: %lld worker group(s) serving %s; API on %s (Ctrl-C stops)\n",
