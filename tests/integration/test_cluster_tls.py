@@ -306,3 +306,28 @@ def test_kvgrid_serve_is_private_by_default(tmp_path):
     m = [line for line in serve.log().splitlines() if "certificates in " in line]
     assert m, serve.log_tail()
     assert not os.path.exists(m[0].rsplit("certificates in ", 1)[1].split()[0].rstrip(")"))
+
+
+def test_a_tensor_parallel_group_forms_and_serves_over_mutual_tls(tmp_path, certs):
+    # The ranks' rendezvous (the coordinator's store) goes over the worker port's mTLS too.
+    coordinator, port, worker_port = start_coordinator(tmp_path, certs)
+    ranks = []
+    try:
+        for rank in range(2):
+            ranks.append(Proc(f"rank{rank}", [
+                executable("kvgrid-worker"), "--model", MODEL_DIR,
+                "--coordinator", f"127.0.0.1:{worker_port}", "--listen", "127.0.0.1:0",
+                "--group", "tls-tp", "--tensor-parallel-size", 2, "--rank", rank,
+                "--threads", "1", "--kv-cache-memory", "16MiB", "--cluster-token", TOKEN,
+                *tls_flags(certs, "worker")], tmp_path / f"rank{rank}.log"))
+        ranks[0].wait_listening(timeout=90)
+        with Client(f"127.0.0.1:{port}", timeout=60) as client:
+            assert wait_until(lambda: serving(client), timeout=60), (
+                coordinator.describe() + ranks[0].describe() + ranks[1].describe())
+            assert "following" in ranks[1].log()
+            c = client.generate_text("In the beginning", max_new_tokens=8, temperature=0)
+            assert len(c.token_ids) == 8
+    finally:
+        for p in reversed(ranks):
+            p.stop()
+        coordinator.stop()
