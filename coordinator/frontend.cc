@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/chat_request.h"
+#include "coordinator/request_parse.h"
 #include "model/status_macros.h"
 #include "proto/grpc_status.h"
 
@@ -19,6 +20,10 @@ constexpr int64_t kMaxStopStrings = 16;
 constexpr float kMaxPenalty = 2.f;
 constexpr float kMaxLogitBias = 100.f;
 constexpr int kMaxLogitBiasEntries = 1024;
+// request_id is echoed in every response of a stream and the model name in errors: a client's
+// megabyte-long id would otherwise be multiplied by every token it is sent back with.
+constexpr size_t kMaxRequestIdBytes = 256;
+constexpr size_t kMaxModelNameBytes = 256;
 
 // The presence and frequency penalties and logit_bias, checked here because only the
 // coordinator can name the field as the client sent it before placement (the worker checks
@@ -58,8 +63,37 @@ grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* context, const absl:
   return reactor;
 }
 
-// The gRPC side of a relayed Generate call: the relay's sink, as a server write reactor.
-class GrpcGenerateStream final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+// Finishes the unary call with `expr`'s status when that is not OK.
+#define KVGRID_DONE_IF_ERROR(context, expr)                                 \
+  if (absl::Status kvgrid_done_status = (expr); !kvgrid_done_status.ok()) \
+  return Done(context, kvgrid_done_status)
+
+absl::Status CheckModelName(const std::string& model) {
+  if (model.size() > kMaxModelNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: at most ", kMaxModelNameBytes, " bytes, got ", model.size()));
+  }
+  return absl::OkStatus();
+}
+
+// `message` as wire bytes in `out`, the way gRPC serializes a typed method's responses.
+// Errors: INTERNAL when it cannot be serialized.
+template <typename Message>
+absl::Status Serialize(const Message& message, grpc::ByteBuffer* out) {
+  out->Clear();  // gRPC's writer serializes only into an empty buffer
+  bool own_buffer = false;
+  const grpc::Status s = grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
+  if (!s.ok()) {
+    return absl::InternalError(absl::StrCat("cannot serialize a ", message.GetTypeName(), ": ",
+                                            s.error_message()));
+  }
+  return absl::OkStatus();
+}
+
+// The gRPC side of a relayed Generate call: the relay's sink, as a server write reactor. The
+// method is registered raw, so each response is serialized here; the relay writes one at a
+// time (the next after OnWriteDone), so one buffer is enough.
+class GrpcGenerateStream final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                                  public RelaySink {
  public:
   // A call that fails at once (credentials, validation, draining).
@@ -68,7 +102,15 @@ class GrpcGenerateStream final : public grpc::ServerWriteReactor<v1::GenerateRes
   // Set before the relay starts, which is before gRPC calls anything.
   void Attach(GenerateRelay* relay) { relay_ = relay; }
 
-  void Write(const v1::GenerateResponse& msg) override { StartWrite(&msg); }
+  void Write(const v1::GenerateResponse& msg) override {
+    // Cannot fail for a response under protobuf's 2 GiB; if it did, the relay ends the call
+    // as it does for a write that failed.
+    if (!Serialize(msg, &buffer_).ok()) {
+      relay_->OnWriteDone(false);
+      return;
+    }
+    StartWrite(&buffer_);
+  }
   void End(const grpc::Status& status) override { Finish(status); }
 
   void OnWriteDone(bool ok) override { relay_->OnWriteDone(ok); }
@@ -82,6 +124,7 @@ class GrpcGenerateStream final : public grpc::ServerWriteReactor<v1::GenerateRes
 
  private:
   GenerateRelay* relay_ = nullptr;
+  grpc::ByteBuffer buffer_;  // the response being written
 };
 
 }  // namespace
@@ -97,6 +140,11 @@ GenerationService::GenerationService(const ModelCatalog* catalog, WorkerRegistry
 
 absl::StatusOr<v1::WorkerGenerateRequest> GenerationService::Prepare(
     const v1::GenerateRequest& request, const ServedModel** served) const {
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("request_id: at most ", kMaxRequestIdBytes,
+                                                   " bytes, got ", request.request_id().size()));
+  }
+  KVGRID_RETURN_IF_ERROR(CheckModelName(request.model()));
   absl::StatusOr<const ServedModel*> found = catalog_->Find(request.model());
   if (!found.ok()) return found.status();
   const ServedModel& m = **found;
@@ -226,13 +274,18 @@ GenerateRelay* GenerationService::NewRelay(Admitted admitted, RelaySink* sink,
                            std::move(admitted.request));
 }
 
-grpc::ServerWriteReactor<v1::GenerateResponse>* GenerationService::Generate(
-    grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw) {
   if (grpc::Status auth = api_keys_->Check(*context); !auth.ok()) {
     CountRefused("grpc", auth.error_code());
     return new GrpcGenerateStream(auth);
   }
-  absl::StatusOr<Admitted> admitted = Admit(*request, "grpc");
+  v1::GenerateRequest request;
+  if (absl::Status parsed = ParseRequest(*raw, &request); !parsed.ok()) {
+    CountRefused("grpc", grpc::StatusCode::INVALID_ARGUMENT);
+    return new GrpcGenerateStream(proto::ToGrpcStatus(parsed));
+  }
+  absl::StatusOr<Admitted> admitted = Admit(request, "grpc");
   if (!admitted.ok()) return new GrpcGenerateStream(proto::ToGrpcStatus(admitted.status()));
   auto* stream = new GrpcGenerateStream();
   GenerateRelay* relay = NewRelay(*std::move(admitted), stream, context->deadline(), "grpc");
@@ -251,31 +304,39 @@ grpc::ServerUnaryReactor* GenerationService::RefuseUnauthenticated(
 }
 
 grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContext* context,
-                                                      const v1::TokenizeRequest* request,
-                                                      v1::TokenizeResponse* response) {
+                                                      const grpc::ByteBuffer* raw,
+                                                      grpc::ByteBuffer* raw_response) {
   if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
-  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request->model());
+  v1::TokenizeRequest request;
+  KVGRID_DONE_IF_ERROR(context, ParseRequest(*raw, &request));
+  KVGRID_DONE_IF_ERROR(context, CheckModelName(request.model()));
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request.model());
   if (!m.ok()) return Done(context, m.status());
-  absl::StatusOr<std::vector<int32_t>> ids = EncodeText(**m, request->text(), request->add_bos());
+  absl::StatusOr<std::vector<int32_t>> ids = EncodeText(**m, request.text(), request.add_bos());
   if (!ids.ok()) return Done(context, ids.status());
-  response->mutable_token_ids()->Add(ids->begin(), ids->end());
-  return Done(context, absl::OkStatus());
+  v1::TokenizeResponse response;
+  response.mutable_token_ids()->Add(ids->begin(), ids->end());
+  return Done(context, Serialize(response, raw_response));
 }
 
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
-                                                        const v1::DetokenizeRequest* request,
-                                                        v1::DetokenizeResponse* response) {
+                                                        const grpc::ByteBuffer* raw,
+                                                        grpc::ByteBuffer* raw_response) {
   if (grpc::ServerUnaryReactor* refused = RefuseUnauthenticated(context)) return refused;
-  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request->model());
+  v1::DetokenizeRequest request;
+  KVGRID_DONE_IF_ERROR(context, ParseRequest(*raw, &request));
+  KVGRID_DONE_IF_ERROR(context, CheckModelName(request.model()));
+  absl::StatusOr<const ServedModel*> m = catalog_->FindWithTokenizer(request.model());
   if (!m.ok()) return Done(context, m.status());
-  const std::vector<int32_t> ids(request->token_ids().begin(), request->token_ids().end());
-  absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(ids, request->skip_special_tokens());
+  const std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
+  absl::StatusOr<std::string> text = (*m)->tokenizer->Decode(ids, request.skip_special_tokens());
   if (!text.ok()) {
     return Done(context, absl::InvalidArgumentError(
                              absl::StrCat("token_ids: ", text.status().message())));
   }
-  response->set_text(*std::move(text));
-  return Done(context, absl::OkStatus());
+  v1::DetokenizeResponse response;
+  response.set_text(*std::move(text));
+  return Done(context, Serialize(response, raw_response));
 }
 
 grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* context,

@@ -35,7 +35,14 @@ struct AdmitOptions {
   bool refuse_beyond_context = false;
 };
 
-class GenerationService final : public v1::Generation::CallbackService {
+// Generate, Tokenize and Detokenize are registered raw and parse their own requests
+// (request_parse.h), so a string that is not UTF-8 is answered INVALID_ARGUMENT naming the
+// field rather than gRPC's bare UNIMPLEMENTED.
+using GenerationServiceBase = v1::Generation::WithRawCallbackMethod_Generate<
+    v1::Generation::WithRawCallbackMethod_Tokenize<
+        v1::Generation::WithRawCallbackMethod_Detokenize<v1::Generation::CallbackService>>>;
+
+class GenerationService final : public GenerationServiceBase {
  public:
   // A request that passed Admit: what its relay sends to workers, for which model, and the
   // client's request id (assigned when the request had none).
@@ -51,14 +58,15 @@ class GenerationService final : public v1::Generation::CallbackService {
                     CoordinatorMetrics* metrics, RelayOptions relay_options,
                     const auth::BearerAuth* api_keys);
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  // Raw (wire bytes in and out) forms of the typed calls below.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request) override;
   grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
-                                     const v1::TokenizeRequest* request,
-                                     v1::TokenizeResponse* response) override;
+                                     const grpc::ByteBuffer* request,
+                                     grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
-                                       const v1::DetokenizeRequest* request,
-                                       v1::DetokenizeResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;

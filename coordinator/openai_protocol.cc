@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -22,6 +24,69 @@ absl::Status Bad(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// A SAX pass over a body the parser refused, to name the field its error lies in: the path of
+// keys and array indices open at the error ("messages[1].content"), and whether the error is
+// text that is not UTF-8 (or a \u escape of a lone surrogate).
+class ErrorLocator final : public nlohmann::json_sax<Json> {
+ public:
+  bool null() override { return Value(); }
+  bool boolean(bool) override { return Value(); }
+  bool number_integer(number_integer_t) override { return Value(); }
+  bool number_unsigned(number_unsigned_t) override { return Value(); }
+  bool number_float(number_float_t, const string_t&) override { return Value(); }
+  bool string(string_t&) override { return Value(); }
+  bool binary(binary_t&) override { return Value(); }
+  bool start_object(std::size_t) override { return Open(false); }
+  bool key(string_t& k) override {
+    stack_.back().key = k;
+    stack_.back().has_key = true;
+    return true;
+  }
+  bool end_object() override { return Close(); }
+  bool start_array(std::size_t) override { return Open(true); }
+  bool end_array() override { return Close(); }
+  bool parse_error(std::size_t, const std::string&,
+                   const nlohmann::detail::exception& e) override {
+    const std::string what = e.what();
+    utf8_ = what.find("UTF-8") != std::string::npos || what.find("surrogate") != std::string::npos;
+    for (const Level& l : stack_) {
+      if (l.array) {
+        absl::StrAppend(&path_, "[", l.index, "]");
+      } else if (l.has_key) {
+        absl::StrAppend(&path_, path_.empty() ? "" : ".", l.key);
+      }
+    }
+    return false;
+  }
+
+  [[nodiscard]] bool utf8() const { return utf8_; }
+  [[nodiscard]] const std::string& path() const { return path_; }
+
+ private:
+  struct Level {
+    bool array = false;
+    size_t index = 0;  // arrays: the element being read
+    bool has_key = false;
+    std::string key;   // objects: the member being read
+  };
+  bool Value() {
+    if (!stack_.empty() && stack_.back().array) ++stack_.back().index;
+    return true;
+  }
+  bool Open(bool array) {
+    stack_.push_back(Level{.array = array});
+    return true;
+  }
+  bool Close() {
+    stack_.pop_back();
+    return Value();
+  }
+
+  std::vector<Level> stack_;
+  std::string path_;
+  bool utf8_ = false;
+};
+
 absl::StatusOr<Json> ParseObject(absl::string_view body) {
   if (body.size() > kMaxBodyBytes) {
     return Bad("body", absl::StrCat("larger than ", kMaxBodyBytes, " bytes"));
@@ -32,7 +97,14 @@ absl::StatusOr<Json> ParseObject(absl::string_view body) {
     return s;
   }
   Json j = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) return Bad("body", "not valid JSON");
+  if (j.is_discarded()) {
+    ErrorLocator locator;
+    Json::sax_parse(body.begin(), body.end(), &locator);
+    if (locator.utf8()) {
+      return Bad(locator.path().empty() ? "body" : locator.path(), "invalid UTF-8");
+    }
+    return Bad("body", "not valid JSON");
+  }
   if (!j.is_object()) return Bad("body", "must be a JSON object");
   return j;
 }
