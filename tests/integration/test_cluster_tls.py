@@ -331,3 +331,36 @@ def test_a_tensor_parallel_group_forms_and_serves_over_mutual_tls(tmp_path, cert
         for p in reversed(ranks):
             p.stop()
         coordinator.stop()
+
+
+def test_kvgrid_serve_passes_tls_keys_health_and_metrics_through(tmp_path, certs):
+    port, health_port, metrics_port = free_port(), free_port(), free_port()
+    serve = Proc("serve-tls", [
+        executable("kvgrid"), "serve", "--model", MODEL_DIR, "--port", port, "--http-port", "0",
+        "--kv-cache-memory", "16MiB", "--tls-cert", certs / "coordinator.pem",
+        "--tls-key", certs / "coordinator.key", "--api-keys", "serve-key",
+        "--health-listen", f"127.0.0.1:{health_port}",
+        "--metrics-listen", f"127.0.0.1:{metrics_port}"], tmp_path / "serve-tls.log")
+    try:
+        assert wait_until(lambda: "kvgrid serve: ready" in serve.log() or not serve.alive(),
+                          timeout=120), serve.describe()
+        assert serve.alive(), serve.describe()
+        base = [str(executable("kvgrid")), "generate", "--addr", f"127.0.0.1:{port}",
+                "--tls-ca", str(certs / "ca.pem"), "--prompt", "In the beginning",
+                "--max-new-tokens", "4", "--temperature", "0"]
+        ok = subprocess.run([*base, "--api-key", "serve-key"], capture_output=True, text=True,
+                            timeout=60)
+        assert ok.returncode == 0 and ok.stdout.strip(), ok.stderr
+        bad = subprocess.run([*base, "--api-key", "wrong"], capture_output=True, text=True,
+                             timeout=60)
+        assert bad.returncode != 0 and "key is not valid" in bad.stderr, bad.stderr
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+            from .conftest import health_check
+            from grpc_health.v1 import health_pb2
+            assert health_check(ch, "") == health_pb2.HealthCheckResponse.SERVING
+        import urllib.request
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics",
+                                    timeout=10) as r:
+            assert b"kvgrid:" in r.read()
+    finally:
+        serve.stop()
