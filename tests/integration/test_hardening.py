@@ -5,6 +5,8 @@ the field by its path, over gRPC and over the OpenAI HTTP API, instead of a bare
 UNIMPLEMENTED."""
 
 import json
+import shutil
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -13,7 +15,7 @@ import pytest
 
 from kvgrid_client import pb
 
-from .conftest import MODEL_ID, free_port, rpc_error
+from .conftest import MODEL_DIR, MODEL_ID, executable, free_port, rpc_error
 
 WORKER_ARGS = ["--kv-cache-memory", "16MiB", "--max-num-seqs", "8", "--threads", "1"]
 MARKER = "QQQQ"  # replaced by invalid UTF-8 in the serialized request
@@ -145,3 +147,33 @@ def test_openai_invalid_utf8_names_the_field(served):
                        b'{"model": "' + MODEL_ID.encode() + b'", "prompt": "' + BAD_UTF8 + b'"}')
     assert status == 400, out
     assert out["error"]["message"].startswith("prompt: invalid UTF-8"), out
+
+
+@pytest.mark.parametrize("linked", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_a_model_file_linked_outside_its_directory_is_refused(tmp_path, linked):
+    """The coordinator and the worker both refuse to start on it, naming the file; the same
+    directory with the file copied in serves (kvgrid run generates)."""
+    outside = tmp_path / "elsewhere"
+    model = tmp_path / "kjv"
+    outside.mkdir()
+    model.mkdir()
+    for f in MODEL_DIR.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, model / f.name)
+    (model / linked).rename(outside / linked)
+    (model / linked).symlink_to(outside / linked)
+    for argv in ([executable("kvgrid-coordinator"), "--model", model, "--listen", "127.0.0.1:0"],
+                 [executable("kvgrid"), "run", "--model", model, "--prompt", "In the",
+                  "--max-new-tokens", "2"]):
+        if linked == "model.safetensors" and "kvgrid-coordinator" in str(argv[0]):
+            continue  # the coordinator reads no weights
+        p = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0, p
+        assert f"{model / linked}: a symbolic link to {outside / linked}" in p.stderr, p.stderr
+        assert "outside the model directory" in p.stderr
+    (model / linked).unlink()
+    shutil.copyfile(outside / linked, model / linked)
+    p = subprocess.run([str(executable("kvgrid")), "run", "--model", str(model), "--prompt",
+                        "In the", "--max-new-tokens", "2"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
