@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "auth/bearer_auth.h"
@@ -59,6 +60,8 @@ constexpr char kHelp[] =
     "  --group ID                  worker group (default: the worker alone)\n"
     "  --drain-timeout-s S         how long running requests may take to finish (default 30)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
+    "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes, when\n"
+    "                              this worker's port uses TLS)\n"
     "  --cluster-token T | --cluster-token-file F\n"
     "                              shared secret of coordinator and workers: sent to the\n"
     "                              coordinator, and required of every caller of this worker;\n"
@@ -201,6 +204,7 @@ absl::Status Serve(Args& args) {
   const std::optional<std::string> advertise = args.GetString("advertise");
   const std::string group = args.GetString("group").value_or("");
   const std::optional<std::string> metrics_listen = args.GetString("metrics-listen");
+  const std::optional<std::string> health_listen = args.GetString("health-listen");
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(auto threads, args.GetInt("threads"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_size, args.GetInt("tensor-parallel-size"));
@@ -391,6 +395,24 @@ absl::Status Serve(Args& args) {
   if (!server || port == 0) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));
   }
+  std::unique_ptr<grpc::Server> health_server;
+  // A server needs one service of its own besides the default health service; this one
+  // answers every other method UNIMPLEMENTED.
+  grpc::CallbackGenericService unimplemented;
+  if (health_listen) {
+    // Plaintext, health only: Kubernetes' gRPC probes speak no TLS.
+    grpc::ServerBuilder hb;
+    hb.RegisterCallbackGenericService(&unimplemented);
+    int health_port = 0;
+    hb.AddListeningPort(*health_listen, grpc::InsecureServerCredentials(), &health_port);
+    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health_server = hb.BuildAndStart();
+    if (!health_server || health_port == 0) {
+      return absl::UnavailableError(absl::StrCat("--health-listen: cannot listen on ",
+                                                 *health_listen));
+    }
+    std::fprintf(stderr, "kvgrid-worker: health on port %d\n", health_port);
+  }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = advertise.value_or(absl::StrCat(host, ":", port));
   std::fprintf(stderr, "kvgrid-worker: listening on %s (model %s, %d KV blocks of %lld tokens)\n",
@@ -421,6 +443,7 @@ absl::Status Serve(Args& args) {
                static_cast<int>(loop.NumActive()));
   service.SetDraining(true);
   server->GetHealthCheckService()->SetServingStatus(false);
+  if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration<double>(drain_timeout.value_or(30.0));
   while (loop.NumActive() > 0 && std::chrono::steady_clock::now() < deadline) {
@@ -429,6 +452,7 @@ absl::Status Serve(Args& args) {
   if (registrar) registrar->Stop();
   loop.Stop();  // fails whatever did not finish in time with UNAVAILABLE
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-worker: stopped\n");
   if (group_broken.load()) return absl::UnavailableError("the tensor-parallel group broke");
   return absl::OkStatus();

@@ -95,15 +95,18 @@ def mtls_cluster(tmp_path, certs):
     procs = []
     coordinator, port, worker_port = start_coordinator(tmp_path, certs)
     procs.append(coordinator)
+    health_port = free_port()
     worker = start_worker(tmp_path, worker_port,
                           ["--cluster-token", TOKEN, "--tls-refresh-s", "1",
+                           "--health-listen", f"127.0.0.1:{health_port}",
                            *tls_flags(certs, "worker")])
     procs.append(worker)
     client = Client(f"127.0.0.1:{port}", timeout=60)
     assert wait_until(lambda: serving(client), timeout=60), (coordinator.describe() +
                                                              worker.describe())
     yield {"client": client, "coordinator": coordinator, "worker": worker,
-           "worker_port": worker_port, "worker_addr": worker.address, "tmp": tmp_path}
+           "worker_port": worker_port, "worker_addr": worker.address, "tmp": tmp_path,
+           "worker_health_port": health_port}
     client.close()
     for p in reversed(procs):
         p.stop()
@@ -143,6 +146,22 @@ def test_worker_port_refuses_plaintext_wrong_ca_and_no_client_cert(mtls_cluster,
                                                                     "coordinator"))]:
         e = rpc_error(lambda: worker_stats(addr, c))
         assert e.code() == grpc.StatusCode.UNAVAILABLE, (why, e.code(), e.details())
+
+
+def test_a_tls_worker_answers_probes_on_its_plaintext_health_port(mtls_cluster):
+    from grpc_health.v1 import health_pb2
+    from .conftest import health_check
+    with grpc.insecure_channel(f"127.0.0.1:{mtls_cluster['worker_health_port']}") as ch:
+        assert health_check(ch, "") == health_pb2.HealthCheckResponse.SERVING
+    # Draining shows there too.
+    mtls_cluster["worker"].popen.send_signal(2)  # SIGINT: drain
+    with grpc.insecure_channel(f"127.0.0.1:{mtls_cluster['worker_health_port']}") as ch:
+        def not_serving():
+            try:
+                return health_check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+            except grpc.RpcError:
+                return False
+        assert wait_until(not_serving, timeout=10), mtls_cluster["worker"].describe()
 
 
 def test_coordinator_worker_port_refuses_workers_without_its_trust(mtls_cluster, certs):
