@@ -353,6 +353,12 @@ def test_a_tensor_parallel_group_forms_and_serves_over_mutual_tls(tmp_path, cert
 
 
 def test_kvgrid_serve_passes_tls_keys_health_and_metrics_through(tmp_path, certs):
+    r = subprocess.run([str(executable("kvgrid")), "serve", "--model", str(MODEL_DIR),
+                        "--tls-cert", str(certs / "coordinator.pem"),
+                        "--tls-key", str(certs / "coordinator.key"),
+                        "--tls-ca", str(certs / "ca.pem")], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--tls-ca" in r.stderr, (r.returncode, r.stderr)
     port, health_port, metrics_port = free_port(), free_port(), free_port()
     serve = Proc("serve-tls", [
         executable("kvgrid"), "serve", "--model", MODEL_DIR, "--port", port, "--http-port", "0",

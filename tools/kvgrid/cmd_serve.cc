@@ -59,7 +59,7 @@ constexpr char kHelp[] =
     "  --drain-timeout-s S         on shutdown, how long running requests may take (default 30)\n"
     "  --ready-timeout-s S         how long to wait for the workers (default 120)\n"
     "  coordinator flags, passed to it: --health-listen --metrics-listen --tls-cert --tls-key\n"
-    "  --tls-ca --tls-refresh-s --api-keys --api-key-file (see kvgrid-coordinator --help)\n"
+    "  --tls-refresh-s --api-keys --api-key-file (see kvgrid-coordinator --help)\n"
     "\n"
     "The links between the processes are private by default: kvgrid serve makes a throwaway\n"
     "CA, a certificate for 127.0.0.1 and a random cluster token in a private temporary\n"
@@ -82,8 +82,7 @@ constexpr const char* kWorkerFlags[] = {
     "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs"};
 
 constexpr const char* kCoordinatorFlags[] = {"health-listen", "metrics-listen", "tls-cert",
-                                             "tls-key",       "tls-ca",         "api-keys",
-                                             "api-key-file"};
+                                             "tls-key",       "api-keys",       "api-key-file"};
 // Flags for the cluster links, passed to the coordinator and every worker.
 constexpr const char* kClusterFlags[] = {"worker-tls-cert", "worker-tls-key", "worker-tls-ca",
                                          "worker-tls-server-name", "cluster-token",
@@ -164,6 +163,12 @@ absl::Status Serve(Args& args) {
                        args.Has("worker-tls-ca");
   const bool own_token = args.Has("cluster-token") || args.Has("cluster-token-file");
   const bool api_tls = args.Has("tls-cert");
+  if (args.Has("tls-ca")) {
+    // Its readiness poll would need a client certificate of the user's CA.
+    return absl::InvalidArgumentError(
+        "--tls-ca: client certificates on the API port are for kvgrid-coordinator started "
+        "on its own; kvgrid serve takes --tls-cert and --tls-key");
+  }
   KVGRID_ASSIGN_OR_RETURN(const std::string api_key,
                           auth::ResolveToken(args.GetString("api-key-file"),
                                              [&]() -> std::optional<std::string> {
