@@ -100,6 +100,10 @@ absl::StatusOr<ModelCatalog> ModelCatalog::Load(const std::vector<std::filesyste
                               model::LoadGenerationConfig(dir, m->config.vocab_size));
     }
     KVGRID_ASSIGN_OR_RETURN(m->tokenizer, model::LoadModelTokenizer(dir));
+    if (m->tokenizer) {
+      KVGRID_RETURN_IF_ERROR(model::CheckTokenizerFitsVocabulary(
+          *m->tokenizer, m->config.vocab_size, dir.string()));
+    }
     if (!m->tokenizer) {
       // Served, but only for prompts of token ids: say so once, at startup, not per request.
       const bool gguf = dir.extension() == ".gguf";

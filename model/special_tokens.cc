@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
+
 namespace kvgrid::model {
 
 std::optional<int32_t> ResolveBosTokenId(const Tokenizer* tokenizer,
@@ -26,6 +28,15 @@ std::vector<int32_t> ResolveEosTokenIds(const GenerationConfig& generation,
     }
   }
   return ids;
+}
+
+absl::Status CheckTokenizerFitsVocabulary(const Tokenizer& tokenizer, int64_t vocab_size,
+                                          const std::string& model) {
+  if (tokenizer.vocab_size() <= vocab_size) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      model, ": the tokenizer has ids up to ", tokenizer.vocab_size() - 1,
+      " but the model's vocab_size is ", vocab_size,
+      " (the embedding has no row for the ids past it)"));
 }
 
 }  // namespace kvgrid::model

@@ -6,8 +6,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "model/generation_config.h"
 #include "model/model_config.h"
 #include "model/tokenizer.h"
@@ -24,6 +26,12 @@ std::optional<int32_t> ResolveBosTokenId(const Tokenizer* tokenizer,
 // (they can never be sampled), duplicates removed.
 std::vector<int32_t> ResolveEosTokenIds(const GenerationConfig& generation,
                                         const ModelConfig& config);
+
+// Every id `tokenizer` can produce must have a row in the embedding: its ids may stop short of
+// `vocab_size` (Hugging Face checkpoints pad the embedding), never go past it.
+// Errors: INVALID_ARGUMENT naming `model` (the model's path), both sizes and the largest id.
+absl::Status CheckTokenizerFitsVocabulary(const Tokenizer& tokenizer, int64_t vocab_size,
+                                          const std::string& model);
 
 }  // namespace kvgrid::model
 

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "model/gguf_tokenizer.h"
+#include "model/special_tokens.h"
 #include "model/status_macros.h"
 
 namespace kvgrid::cli {
@@ -51,6 +52,10 @@ absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
   }
   KVGRID_RETURN_IF_ERROR(out.model->QuantizeWeights(weight_dtype));
   KVGRID_ASSIGN_OR_RETURN(out.tokenizer, model::LoadModelTokenizer(dir));
+  if (out.tokenizer) {
+    KVGRID_RETURN_IF_ERROR(model::CheckTokenizerFitsVocabulary(
+        *out.tokenizer, out.model->config().vocab_size, dir.string()));
+  }
   KVGRID_ASSIGN_OR_RETURN(out.generation,
                           model::LoadGenerationConfig(home, out.model->config().vocab_size));
   return out;
