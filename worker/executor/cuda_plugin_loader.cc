@@ -40,7 +40,8 @@ absl::StatusOr<CreateCudaExecutorFn> LoadCudaPlugin() {
       const char* why = dlerror();
       loaded = absl::FailedPreconditionError(absl::StrCat(
           "--device cuda: cannot load the CUDA plugin ", path, " (", why ? why : "?",
-          "); build kvgrid with CUDA, or set KVGRID_CUDA_PLUGIN"));
+          "); build kvgrid with CUDA (the target kvgrid_cuda_plugin, or everything), or set "
+          "KVGRID_CUDA_PLUGIN"));
       return;
     }
     void* symbol = dlsym(handle, kCreateCudaExecutorSymbol);
