@@ -389,3 +389,27 @@ def test_kvgrid_serve_passes_tls_keys_health_and_metrics_through(tmp_path, certs
             assert b"kvgrid:" in r.read()
     finally:
         serve.stop()
+
+
+@pytest.mark.parametrize("server_name, works", [("localhost", True), ("nobody.example", False)])
+def test_the_coordinator_checks_the_name_in_workers_certificates(tmp_path, certs, server_name,
+                                                                 works):
+    # --worker-tls-server-name replaces the host dialled (127.0.0.1) as the name a worker's
+    # certificate must carry: one its certificate names works, another fails every call.
+    coordinator, port, worker_port = start_coordinator(
+        tmp_path, certs, extra=["--worker-tls-server-name", server_name,
+                                "--max-failovers", "0"])
+    worker = start_worker(tmp_path, worker_port, ["--cluster-token", TOKEN,
+                                                  *tls_flags(certs, "worker")])
+    try:
+        with Client(f"127.0.0.1:{port}", timeout=30) as client:
+            assert wait_until(lambda: serving(client), timeout=60), worker.describe()
+            if works:
+                c = client.generate_text("In the beginning", max_new_tokens=4, temperature=0)
+                assert len(c.token_ids) == 4
+            else:
+                e = rpc_error(lambda: client.generate_text("In the beginning", max_new_tokens=4))
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+    finally:
+        worker.stop()
+        coordinator.stop()
