@@ -8,6 +8,8 @@ packages=(
   libabsl-dev libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libgtest-dev libgmock-dev libcivetweb-dev libgloo-dev libopenblas-openmp-dev libpcre2-dev libicu-dev nlohmann-json3-dev
   libboost-context-dev libboost-dev libssl-dev curl
+  # the TLS tests make their certificates with the openssl command
+  openssl
   python3 python3-venv python3-pip
 )
 
