@@ -12,6 +12,10 @@ packages=(
   openssl
   python3 python3-venv python3-pip
 )
+# --images: what tools/image-test.sh builds and starts the container images with.
+if [[ ${1:-} == --images ]]; then
+  packages+=(debootstrap podman runc netavark aardvark-dns iptables)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
