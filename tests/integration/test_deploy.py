@@ -19,10 +19,12 @@ from kvgrid_client import Client, pb
 from .conftest import MODEL_DIR, SOURCE_DIR, Proc, executable, free_port, health_check, wait_until
 
 K8S = SOURCE_DIR / "deploy" / "k8s"
-OVERLAYS = ["cpu", "gpu-tp1", "gpu-tp2"]
+OVERLAYS = ["cpu", "gpu-tp1", "gpu-tp2", "gpu-tp2-lws"]
 K8S_VERSION = "1.30.0"
 # Custom resources whose schemas kubernetes-validate does not carry.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}
+LWS_CRD = SOURCE_DIR / "tests" / "data" / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+LWS = "leaderworkerset.sigs.k8s.io"
 
 
 def render(overlay: str) -> list:
@@ -42,41 +44,126 @@ def env_of(container) -> dict:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def worker_sets(objs) -> list:
+    """(object, pod template, pods per group, groups) of every worker workload."""
+    out = []
+    for o in by_kind(objs, "StatefulSet", "kvgrid-worker"):
+        tp = int(env_of(o["spec"]["template"]["spec"]["containers"][0])
+                 .get("KVGRID_TENSOR_PARALLEL_SIZE", {"value": "1"})["value"])
+        replicas = o["spec"].get("replicas", 1)
+        out.append((o, o["spec"]["template"], tp, replicas // tp))
+    for o in by_kind(objs, "LeaderWorkerSet"):
+        lwt = o["spec"]["leaderWorkerTemplate"]
+        out.append((o, lwt["workerTemplate"], lwt["size"], o["spec"].get("replicas", 1)))
+    return out
+
+
+def pods_of(objs, replicas=None) -> list:
+    """The labels of every pod the rendered workloads create, each with its group."""
+    pods = []
+    for o in by_kind(objs, "Deployment"):
+        pods.append(({**o["spec"]["template"]["metadata"]["labels"]}, None))
+    for o, template, size, groups in worker_sets(objs):
+        if replicas is not None:
+            groups = replicas
+        for g in range(groups):
+            for r in range(size):
+                labels = {**template["metadata"]["labels"]}
+                if o["kind"] == "LeaderWorkerSet":
+                    labels.update({f"{LWS}/name": o["metadata"]["name"],
+                                   f"{LWS}/group-index": str(g), f"{LWS}/worker-index": str(r)})
+                else:
+                    labels["apps.kubernetes.io/pod-index"] = str(g * size + r)
+                pods.append((labels, (o["metadata"]["name"], g)))
+    return pods
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def strict_crd_schema(schema):
+    """The CRD's structural schema as JSON Schema that refuses unknown fields, as the API
+    server's strict field validation does (it prunes them otherwise)."""
+    if isinstance(schema, list):
+        return [strict_crd_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_crd_schema(v) for k, v in schema.items()
+           if k not in ("properties", "x-kubernetes-int-or-string")}
+    if "properties" in schema:
+        out["properties"] = {k: strict_crd_schema(v) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and \
+                not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if schema.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
+def validate_lws(obj):
+    import jsonschema
+    crd = yaml.safe_load(LWS_CRD.read_text())
+    group, version = obj["apiVersion"].split("/")
+    assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == obj["kind"]
+    schema = [v for v in crd["spec"]["versions"] if v["name"] == version][0]
+    schema = strict_crd_schema(schema["schema"]["openAPIV3Schema"])
+    body = {k: v for k, v in obj.items() if k != "metadata"}
+    jsonschema.validate(body, schema)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_validates(overlay):
     import kubernetes_validate
     objs = render(overlay)
     kinds = {o["kind"] for o in objs}
-    assert {"Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "Secret",
+    assert {"Deployment", "Service", "PodDisruptionBudget", "Secret",
             "ServiceMonitor"} <= kinds, kinds
+    assert {"NetworkPolicy"} <= kinds and (by_kind(objs, "StatefulSet") or
+                                           by_kind(objs, "LeaderWorkerSet")), kinds
     for o in objs:
+        if o["kind"] == "LeaderWorkerSet":
+            validate_lws(o)  # against the LWS CRD's schema (tests/data/crd)
         if o["kind"] in CRD_KINDS:
             continue
         kubernetes_validate.validate(o, K8S_VERSION, strict=True)  # raises on any error
+
+
+def test_the_lws_schema_check_can_fail():
+    import jsonschema
+    lws = by_kind(render("gpu-tp2-lws"), "LeaderWorkerSet")[0]
+    lws["spec"]["leaderWorkerTemplate"]["sise"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="sise"):
+        validate_lws(lws)
+    lws = by_kind(render("gpu-tp2-lws"), "LeaderWorkerSet")[0]
+    lws["spec"]["leaderWorkerTemplate"]["size"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_lws(lws)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_keeps_the_operational_rules(overlay):
     objs = render(overlay)
     secrets = {o["metadata"]["name"] for o in by_kind(objs, "Secret")}
-    for kind in ("Deployment", "StatefulSet"):
-        for o in by_kind(objs, kind):
-            spec = o["spec"]["template"]["spec"]
-            assert spec["securityContext"]["runAsNonRoot"] is True, o["metadata"]["name"]
-            for c in spec["containers"]:
-                env = env_of(c)
-                drain = int(env["KVGRID_DRAIN_TIMEOUT_S"]["value"])
-                pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-                assert spec["terminationGracePeriodSeconds"] > drain + pause
-                for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-                    assert "grpc" in c[probe], (o["metadata"]["name"], probe)
-                assert c["securityContext"]["allowPrivilegeEscalation"] is False
-            for v in spec.get("volumes", []):
-                if "secret" in v and v["secret"]["secretName"] != "kvgrid-tls":
-                    # Generated secrets get a hash suffix; references are rewritten to match.
-                    assert v["secret"]["secretName"] in secrets, v
-    worker = by_kind(objs, "StatefulSet", "kvgrid-worker")[0]
-    wspec = worker["spec"]["template"]["spec"]
+    templates = [(o["metadata"]["name"], o["spec"]["template"])
+                 for o in by_kind(objs, "Deployment")]
+    templates += [(o["metadata"]["name"], t) for o, t, _, _ in worker_sets(objs)]
+    for name, template in templates:
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        for c in spec["containers"]:
+            env = env_of(c)
+            drain = int(env["KVGRID_DRAIN_TIMEOUT_S"]["value"])
+            pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+            assert spec["terminationGracePeriodSeconds"] > drain + pause
+            for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+                assert "grpc" in c[probe], (name, probe)
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        for v in spec.get("volumes", []):
+            if "secret" in v and v["secret"]["secretName"] != "kvgrid-tls":
+                # Generated secrets get a hash suffix; references are rewritten to match.
+                assert v["secret"]["secretName"] in secrets, v
+    wspec = worker_sets(objs)[0][1]["spec"]
     shm = [v for v in wspec["volumes"] if v["name"] == "dshm"][0]
     assert shm["emptyDir"]["medium"] == "Memory"
     limits = wspec["containers"][0]["resources"]["limits"]
@@ -89,6 +176,12 @@ def test_overlay_keeps_the_operational_rules(overlay):
         assert env["KVGRID_TENSOR_PARALLEL_SIZE"]["value"] == "2"
         assert "pod-index" in env["KVGRID_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
         assert not by_kind(objs, "HorizontalPodAutoscaler")
+    elif overlay == "gpu-tp2-lws":
+        assert not by_kind(objs, "StatefulSet")
+        assert env["KVGRID_TENSOR_PARALLEL_SIZE"]["value"] == \
+            str(worker_sets(objs)[0][2]) == "2"
+        assert f"{LWS}/worker-index" in env["KVGRID_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+        assert not by_kind(objs, "HorizontalPodAutoscaler")
     else:
         assert by_kind(objs, "HorizontalPodAutoscaler")
     # The coordinator's TLS comes from the kvgrid-tls Secret and its health port is plaintext.
@@ -97,6 +190,117 @@ def test_overlay_keeps_the_operational_rules(overlay):
     assert cenv["KVGRID_TLS_CERT"]["value"].startswith("/etc/kvgrid/tls/")
     assert coord["containers"][0]["readinessProbe"]["grpc"]["port"] == \
         int(cenv["KVGRID_HEALTH_LISTEN"]["value"].rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_register_before_the_coordinator_is_ready(overlay):
+    """The coordinator is Ready only once a worker serves; workers must therefore reach its
+    registration port through a Service that lists not-ready pods (a plain Service routes only
+    to Ready ones, and neither side would ever start)."""
+    objs = render(overlay)
+    coord = by_kind(objs, "Deployment", "kvgrid-coordinator")[0]
+    assert coord["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"][
+        "service"] == "kvgrid.v1.Generation"
+    for _, template, _, _ in worker_sets(objs):
+        host, port = env_of(template["spec"]["containers"][0])["KVGRID_COORDINATOR"][
+            "value"].rsplit(":", 1)
+        svc = by_kind(objs, "Service", host)
+        assert svc, f"workers register through {host}, which is not a Service here"
+        spec = svc[0]["spec"]
+        assert spec.get("publishNotReadyAddresses") is True, host
+        assert selects(spec["selector"] and {"matchLabels": spec["selector"]},
+                       coord["spec"]["template"]["metadata"]["labels"])
+        target = [p for p in spec["ports"] if p["port"] == int(port)][0]["targetPort"]
+        cports = {p["name"]: p["containerPort"]
+                  for p in coord["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        worker_listen = env_of(coord["spec"]["template"]["spec"]["containers"][0])[
+            "KVGRID_WORKER_LISTEN"]["value"]
+        assert cports[target] == int(worker_listen.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rank_is_probed_on_its_grpc_port_and_gpus_run_cuda(overlay):
+    for _, template, _, _ in worker_sets(render(overlay)):
+        c = template["spec"]["containers"][0]
+        env = env_of(c)
+        listen = int(env["KVGRID_LISTEN"]["value"].rsplit(":", 1)[1])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["grpc"]["port"] == listen, probe
+        if overlay.startswith("gpu"):
+            assert env["KVGRID_DEVICE"]["value"] == "cuda"
+            assert env["KVGRID_CUDA_PLUGIN"]["value"] == "/opt/kvgrid/bin/libkvgrid_cuda_plugin.so"
+        else:
+            assert env.get("KVGRID_DEVICE", {"value": "cpu"})["value"] == "cpu"
+
+
+def allowed_disruptions(pdb, pods) -> int:
+    """What the eviction API allows with every selected pod healthy."""
+    n = sum(selects(pdb["spec"]["selector"], labels) for labels, _ in pods)
+    if "minAvailable" in pdb["spec"]:
+        return max(0, n - int(pdb["spec"]["minAvailable"]))
+    return int(pdb["spec"]["maxUnavailable"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_one_eviction_never_takes_the_only_group(overlay):
+    """With the rendered PDBs and every pod healthy, evicting as many worker pods as the PDBs
+    allow (the most harmful choice: a pod of a different group each time) leaves a whole group,
+    at the rendered replica count and at the autoscaler's minimum."""
+    objs = render(overlay)
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    hpa = by_kind(objs, "HorizontalPodAutoscaler")
+    counts = [None] + ([hpa[0]["spec"]["minReplicas"]] if hpa else [])
+    for replicas in counts:
+        pods = [(labels, g) for labels, g in pods_of(objs, replicas) if g is not None]
+        groups = {g for _, g in pods}
+        covering = [p for p in pdbs if all(selects(p["spec"]["selector"], l) for l, _ in pods)]
+        assert covering, "no PodDisruptionBudget covers every worker pod"
+        budget = min(allowed_disruptions(p, pods) for p in covering)
+        # The worst case: each eviction breaks another group.
+        assert len(groups) - min(budget, len(pods)) >= 1, (replicas, budget, len(groups))
+
+
+def policy_admits(policies, src: dict, dst: dict, port: int) -> bool:
+    """Whether rendered NetworkPolicies admit TCP from a pod labelled src to one labelled dst."""
+    chosen = [p for p in policies if selects(p["spec"]["podSelector"], dst)
+              and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not chosen:
+        return True
+    for p in chosen:
+        for rule in p["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if peers is not None and not any(selects(f.get("podSelector", {}), src)
+                                             for f in peers if "podSelector" in f):
+                continue
+            ports = rule.get("ports")
+            if ports is None or any(q["port"] <= port <= q.get("endPort", q["port"])
+                                    for q in ports):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_fence_the_cluster_ports(overlay):
+    objs = render(overlay)
+    pols = by_kind(objs, "NetworkPolicy")
+    pods = pods_of(objs)
+    coord = [l for l, g in pods if g is None][0]
+    workers = [(l, g) for l, g in pods if g is not None]
+    stranger = {"app": "somebody-else"}
+    w, wg = workers[0]
+    assert policy_admits(pols, coord, w, 50051)
+    assert not policy_admits(pols, stranger, w, 50051)
+    assert not policy_admits(pols, stranger, w, 40000)  # a collective's port
+    assert policy_admits(pols, stranger, w, 9090)  # metrics
+    for other, og in workers[1:]:
+        same = og == wg
+        assert policy_admits(pols, other, w, 40000) == (same or overlay == "gpu-tp2-lws"), \
+            (overlay, og, wg)
+        assert not policy_admits(pols, other, w, 50051)
+    assert policy_admits(pols, w, coord, 50052)
+    assert not policy_admits(pols, stranger, coord, 50052)
+    for port in (50051, 50053):
+        assert policy_admits(pols, stranger, coord, port)
 
 
 def test_the_cpu_overlay_environment_forms_its_cluster(tmp_path):
@@ -151,7 +355,7 @@ def test_the_cpu_overlay_environment_forms_its_cluster(tmp_path):
             return f"127.0.0.1:{ports[key]}"
 
         value = re.sub(r"0\.0\.0\.0:(\d+)", listen, value)
-        value = re.sub(r"kvgrid-coordinator:(\d+)",
+        value = re.sub(r"kvgrid-coordinator(?:-registration)?:(\d+)",
                        lambda m: f"127.0.0.1:{ports[('coordinator', 'c', m.group(1))]}", value)
         return value
 
