@@ -285,13 +285,12 @@ absl::StatusOr<std::unique_ptr<ChatTemplate>> ChatTemplate::FromGguf(
     }
   }
   if (!named.empty()) config["chat_template"] = named;
-  absl::StatusOr<const std::vector<std::string>*> tokens =
-      gguf->GetStringArray("tokenizer.ggml.tokens");
+  absl::StatusOr<const GgufStringArray*> tokens = gguf->GetStringArray("tokenizer.ggml.tokens");
   if (tokens.ok()) {
     const auto token = [&](const char* key) -> std::optional<std::string> {
       absl::StatusOr<int64_t> id = gguf->GetInt(key);
       if (!id.ok() || *id < 0 || *id >= static_cast<int64_t>((*tokens)->size())) return std::nullopt;
-      return (**tokens)[static_cast<size_t>(*id)];
+      return std::string((**tokens)[static_cast<size_t>(*id)]);
     };
     if (auto t = token("tokenizer.ggml.bos_token_id")) config["bos_token"] = *t;
     if (auto t = token("tokenizer.ggml.eos_token_id")) config["eos_token"] = *t;

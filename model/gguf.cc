@@ -46,6 +46,13 @@ class Cursor {
   [[nodiscard]] size_t offset() const { return static_cast<size_t>(p_ - base_); }
   [[nodiscard]] size_t left() const { return static_cast<size_t>(end_ - p_); }
   [[nodiscard]] const std::byte* here() const { return p_; }
+  // Steps over a length-prefixed string without copying it.
+  bool SkipString() {
+    uint64_t n;
+    if (!Read(&n) || n > static_cast<uint64_t>(end_ - p_)) return false;
+    p_ += n;
+    return true;
+  }
   bool Skip(size_t n) {
     if (left() < n) return false;
     p_ += n;
@@ -101,6 +108,20 @@ bool ReadScalar(Cursor& c, ValueType t, GgufValue* out) {
 }
 
 }  // namespace
+
+std::string_view GgufStringArray::operator[](size_t i) const {
+  uint64_t n;
+  const std::byte* p = base_ + offsets_[i];
+  std::memcpy(&n, p, sizeof(n));  // checked against the file when it was parsed
+  return std::string_view(reinterpret_cast<const char*>(p + sizeof(n)), static_cast<size_t>(n));
+}
+
+std::vector<std::string> GgufStringArray::ToVector() const {
+  std::vector<std::string> out;
+  out.reserve(size());
+  for (size_t i = 0; i < size(); ++i) out.emplace_back((*this)[i]);
+  return out;
+}
 
 size_t GgufNumberArray::element_bytes() const { return ScalarSize(static_cast<ValueType>(type_)); }
 
@@ -257,14 +278,13 @@ absl::Status GgufFile::Parse() {
         return bad("metadata '", key, "': ", count, " elements do not fit in the file");
       }
       if (et == ValueType::kString) {
-        // Each string costs at least its 8-byte length in the file; the vector grows with what
-        // is actually read, so a count that lies is found before it is allocated for.
-        std::vector<std::string> v;
-        v.reserve(static_cast<size_t>(std::min<uint64_t>(count, 1 << 16)));
+        GgufStringArray v;
+        v.base_ = static_cast<const std::byte*>(map_);
+        // count * 8 bytes fit in the file (checked above): one allocation of that, no growth.
+        v.offsets_.reserve(static_cast<size_t>(count));
         for (uint64_t j = 0; j < count; ++j) {
-          std::string s;
-          if (!c.ReadString(&s)) return bad("metadata '", key, "': truncated string array");
-          v.push_back(std::move(s));
+          v.offsets_.push_back(c.offset());
+          if (!c.SkipString()) return bad("metadata '", key, "': truncated string array");
         }
         value = std::move(v);
       } else {
@@ -403,11 +423,11 @@ absl::StatusOr<bool> GgufFile::GetBool(const std::string& key) const {
   return absl::InvalidArgumentError(absl::StrCat(path_.string(), ": metadata '", key, "' is not a bool"));
 }
 
-absl::StatusOr<const std::vector<std::string>*> GgufFile::GetStringArray(
+absl::StatusOr<const GgufStringArray*> GgufFile::GetStringArray(
     const std::string& key) const {
   auto it = metadata_.find(key);
   if (it == metadata_.end()) return absl::NotFoundError(absl::StrCat(path_.string(), ": no metadata '", key, "'"));
-  if (const auto* v = std::get_if<std::vector<std::string>>(&it->second)) return v;
+  if (const auto* v = std::get_if<GgufStringArray>(&it->second)) return v;
   return absl::InvalidArgumentError(
       absl::StrCat(path_.string(), ": metadata '", key, "' is not an array of strings"));
 }

@@ -19,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -86,10 +87,27 @@ class GgufNumberArray {
   const std::byte* data_;  // inside the mapping; count_ * element_bytes() bytes
 };
 
-// A metadata value: scalars widened (integers to int64_t, floats to double), strings, string
-// arrays, or numeric arrays at their own width.
+// A string metadata array as views into the mapping: one 8-byte offset per element (what the
+// file itself spends on each element's length), not a copy of every string.
+class GgufStringArray {
+ public:
+  [[nodiscard]] size_t size() const { return offsets_.size(); }
+  [[nodiscard]] bool empty() const { return offsets_.empty(); }
+  // Element `i` (< size()), valid while the file lives.
+  [[nodiscard]] std::string_view operator[](size_t i) const;
+  // Copies of every element.
+  [[nodiscard]] std::vector<std::string> ToVector() const;
+
+ private:
+  friend class GgufFile;
+  const std::byte* base_ = nullptr;  // the mapping
+  std::vector<uint64_t> offsets_;    // of each element's 8-byte length, from base_
+};
+
+// A metadata value: scalars widened (integers to int64_t, floats to double), strings, or
+// arrays held in the mapping.
 using GgufValue = std::variant<int64_t, uint64_t, double, bool, std::string, GgufNumberArray,
-                               std::vector<std::string>>;
+                               GgufStringArray>;
 
 class GgufFile {
  public:
@@ -117,7 +135,7 @@ class GgufFile {
   // file, so a length is bounded by the file's size. GetIntArray: integer arrays of any width
   // and bool arrays (as 0/1); GetNumberArray: those and float arrays. Errors as above;
   // INVALID_ARGUMENT also for an array of another element type.
-  absl::StatusOr<const std::vector<std::string>*> GetStringArray(const std::string& key) const;
+  absl::StatusOr<const GgufStringArray*> GetStringArray(const std::string& key) const;
   absl::StatusOr<const GgufNumberArray*> GetIntArray(const std::string& key) const;
   absl::StatusOr<const GgufNumberArray*> GetNumberArray(const std::string& key) const;
   // Errors: NOT_FOUND naming the tensor and the file.

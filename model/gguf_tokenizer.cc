@@ -158,7 +158,7 @@ absl::StatusOr<std::optional<T>> Optional(absl::StatusOr<T> value) {
 
 // A special token id from `key` that the post-processor will add: it must name a token.
 absl::StatusOr<int64_t> SpecialId(const GgufFile& f, const char* key, const char* flag_key,
-                                  const std::vector<std::string>& tokens,
+                                  const GgufStringArray& tokens,
                                   const GgufNumberArray* types) {
   const std::string path = f.path().string();
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> id, Optional(f.GetInt(key)));
@@ -184,7 +184,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", parts...));
   };
   Tokenizer::SentencePieceVocab v;
-  KVGRID_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens, f.GetStringArray(kTokensKey));
+  KVGRID_ASSIGN_OR_RETURN(const GgufStringArray* tokens, f.GetStringArray(kTokensKey));
   if (tokens->empty()) return invalid(kTokensKey, " is empty");
   if (tokens->size() > kMaxTokens) {
     return invalid(kTokensKey, " has ", tokens->size(), " entries, more than ", kMaxTokens);
@@ -192,7 +192,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
   for (size_t i = 0; i < tokens->size(); ++i) {
     if (!IsUtf8((*tokens)[i])) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
   }
-  v.tokens = *tokens;
+  v.tokens = tokens->ToVector();
   const size_t n = tokens->size();
 
   v.scores.assign(n, 0.0f);
@@ -282,7 +282,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
   KVGRID_ASSIGN_OR_RETURN(const PreTokenizerSpec spec,
                           PreTokenizerFor(pre.value_or("default"), path));
 
-  KVGRID_ASSIGN_OR_RETURN(const std::vector<std::string>* tokens, f.GetStringArray(kTokensKey));
+  KVGRID_ASSIGN_OR_RETURN(const GgufStringArray* tokens, f.GetStringArray(kTokensKey));
   if (tokens->empty()) return invalid(kTokensKey, " is empty");
   if (tokens->size() > kMaxTokens) {
     return invalid(kTokensKey, " has ", tokens->size(), " entries, more than ", kMaxTokens);
@@ -295,14 +295,14 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
     return invalid(kTypesKey, " has ", types->size(), " entries but ", kTokensKey, " has ",
                    tokens->size());
   }
-  KVGRID_ASSIGN_OR_RETURN(const std::vector<std::string>* merges, f.GetStringArray(kMergesKey));
+  KVGRID_ASSIGN_OR_RETURN(const GgufStringArray* merges, f.GetStringArray(kMergesKey));
 
   Json vocab = Json::object();
   Json added = Json::array();
   absl::flat_hash_map<std::string_view, size_t> first_index;
   first_index.reserve(tokens->size());
   for (size_t i = 0; i < tokens->size(); ++i) {
-    const std::string& token = (*tokens)[i];
+    const std::string_view token = (*tokens)[i];
     const int64_t type = types != nullptr ? types->Int(i) : kNormal;
     if (!IsUtf8(token)) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
     switch (type) {
@@ -314,7 +314,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
           return invalid(kTokensKey, "[", i, "] ", Quote(token), " repeats ", kTokensKey, "[",
                          it->second, "]");
         }
-        vocab[token] = i;
+        vocab[std::string(token)] = i;
         break;
       case kControl:
       case kUserDefined:
@@ -322,7 +322,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
         // GGUF keeps no per-token normalize/strip flags; llama.cpp matches added tokens on
         // the raw text, which is what normalized=false says.
         added.push_back(Json{{"id", i},
-                             {"content", token},
+                             {"content", std::string(token)},
                              {"special", type == kControl},
                              {"normalized", false},
                              {"lstrip", false},
@@ -349,7 +349,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
   const auto add_special = [&](const char* name, int64_t id) {
     single.push_back(Json{{"SpecialToken", Json{{"id", name}, {"type_id", 0}}}});
     special_tokens[name] =
-        Json{{"id", name}, {"ids", Json::array({id})}, {"tokens", Json::array({(*tokens)[id]})}};
+        Json{{"id", name}, {"ids", Json::array({id})}, {"tokens", Json::array({std::string((*tokens)[id])})}};
   };
   bool add_bos = add_bos_flag.value_or(false);
   if (!add_bos_flag && spec.add_bos_default) {
@@ -381,7 +381,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
       {"decoder", Json{{"type", "ByteLevel"}}},
       {"model", Json{{"type", "BPE"},
                      {"vocab", std::move(vocab)},
-                     {"merges", *merges},
+                     {"merges", merges->ToVector()},
                      {"ignore_merges", spec.ignore_merges}}},
   };
   const std::string source = absl::StrCat(path, " (embedded tokenizer)");

@@ -36,6 +36,8 @@ nlohmann::json ToJson(const model::GgufValue& v) {
             }
           }
           return out;
+        } else if constexpr (std::is_same_v<std::decay_t<decltype(x)>, model::GgufStringArray>) {
+          return nlohmann::json(x.ToVector());
         } else {
           return nlohmann::json(x);
         }

@@ -104,5 +104,40 @@ TEST(GgufFileTest, StringArrayRunningPastTheFileIsRefused) {
   EXPECT_THAT(file.status().message(), HasSubstr("'toks': truncated string array"));
 }
 
+TEST(GgufFileTest, StringArraysAreViewsOfTheFile) {
+  gguf_test::GgufTestWriter w;
+  w.StringArray("toks", {"", "a", "longer than fifteen bytes"});
+  auto file = GgufFile::Open(w.Write("views.gguf"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<const GgufStringArray*> toks = (*file)->GetStringArray("toks");
+  ASSERT_TRUE(toks.ok()) << toks.status();
+  ASSERT_EQ((*toks)->size(), 3u);
+  EXPECT_EQ((**toks)[0], "");
+  EXPECT_EQ((**toks)[2], "longer than fifteen bytes");
+  EXPECT_EQ((*toks)->ToVector(), (std::vector<std::string>{"", "a", "longer than fifteen bytes"}));
+  EXPECT_THAT((*file)->GetIntArray("toks").status().message(), HasSubstr("not an array of numbers"));
+}
+
+// 8 million empty strings (64 MiB of lengths) held 330 MB as std::strings; as views the reader
+// holds one offset per element, the file's own size.
+TEST(GgufFileTest, LargeStringArrayCostsAboutTheFile) {
+  constexpr uint64_t kCount = uint64_t{8} << 20;
+  std::filesystem::path path;
+  {
+    gguf_test::GgufTestWriter w;
+    w.LyingArray("strs", 8, kCount, std::string(kCount * 8, '\0'));
+    path = w.Write("strs.gguf");
+  }
+  const int64_t before = PeakRssBytes();
+  auto file = GgufFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const int64_t grown = PeakRssBytes() - before;
+  absl::StatusOr<const GgufStringArray*> strs = (*file)->GetStringArray("strs");
+  ASSERT_TRUE(strs.ok()) << strs.status();
+  EXPECT_EQ((*strs)->size(), kCount);
+  // The offsets (8 bytes each) and the mapped pages the parse touched, nothing more.
+  EXPECT_LT(grown, static_cast<int64_t>(kCount * 8 * 5 / 2)) << "peak RSS grew by " << grown;
+}
+
 }  // namespace
 }  // namespace kvgrid::model
