@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/placement.h"
@@ -35,6 +36,12 @@ std::vector<uint64_t> BlockHashes(std::span<const int32_t> prompt, int64_t block
   return hashes;
 }
 
+std::string NewEpoch() {
+  std::random_device rd;
+  const uint64_t v = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return absl::StrCat(absl::Hex(v & 0xffffffffffull, absl::kZeroPad10));
+}
+
 v1::WorkerState StateOf(bool live, bool lost, bool draining) {
   if (live) return v1::WORKER_STATE_SERVING;
   if (draining && !lost) return v1::WORKER_STATE_DRAINING;
@@ -43,15 +50,22 @@ v1::WorkerState StateOf(bool live, bool lost, bool draining) {
 
 }  // namespace
 
-WorkerRegistry::WorkerRegistry(RegistryOptions options) : options_(options) {}
+WorkerRegistry::WorkerRegistry(RegistryOptions options)
+    : options_(options), epoch_(options_.epoch.empty() ? NewEpoch() : options_.epoch) {}
+
+void WorkerRegistry::MarkLostLocked(Entry& e) {
+  e.lost = true;
+  e.usage.Clear();
+  e.blocks_promised = 0;
+}
 
 std::string WorkerRegistry::Register(const v1::RegisterWorkerRequest& request) {
   absl::MutexLock lock(&mu_);
   for (auto& [id, e] : workers_) {
-    if (e.info.address() == request.address()) e.lost = true;  // a restart at the same place
+    if (e.info.address() == request.address()) MarkLostLocked(e);  // a restart at the same place
   }
   Entry e;
-  e.id = absl::StrCat("w", next_id_++);
+  e.id = absl::StrCat("w", next_id_++, "-", epoch_);
   e.info = request;
   if (e.info.group_id().empty()) e.info.set_group_id(e.id);
   // Streams to a worker that froze or dropped off the network while its TCP connection stays
@@ -92,7 +106,7 @@ bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& request) {
 void WorkerRegistry::MarkLost(const std::string& worker_id) {
   absl::MutexLock lock(&mu_);
   auto it = workers_.find(worker_id);
-  if (it != workers_.end()) it->second.lost = true;
+  if (it != workers_.end()) MarkLostLocked(it->second);
 }
 
 bool WorkerRegistry::ExpireStale() {
@@ -102,7 +116,7 @@ bool WorkerRegistry::ExpireStale() {
   for (auto it = workers_.begin(); it != workers_.end();) {
     Entry& e = it->second;
     if (!e.lost && now - e.last_heartbeat > options_.heartbeat_timeout) {
-      e.lost = true;
+      MarkLostLocked(e);
       changed = true;
     }
     if (e.lost && e.in_flight == 0 && now - e.last_heartbeat > kForgetLostAfter) {

@@ -35,6 +35,10 @@ struct RegistryOptions {
   int64_t max_queue_depth = 64;
   // How the coordinator dials its workers (--worker-tls-*): plaintext by default.
   auth::ClusterChannels worker_channels;
+  // Part of every worker id this registry hands out, so that ids of a restarted coordinator
+  // never name a worker of an earlier one (whose heartbeats would otherwise keep another
+  // worker's entry fresh while it never registers again). Empty: a random one.
+  std::string epoch;
 };
 
 class WorkerRegistry {
@@ -43,11 +47,13 @@ class WorkerRegistry {
   WorkerRegistry(const WorkerRegistry&) = delete;
   WorkerRegistry& operator=(const WorkerRegistry&) = delete;
 
-  // Adds a worker (replacing any earlier one at the same address) and returns its id.
+  // Adds a worker (replacing any earlier one at the same address) and returns its id,
+  // "w<n>-<epoch>": unique across restarts of the coordinator.
   std::string Register(const v1::RegisterWorkerRequest& request);
   // Records a heartbeat; false when the id is unknown (the worker should register again).
   bool Heartbeat(const v1::HeartbeatRequest& request);
-  // Takes a worker out of placement at once (a stream to it broke: it is likely gone).
+  // Takes a worker out of placement at once (a stream to it broke: it is likely gone). A lost
+  // worker's KV usage is cleared: it describes a pool nobody can reach any more.
   void MarkLost(const std::string& worker_id);
   // Marks workers silent for longer than the timeout as lost and forgets ones lost for
   // long; returns true when the set of live workers changed.
@@ -69,6 +75,7 @@ class WorkerRegistry {
   void FillStatus(v1::ClusterStatusResponse* response) const;
 
   [[nodiscard]] const RegistryOptions& options() const { return options_; }
+  [[nodiscard]] const std::string& epoch() const { return epoch_; }
 
  private:
   struct Entry {
@@ -85,8 +92,10 @@ class WorkerRegistry {
     absl::flat_hash_map<uint64_t, int64_t> prefixes;
   };
   bool LiveLocked(const Entry& e) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static void MarkLostLocked(Entry& e);
 
   const RegistryOptions options_;
+  const std::string epoch_;
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, Entry> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
