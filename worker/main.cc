@@ -12,8 +12,11 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -53,7 +56,9 @@ constexpr char kHelp[] =
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --model-name NAME           name clients use (default: the directory's name)\n"
-    "  --coordinator HOST:PORT     coordinator to register with (none: serve standalone)\n"
+    "  --coordinator HOST:PORT[,HOST:PORT...]\n"
+    "                              coordinators to register with, each independently (none:\n"
+    "                              serve standalone); a group forms through the first\n"
     "  --listen HOST:PORT          where to serve (default 127.0.0.1:0, any free port)\n"
     "  --advertise HOST:PORT       address the coordinator should call (default: the\n"
     "                              listening address)\n"
@@ -200,6 +205,14 @@ absl::Status Serve(Args& args) {
   const std::filesystem::path dir = kvgrid::cli::ResolveModelDir(args);
   const std::optional<std::string> model_name = args.GetString("model-name");
   const std::optional<std::string> coordinator = args.GetString("coordinator");
+  std::vector<std::string> coordinators;
+  if (coordinator) {
+    coordinators = absl::StrSplit(*coordinator, ',', absl::SkipWhitespace());
+    for (std::string& c : coordinators) c = std::string(absl::StripAsciiWhitespace(c));
+    if (coordinators.empty()) {
+      return absl::InvalidArgumentError("--coordinator: no address given");
+    }
+  }
   const std::string listen = args.GetString("listen").value_or("127.0.0.1:0");
   const std::optional<std::string> advertise = args.GetString("advertise");
   const std::string group = args.GetString("group").value_or("");
@@ -326,7 +339,7 @@ absl::Status Serve(Args& args) {
                                        : listen.substr(0, listen.rfind(':'));
     const auto timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * collective_timeout.value_or(30.0)));
-    kvgrid::worker::CoordinatorStore store(*coordinator, cluster_token, group,
+    kvgrid::worker::CoordinatorStore store(coordinators.front(), cluster_token, group,
                                            std::chrono::milliseconds(120'000),
                                            coordinator_channels);
     std::fprintf(stderr, "kvgrid-worker: rank %d of group %s (size %d) joining\n", my_rank,
@@ -433,7 +446,7 @@ absl::Status Serve(Args& args) {
     reg.set_max_num_seqs(static_cast<int32_t>(options.max_num_seqs));
     reg.set_pid(getpid());
     registrar = std::make_unique<kvgrid::worker::Registrar>(
-        *coordinator, cluster_token, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
+        coordinators, cluster_token, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
         [&service] { return service.draining(); }, coordinator_channels);
   }
 

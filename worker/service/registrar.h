@@ -1,8 +1,14 @@
-// Keeps a worker registered with its coordinator: registers (retrying until the coordinator
-// answers), then heartbeats with the engine's KV usage; registers again when the coordinator
+// Keeps a worker registered with its coordinators: registers with each (retrying until it
+// answers), then heartbeats with the engine's KV usage; registers again when a coordinator
 // no longer knows it (it restarted, or dropped the worker after missed heartbeats).
 //
-// Thread-safety: owns one background thread; Stop may be called from any thread.
+// Several coordinators (--coordinator A,B) each get a thread of their own, so one that is
+// down or slow never delays the others' heartbeats; each hands out its own id. Coordinators
+// share nothing: each counts only the requests it placed, and the worker's own admission
+// (max_num_seqs, queue depth, RESOURCE_EXHAUSTED) arbitrates between them.
+//
+// Thread-safety: owns one background thread per coordinator; Stop may be called from any
+// thread.
 #ifndef KVGRID_WORKER_SERVICE_REGISTRAR_H_
 #define KVGRID_WORKER_SERVICE_REGISTRAR_H_
 
@@ -10,6 +16,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -20,33 +27,38 @@ namespace kvgrid::worker {
 
 class Registrar {
  public:
-  // `usage` is called on the registrar's thread for each heartbeat; `draining` likewise.
-  // `token` (the cluster token; may be empty) goes with every call to the coordinator, over
-  // a channel made by `channels` (--worker-tls-*; plaintext by default).
-  Registrar(std::string coordinator_address, std::string token,
+  // `usage` is called on the registrar's threads for each heartbeat; `draining` likewise
+  // (both may run concurrently when there are several coordinators). `token` (the cluster
+  // token; may be empty) goes with every call to a coordinator, over channels made by
+  // `channels` (--worker-tls-*; plaintext by default).
+  Registrar(std::vector<std::string> coordinator_addresses, std::string token,
             v1::RegisterWorkerRequest registration, std::function<v1::KvUsage()> usage,
             std::function<bool()> draining, const auth::ClusterChannels& channels = {});
   ~Registrar();
   Registrar(const Registrar&) = delete;
   Registrar& operator=(const Registrar&) = delete;
 
-  // Sends one last heartbeat (so the coordinator sees the drain at once) and stops.
+  // Sends one last heartbeat to each coordinator (so they see the drain at once) and stops.
   void Stop();
-  // The id the coordinator gave, empty until registered.
-  [[nodiscard]] std::string worker_id() const;
+  // The id the i-th coordinator gave, empty until registered there.
+  [[nodiscard]] std::string worker_id(size_t coordinator = 0) const;
 
  private:
-  void Run();
+  struct Link {
+    std::string address;
+    std::unique_ptr<v1::Coordinator::Stub> stub;
+  };
+  void Run(size_t index);
 
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::vector<Link> links_;
   std::string token_;
   v1::RegisterWorkerRequest registration_;
   std::function<v1::KvUsage()> usage_;
   std::function<bool()> draining_;
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::string worker_id_ ABSL_GUARDED_BY(mu_);
-  std::thread thread_;
+  std::vector<std::string> worker_ids_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> threads_;
 };
 
 }  // namespace kvgrid::worker
