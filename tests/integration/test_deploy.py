@@ -26,6 +26,8 @@ K8S_VERSION = "1.30.0"
 CRD_KINDS = {"ServiceMonitor", "LeaderWorkerSet"}
 LWS_CRD = SOURCE_DIR / "tests" / "data" / "crd" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 LWS = "leaderworkerset.sigs.k8s.io"
+# Secrets the operator makes (cert-manager, kubectl create secret), not kustomize.
+OPERATOR_SECRETS = {"kvgrid-tls", "kvgrid-worker-tls"}
 
 
 def render(overlay: str) -> list:
@@ -161,7 +163,7 @@ def test_overlay_keeps_the_operational_rules(overlay):
                 assert "grpc" in c[probe], (name, probe)
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
         for v in spec.get("volumes", []):
-            if "secret" in v and v["secret"]["secretName"] != "kvgrid-tls":
+            if "secret" in v and v["secret"]["secretName"] not in OPERATOR_SECRETS:
                 # Generated secrets get a hash suffix; references are rewritten to match.
                 assert v["secret"]["secretName"] in secrets, v
     wspec = worker_sets(objs)[0][1]["spec"]
@@ -224,14 +226,37 @@ def test_every_rank_is_probed_on_its_grpc_port_and_gpus_run_cuda(overlay):
     for _, template, _, _ in worker_sets(render(overlay)):
         c = template["spec"]["containers"][0]
         env = env_of(c)
-        listen = int(env["KVGRID_LISTEN"]["value"].rsplit(":", 1)[1])
+        # The kubelet's gRPC probes speak plaintext: they go to the health port, not the
+        # worker's TLS port.
+        health = int(env["KVGRID_HEALTH_LISTEN"]["value"].rsplit(":", 1)[1])
+        assert health != int(env["KVGRID_LISTEN"]["value"].rsplit(":", 1)[1])
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            assert c[probe]["grpc"]["port"] == listen, probe
+            assert c[probe]["grpc"]["port"] == health, probe
         if overlay.startswith("gpu"):
             assert env["KVGRID_DEVICE"]["value"] == "cuda"
             assert env["KVGRID_CUDA_PLUGIN"]["value"] == "/opt/kvgrid/bin/libkvgrid_cuda_plugin.so"
         else:
             assert env.get("KVGRID_DEVICE", {"value": "cpu"})["value"] == "cpu"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cluster_links_use_mutual_tls(overlay):
+    """The coordinator's registration port and every worker's port take the kvgrid-worker-tls
+    certificate with its CA (so each side verifies the other), and nothing allows the
+    cluster token over plaintext."""
+    objs = render(overlay)
+    coord = by_kind(objs, "Deployment", "kvgrid-coordinator")[0]["spec"]["template"]
+    containers = [coord["spec"]["containers"][0]] + \
+        [t["spec"]["containers"][0] for _, t, _, _ in worker_sets(objs)]
+    for c, spec in zip(containers, [coord["spec"]] + [t["spec"] for _, t, _, _ in
+                                                        worker_sets(objs)]):
+        env = env_of(c)
+        assert "KVGRID_ALLOW_INSECURE_CLUSTER" not in env, c["name"]
+        mount = [m for m in c["volumeMounts"] if m["name"] == "worker-tls"][0]["mountPath"]
+        for var, key in (("CERT", "tls.crt"), ("KEY", "tls.key"), ("CA", "ca.crt")):
+            assert env[f"KVGRID_WORKER_TLS_{var}"]["value"] == f"{mount}/{key}"
+        vol = [v for v in spec["volumes"] if v["name"] == "worker-tls"][0]
+        assert vol["secret"]["secretName"] == "kvgrid-worker-tls"
 
 
 def allowed_disruptions(pdb, pods) -> int:
@@ -293,6 +318,7 @@ def test_network_policies_fence_the_cluster_ports(overlay):
     assert not policy_admits(pols, stranger, w, 50051)
     assert not policy_admits(pols, stranger, w, 40000)  # a collective's port
     assert policy_admits(pols, stranger, w, 9090)  # metrics
+    assert policy_admits(pols, stranger, w, 50053)  # plaintext health, the probes'
     for other, og in workers[1:]:
         same = og == wg
         assert policy_admits(pols, other, w, 40000) == (same or overlay == "gpu-tp2-lws"), \
@@ -342,12 +368,29 @@ def test_overlay_environment_forms_its_cluster(overlay, order, tmp_path):
                     "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", tls_dir / "tls.key", "-out", tls_dir / "tls.crt"],
                    check=True, capture_output=True)
+    # The cluster's certificate, as cert-manager would issue it: a CA and one certificate for
+    # the names the two sides check (127.0.0.1 is where the Services resolve here).
+    wtls = tmp_path / "worker-tls"
+    wtls.mkdir()
+    ossl = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)
+    ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvgrid-ca",
+         "-keyout", wtls / "ca.key", "-out", wtls / "ca.crt")
+    ossl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kvgrid-worker",
+         "-keyout", wtls / "tls.key", "-out", wtls / "tls.csr")
+    (wtls / "ext.cnf").write_text(
+        "subjectAltName=DNS:kvgrid-worker,DNS:kvgrid-coordinator-registration,IP:127.0.0.1\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n")
+    ossl("x509", "-req", "-in", wtls / "tls.csr", "-CA", wtls / "ca.crt", "-CAkey",
+         wtls / "ca.key", "-CAcreateserial", "-days", "1", "-extfile", wtls / "ext.cnf",
+         "-out", wtls / "tls.crt")
     paths = {}
     for mount, secret in mounts.items():
         local = tmp_path / "secrets" / secret
         local.mkdir(parents=True, exist_ok=True)
         if secret == "kvgrid-tls":
             local = tls_dir
+        if secret == "kvgrid-worker-tls":
+            local = wtls
         for key, b64 in secret_data.get(secret, {}).items():
             (local / key).write_bytes(base64.b64decode(b64))
         paths[mount] = local
@@ -457,10 +500,16 @@ def test_overlay_environment_forms_its_cluster(overlay, order, tmp_path):
         from grpc_health.v1 import health_pb2
         with grpc.insecure_channel(cenv["KVGRID_HEALTH_LISTEN"]) as ch:
             assert health_check(ch, "kvgrid.v1.Generation") == health_pb2.HealthCheckResponse.SERVING
-        # The probes' port answers on every rank (plaintext here).
+        # The worker's own port refuses plaintext callers.
+        leader = wenvs[worker_pods[0][0]]
+        with grpc.insecure_channel(leader["KVGRID_LISTEN"]) as ch:
+            with pytest.raises(grpc.RpcError) as refused:
+                health_check(ch)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The probes' port answers on every rank, in plaintext.
         followers_silent = []
         for pod, _ in worker_pods:
-            with grpc.insecure_channel(wenvs[pod]["KVGRID_LISTEN"]) as ch:
+            with grpc.insecure_channel(wenvs[pod]["KVGRID_HEALTH_LISTEN"]) as ch:
                 try:
                     assert health_check(ch) == health_pb2.HealthCheckResponse.SERVING, pod
                 except grpc.RpcError as e:
