@@ -136,11 +136,21 @@ log "generated through the containers: $(head -c 200 <<<"$out" | tr '\n' ' ')"
 check_cuda() {
   local cuda="$repo/deploy/docker/Dockerfile.cuda" joined
   joined=$(sed -e ':a' -e '/\\$/N; s/\\\n//; ta' "$cuda")
-  # The build stage installs the dev packages the CPU build uses (install-deps.sh's list).
-  local installs
+  # The build stage installs what the build needs: install-deps.sh's packages, less those only
+  # the tests use (GoogleTest, the CUDA emulator's Boost.Context, Python, curl, openssl).
+  local installs p
   installs=" $(grep -E '^RUN .*apt-get install' <<<"$joined" | head -n 1 | tr -s ' ') "
-  for p in libgloo-dev libgrpc++-dev libabsl-dev libprotobuf-dev libopenblas-openmp-dev; do
+  local test_only=" libgtest-dev libgmock-dev libboost-context-dev python3 python3-venv python3-pip curl openssl "
+  for p in $(sed -n '/^packages=(/,/^)/{s/#.*//;p}' "$repo/tools/install-deps.sh" | sed '1d;$d'); do
+    [[ $test_only == *" $p "* ]] && continue
     [[ $installs == *" $p "* ]] || fail "Dockerfile.cuda's build stage does not install $p"
+  done
+  # Its names are Debian's too (noble carries the same source packages): each is a bookworm
+  # package, known to this machine's apt.
+  local name
+  for name in $(sed -E 's/.*--no-install-recommends//; s/&&.*//' <<<"$installs"); do
+    apt-cache show --no-all-versions "$name" >/dev/null 2>&1 \
+      || fail "Dockerfile.cuda's build stage installs $name, which bookworm does not have"
   done
   # The plugin is built and copied beside kvgrid-worker, where --device cuda looks for it.
   grep -E '^RUN .*--target .*kvgrid_cuda_plugin' <<<"$joined" >/dev/null \
