@@ -12,6 +12,10 @@ after its retries), or duplicated (a token repeated or the stream longer than as
   coordinator_kill    2 coordinators A and B over the same 2 workers (--coordinator A,B); A
                       SIGKILLed mid-stream; its clients get UNAVAILABLE and retry on B from
                       the start (counted in `retried`).
+  rank_loss           a two-rank tensor-parallel group (Gloo) serves the requests; a single
+                      worker joins, then the group's follower rank is SIGKILLed mid-stream
+                      (the leader's collective fails, the group leaves, the coordinator fails
+                      its sequences over to the single worker).
 
 Usage: bench/fault_injection.py [--json] [--build build] [--requests 8] [--tokens 120]
 """
@@ -48,7 +52,7 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, build: Path, logs: Path, coordinators: int):
+    def __init__(self, build: Path, logs: Path, coordinators: int, group: bool = False):
         self.build, self.logs = build, logs
         self.procs = []
         self.addrs = [f"127.0.0.1:{free_port()}" for _ in range(coordinators)]
@@ -56,25 +60,41 @@ class Cluster:
                                         "--heartbeat-interval-ms", "500",
                                         "--heartbeat-timeout-ms", "2000")
                              for a in self.addrs]
-        self.workers = [self.start("kvgrid-worker", "--model", MODEL, "--coordinator",
-                                   ",".join(self.addrs), "--listen", "127.0.0.1:0",
-                                   *WORKER_ARGS) for _ in range(2)]
+        if group:  # ranks 0 and 1 of one group; the single worker comes later (add_worker)
+            self.workers = [self.start("kvgrid-worker", "--model", MODEL, "--coordinator",
+                                       self.addrs[0], "--listen", "127.0.0.1:0", "--group", "g",
+                                       "--tensor-parallel-size", "2", "--rank", str(rank),
+                                       "--threads", "1", *WORKER_ARGS, listening=False)
+                            for rank in range(2)]
+            # The leader listens once its follower has joined: both must be started first.
+            self.wait_listening(self.workers[0])
+            self.wait_serving(self.addrs[0], 1)
+            return
+        self.workers = [self.add_worker() for _ in range(2)]
         for a in self.addrs:
             self.wait_serving(a, 2)
 
-    def start(self, program, *args):
+    def add_worker(self):
+        return self.start("kvgrid-worker", "--model", MODEL, "--coordinator", ",".join(self.addrs),
+                          "--listen", "127.0.0.1:0", *WORKER_ARGS)
+
+    def start(self, program, *args, listening=True):
         log = open(self.logs / f"{program}-{len(self.procs)}.log", "wb")
         p = subprocess.Popen([str(self.build / "bin" / program), *map(str, args)],
                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              env={**os.environ, "OMP_WAIT_POLICY": "passive"})
         p.log_path = log.name
         self.procs.append(p)
-        deadline = time.monotonic() + 60
-        while not LISTENING.search(Path(log.name).read_text(errors="replace")):
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{program} did not start; see {log.name}")
-            time.sleep(0.02)
+        if listening:
+            self.wait_listening(p)
         return p
+
+    def wait_listening(self, p):
+        deadline = time.monotonic() + 60
+        while not LISTENING.search(Path(p.log_path).read_text(errors="replace")):
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{p.args[0]} did not start; see {p.log_path}")
+            time.sleep(0.02)
 
     def wait_serving(self, addr, n):
         deadline = time.monotonic() + 60
@@ -98,7 +118,8 @@ class Cluster:
 
 
 def run_fault(build, logs, fault, n, tokens):
-    cluster = Cluster(build, logs, coordinators=2 if fault == "coordinator_kill" else 1)
+    cluster = Cluster(build, logs, coordinators=2 if fault == "coordinator_kill" else 1,
+                      group=fault == "rank_loss")
     clients = [Client(a, timeout=120) for a in cluster.addrs]
     try:
         params = dict(temperature=0, max_new_tokens=tokens, ignore_eos=True)
@@ -131,6 +152,10 @@ def run_fault(build, logs, fault, n, tokens):
             cluster.workers[0].kill()
         elif fault == "worker_freeze":
             cluster.workers[0].send_signal(signal.SIGSTOP)
+        elif fault == "rank_loss":
+            cluster.add_worker()  # somewhere to fail over to
+            cluster.wait_serving(cluster.addrs[0], 2)
+            cluster.workers[1].kill()
         else:
             cluster.coordinators[0].kill()
         t0 = time.monotonic()
@@ -165,7 +190,7 @@ def main():
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=120)
-    ap.add_argument("--faults", default="worker_kill,worker_freeze,coordinator_kill")
+    ap.add_argument("--faults", default="worker_kill,worker_freeze,coordinator_kill,rank_loss")
     args = ap.parse_args()
     out = []
     with tempfile.TemporaryDirectory(prefix="kvgrid-faults-") as tmp:
