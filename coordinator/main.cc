@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -269,6 +270,9 @@ absl::Status Serve(Args& args) {
   // The health services of the API server and of the plaintext health server, if any.
   std::vector<grpc::HealthCheckServiceInterface*> healths;
   absl::Mutex health_mu;
+  // What update_health last set, and on how many of `healths`.
+  absl::flat_hash_map<std::string, bool> health_published;
+  size_t health_published_to = 0;
   // Health: overall is the coordinator itself; the API and each model are SERVING while a
   // live worker serves them.
   auto update_health = [&] {
@@ -283,8 +287,18 @@ absl::Status Serve(Args& args) {
     }
     statuses.emplace_back("kvgrid.v1.Generation", up && any);
     statuses.emplace_back("", up);
-    for (grpc::HealthCheckServiceInterface* health : healths) {
-      for (const auto& [name, serving] : statuses) health->SetServingStatus(name, serving);
+    // gRPC's health service sends every Watch stream a message on each SetServingStatus,
+    // changed or not, and this runs every 100 ms: set only what changed (everything when a
+    // health service was added since the last call).
+    const bool all = healths.size() != health_published_to;
+    health_published_to = healths.size();
+    for (const auto& [name, serving] : statuses) {
+      auto [it, inserted] = health_published.try_emplace(name, serving);
+      if (!all && !inserted && it->second == serving) continue;
+      it->second = serving;
+      for (grpc::HealthCheckServiceInterface* health : healths) {
+        health->SetServingStatus(name, serving);
+      }
     }
   };
   kvgrid::coordinator::RegistryService registry_service(&registry, &catalog, &cluster_auth,
