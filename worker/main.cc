@@ -66,7 +66,8 @@ constexpr char kHelp[] =
     "  --drain-timeout-s S         how long running requests may take to finish (default 30)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
     "  --health-listen HOST:PORT   also serve grpc.health.v1 in plaintext there (probes, when\n"
-    "                              this worker's port uses TLS)\n"
+    "                              this worker's port uses TLS; a follower rank, which has no\n"
+    "                              API port, answers its probes only there)\n"
     "  --cluster-token T | --cluster-token-file F\n"
     "                              shared secret of coordinator and workers: sent to the\n"
     "                              coordinator, and required of every caller of this worker;\n"
@@ -157,17 +158,44 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> ExecutorFor(
   return executor;  // the plugin said where it runs, its blocks and its graphs
 }
 
+// A plaintext gRPC server on `listen` that answers grpc.health.v1 only (Kubernetes' gRPC
+// probes speak no TLS); every other method is UNIMPLEMENTED through `unimplemented`, since a
+// server needs one service of its own besides the default health service. The overall
+// status starts SERVING. Errors: UNAVAILABLE naming the flag when it cannot listen.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartHealthServer(
+    const std::string& listen, grpc::CallbackGenericService* unimplemented) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder hb;
+  hb.RegisterCallbackGenericService(unimplemented);
+  int health_port = 0;
+  hb.AddListeningPort(listen, grpc::InsecureServerCredentials(), &health_port);
+  hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  std::unique_ptr<grpc::Server> server = hb.BuildAndStart();
+  if (!server || health_port == 0) {
+    return absl::UnavailableError(absl::StrCat("--health-listen: cannot listen on ", listen));
+  }
+  std::fprintf(stderr, "kvgrid-worker: health on port %d\n", health_port);
+  return server;
+}
+
 // A follower rank (> 0) of a tensor-parallel group: holds its shard and pools and runs what
 // the leader's engine broadcasts, until the leader stops it or the group breaks. SIGTERM
-// waits up to the drain timeout for the leader to stop the group.
+// waits up to the drain timeout for the leader to stop the group. With `health_listen`, it
+// answers gRPC health there (SERVING while it follows, NOT_SERVING once told to stop), so
+// each rank of a group has a probe of its own.
 absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
                     kvgrid::worker::EngineOptions options,
                     const kvgrid::cli::KvDTypeFlags& kv_dtypes, const CudaFlags& cuda,
                     kvgrid::worker::Communicator& comm, const std::string& group,
-                    double drain_timeout) {
+                    double drain_timeout, const std::optional<std::string>& health_listen) {
   kv_dtypes.ApplyTo(model->config(), &options);
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<kvgrid::worker::Executor> executor,
                           ExecutorFor(cuda, std::move(model), options));
+  grpc::CallbackGenericService unimplemented;
+  std::unique_ptr<grpc::Server> health_server;
+  if (health_listen) {
+    KVGRID_ASSIGN_OR_RETURN(health_server, StartHealthServer(*health_listen, &unimplemented));
+  }
   std::fprintf(stderr, "kvgrid-worker: rank %d of group %s following (%lld KV blocks)\n",
                comm.rank(), group.c_str(), static_cast<long long>(executor->num_blocks()));
   std::atomic<bool> done{false};
@@ -186,6 +214,7 @@ absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
   while (!done.load()) {
     siginfo_t info;
     if (sigtimedwait(&signals, &info, &poll) > 0 && !deadline) {
+      if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
       deadline = std::chrono::steady_clock::now() +
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                      std::chrono::duration<double>(drain_timeout));
@@ -196,6 +225,7 @@ absl::Status Follow(std::unique_ptr<kvgrid::worker::LlamaModel> model,
     }
   }
   follower.join();
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-worker: rank %d stopped (%s)\n", comm.rank(),
                status.ok() ? "the leader stopped the group" : std::string(status.message()).c_str());
   return status;
@@ -353,7 +383,7 @@ absl::Status Serve(Args& args) {
                           kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
   if (my_rank > 0) {
     return Follow(std::move(loaded.model), options, kv_dtypes, cuda, *comm, group,
-                  drain_timeout.value_or(30.0));
+                  drain_timeout.value_or(30.0), health_listen);
   }
   options.group = comm.get();
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
@@ -409,22 +439,9 @@ absl::Status Serve(Args& args) {
     return absl::UnavailableError(absl::StrCat("--listen: cannot listen on ", listen));
   }
   std::unique_ptr<grpc::Server> health_server;
-  // A server needs one service of its own besides the default health service; this one
-  // answers every other method UNIMPLEMENTED.
   grpc::CallbackGenericService unimplemented;
   if (health_listen) {
-    // Plaintext, health only: Kubernetes' gRPC probes speak no TLS.
-    grpc::ServerBuilder hb;
-    hb.RegisterCallbackGenericService(&unimplemented);
-    int health_port = 0;
-    hb.AddListeningPort(*health_listen, grpc::InsecureServerCredentials(), &health_port);
-    hb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    health_server = hb.BuildAndStart();
-    if (!health_server || health_port == 0) {
-      return absl::UnavailableError(absl::StrCat("--health-listen: cannot listen on ",
-                                                 *health_listen));
-    }
-    std::fprintf(stderr, "kvgrid-worker: health on port %d\n", health_port);
+    KVGRID_ASSIGN_OR_RETURN(health_server, StartHealthServer(*health_listen, &unimplemented));
   }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = advertise.value_or(absl::StrCat(host, ":", port));
