@@ -1,5 +1,6 @@
 #include "auth/tls.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -83,6 +84,10 @@ absl::StatusOr<std::shared_ptr<grpc::experimental::FileWatcherCertificateProvide
 }
 
 }  // namespace
+
+int TlsRefreshSeconds(std::optional<int64_t> flag) {
+  return static_cast<int>(std::clamp<int64_t>(flag.value_or(kDefaultTlsRefreshSeconds), 0, 86400));
+}
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(const TlsFiles& f) {
   if (!f.cert && !f.key) {

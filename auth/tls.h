@@ -5,6 +5,7 @@
 #ifndef KVGRID_AUTH_TLS_H_
 #define KVGRID_AUTH_TLS_H_
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,10 @@ namespace kvgrid::auth {
 
 // How often certificate files are re-read (--tls-refresh-s) unless a caller says otherwise.
 inline constexpr int kDefaultTlsRefreshSeconds = 60;
+
+// TlsFiles::refresh_s from the --tls-refresh-s flag: the default when absent, held to
+// [0, 86400] (a value below 1 is refused, naming the flag, once credentials are made).
+int TlsRefreshSeconds(std::optional<int64_t> flag);
 
 struct TlsFiles {
   std::optional<std::string> cert;  // PEM certificate chain

@@ -4,7 +4,6 @@
 // reflection. SIGTERM/SIGINT drain: health NOT_SERVING, new requests refused with
 // UNAVAILABLE, running ones finish within --drain-timeout-s, then exit.
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -114,8 +113,7 @@ absl::Status Serve(Args& args) {
   const std::optional<std::string> health_listen = args.GetString("health-listen");
   const std::optional<std::string> worker_listen = args.GetString("worker-listen");
   KVGRID_ASSIGN_OR_RETURN(auto tls_refresh, args.GetInt("tls-refresh-s"));
-  const int refresh_s = static_cast<int>(std::clamp<int64_t>(
-      tls_refresh.value_or(kvgrid::auth::kDefaultTlsRefreshSeconds), 0, 86400));
+  const int refresh_s = kvgrid::auth::TlsRefreshSeconds(tls_refresh);
   const kvgrid::auth::TlsFiles tls{.cert = args.GetString("tls-cert"),
                                    .key = args.GetString("tls-key"),
                                    .ca = args.GetString("tls-ca"),

@@ -7,43 +7,12 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "model/utf8.h"
 
 namespace kvgrid::coordinator {
 namespace {
 
 namespace pb = google::protobuf;
-
-// Strict UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF (what protobuf checks).
-bool IsUtf8(std::string_view s) {
-  size_t i = 0;
-  while (i < s.size()) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c < 0x80) {
-      ++i;
-      continue;
-    }
-    int n = 0;
-    uint32_t cp = 0, min = 0;
-    if ((c & 0xE0) == 0xC0) {
-      n = 1, cp = c & 0x1F, min = 0x80;
-    } else if ((c & 0xF0) == 0xE0) {
-      n = 2, cp = c & 0x0F, min = 0x800;
-    } else if ((c & 0xF8) == 0xF0) {
-      n = 3, cp = c & 0x07, min = 0x10000;
-    } else {
-      return false;
-    }
-    if (i + static_cast<size_t>(n) >= s.size()) return false;  // truncated sequence
-    for (int k = 1; k <= n; ++k) {
-      const auto b = static_cast<unsigned char>(s[i + k]);
-      if ((b & 0xC0) != 0x80) return false;
-      cp = (cp << 6) | (b & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
-    i += static_cast<size_t>(n) + 1;
-  }
-  return true;
-}
 
 // Messages nest at most this deep before the search gives up (protobuf's own limit is 100).
 constexpr int kMaxDepth = 32;
@@ -64,7 +33,7 @@ std::string Find(const pb::Descriptor* d, std::string_view bytes, const std::str
     if (fd->is_repeated()) absl::StrAppend(&path, "[", index, "]");
     const std::string& value = f.length_delimited();
     if (fd->type() == pb::FieldDescriptor::TYPE_STRING) {
-      if (!IsUtf8(value)) return path;
+      if (!model::IsValidUtf8(value)) return path;
     } else if (fd->type() == pb::FieldDescriptor::TYPE_MESSAGE) {
       std::string inner = Find(fd->message_type(), value, path, depth + 1);
       if (!inner.empty()) return inner;

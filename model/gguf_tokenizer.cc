@@ -18,6 +18,7 @@
 #include "model/json_util.h"
 #include "model/model_dir.h"
 #include "model/status_macros.h"
+#include "model/utf8.h"
 #include "nlohmann/json.hpp"
 
 namespace kvgrid::model {
@@ -109,39 +110,6 @@ absl::StatusOr<PreTokenizerSpec> PreTokenizerFor(const std::string& pre, const s
   return spec;
 }
 
-// Well-formed UTF-8 (no overlong forms, surrogates or code points past U+10FFFF): the text
-// goes through JSON, which holds nothing else.
-bool IsUtf8(std::string_view s) {
-  for (size_t i = 0; i < s.size();) {
-    const auto b0 = static_cast<uint8_t>(s[i]);
-    size_t need;
-    uint8_t lo = 0x80, hi = 0xBF;  // allowed range of the second byte
-    if (b0 < 0x80) {
-      ++i;
-      continue;
-    } else if (b0 >= 0xC2 && b0 <= 0xDF) {
-      need = 2;
-    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
-      need = 3;
-      if (b0 == 0xE0) lo = 0xA0;
-      if (b0 == 0xED) hi = 0x9F;
-    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
-      need = 4;
-      if (b0 == 0xF0) lo = 0x90;
-      if (b0 == 0xF4) hi = 0x8F;
-    } else {
-      return false;
-    }
-    if (s.size() - i < need) return false;
-    for (size_t k = 1; k < need; ++k) {
-      const auto b = static_cast<uint8_t>(s[i + k]);
-      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return false;
-    }
-    i += need;
-  }
-  return true;
-}
-
 // A token for an error message: quoted, cut short when long.
 std::string Quote(std::string_view token) {
   return absl::StrCat("'", Sv(token.substr(0, 64)), token.size() > 64 ? "...'" : "'");
@@ -190,7 +158,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> SentencePieceFromGguf(const GgufFile&
     return invalid(kTokensKey, " has ", tokens->size(), " entries, more than ", kMaxTokens);
   }
   for (size_t i = 0; i < tokens->size(); ++i) {
-    if (!IsUtf8((*tokens)[i])) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
+    if (!IsValidUtf8((*tokens)[i])) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
   }
   v.tokens = tokens->ToVector();
   const size_t n = tokens->size();
@@ -304,7 +272,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
   for (size_t i = 0; i < tokens->size(); ++i) {
     const std::string_view token = (*tokens)[i];
     const int64_t type = types != nullptr ? types->Int(i) : kNormal;
-    if (!IsUtf8(token)) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
+    if (!IsValidUtf8(token)) return invalid(kTokensKey, "[", i, "] is not valid UTF-8");
     switch (type) {
       case kUndefined:
       case kNormal:
@@ -337,7 +305,7 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f) 
     }
   }
   for (size_t i = 0; i < merges->size(); ++i) {
-    if (!IsUtf8((*merges)[i])) return invalid(kMergesKey, "[", i, "] is not valid UTF-8");
+    if (!IsValidUtf8((*merges)[i])) return invalid(kMergesKey, "[", i, "] is not valid UTF-8");
   }
 
   KVGRID_ASSIGN_OR_RETURN(const std::optional<bool> add_bos_flag,

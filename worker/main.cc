@@ -4,7 +4,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -263,8 +262,7 @@ absl::Status Serve(Args& args) {
                 .key = args.GetString("worker-tls-key"),
                 .ca = args.GetString("worker-tls-ca"),
                 .flag_prefix = "worker-tls",
-                .refresh_s = static_cast<int>(std::clamp<int64_t>(
-                    tls_refresh.value_or(kvgrid::auth::kDefaultTlsRefreshSeconds), 0, 86400))},
+                .refresh_s = kvgrid::auth::TlsRefreshSeconds(tls_refresh)},
       .server_name = args.GetString("worker-tls-server-name")};
   KVGRID_ASSIGN_OR_RETURN(const bool allow_insecure_cluster,
                           args.GetBool("allow-insecure-cluster", false));
