@@ -42,9 +42,10 @@ std::string NewEpoch() {
   return absl::StrCat(absl::Hex(v & 0xffffffffffull, absl::kZeroPad10));
 }
 
-v1::WorkerState StateOf(bool live, bool lost, bool draining) {
+v1::WorkerState StateOf(bool live, bool lost, bool draining, bool stalled) {
   if (live) return v1::WORKER_STATE_SERVING;
   if (draining && !lost) return v1::WORKER_STATE_DRAINING;
+  if (stalled && !lost) return v1::WORKER_STATE_STALLED;
   return v1::WORKER_STATE_LOST;
 }
 
@@ -98,6 +99,7 @@ bool WorkerRegistry::Heartbeat(const v1::HeartbeatRequest& request) {
   Entry& e = it->second;
   e.usage = request.usage();
   e.draining = request.draining();
+  e.stalled = request.stalled();
   e.last_heartbeat = absl::Now();
   e.blocks_promised = 0;
   return true;
@@ -128,7 +130,9 @@ bool WorkerRegistry::ExpireStale() {
   return changed;
 }
 
-bool WorkerRegistry::LiveLocked(const Entry& e) const { return !e.lost && !e.draining; }
+bool WorkerRegistry::LiveLocked(const Entry& e) const {
+  return !e.lost && !e.draining && !e.stalled;
+}
 
 absl::StatusOr<WorkerRegistry::Placement> WorkerRegistry::Place(
     const std::string& model, std::span<const int32_t> prompt, int64_t max_new_tokens,
@@ -214,7 +218,7 @@ void WorkerRegistry::FillStatus(v1::ClusterStatusResponse* response) const {
     w->set_model(e->info.model());
     w->set_group_id(e->info.group_id());
     w->set_rank(e->info.rank());
-    w->set_state(StateOf(LiveLocked(*e), e->lost, e->draining));
+    w->set_state(StateOf(LiveLocked(*e), e->lost, e->draining, e->stalled));
     *w->mutable_capacity() = e->info.capacity();
     *w->mutable_usage() = e->usage;
     w->set_in_flight(static_cast<int32_t>(e->in_flight));

@@ -2,8 +2,8 @@
 // call them, and placement with its bookkeeping (requests in flight, blocks promised since
 // the last heartbeat, which prompt prefixes each worker has seen recently).
 //
-// Each worker is its own group for now (group_size 1); a worker is live while it heartbeats
-// within the timeout, is not draining, and no stream to it broke with UNAVAILABLE.
+// A worker (a group's leader) is live while it heartbeats within the timeout, is neither
+// draining nor stalled, and no stream to it broke with UNAVAILABLE.
 //
 // Thread-safety: every method may be called from any thread.
 #ifndef KVGRID_COORDINATOR_REGISTRY_H_
@@ -86,6 +86,7 @@ class WorkerRegistry {
     absl::Time last_heartbeat;
     bool lost = false;
     bool draining = false;
+    bool stalled = false;
     int64_t in_flight = 0;
     int64_t blocks_promised = 0;  // worst-case blocks placed since the last heartbeat
     // Chained hashes of leading prompt blocks recently placed here -> last use.

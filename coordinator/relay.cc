@@ -250,9 +250,11 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
         FailLocked(status);
       } else {
         tried_.insert(up->worker_id());
-        // A broken stream means the worker is likely gone; a draining one still heartbeats.
+        // A broken stream means the worker is likely gone; a draining or stalled one still
+        // heartbeats, and its heartbeats say when it may be placed on again.
         if (code != grpc::StatusCode::OK &&
-            status.error_message().find("draining") == std::string::npos) {
+            status.error_message().find("draining") == std::string::npos &&
+            status.error_message().find("stalled") == std::string::npos) {
           registry_->MarkLost(up->worker_id());
         }
         if (++failovers_ > options_.max_failovers) {

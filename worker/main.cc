@@ -37,6 +37,7 @@
 #include "worker/service/convert.h"
 #include "worker/service/engine_loop.h"
 #include "worker/service/registrar.h"
+#include "worker/service/stall_watchdog.h"
 #include "worker/service/worker_metrics.h"
 #include "worker/service/worker_service.h"
 
@@ -89,6 +90,11 @@ constexpr char kHelp[] =
     "                              group, the others follow it. Needs --coordinator and --group\n"
     "  --collective-timeout-s S    a group collective failing after S s (>= 2) breaks the group\n"
     "                              (default 30)\n"
+    "  --stall-timeout-s S         an engine step running longer than S s while requests wait\n"
+    "                              (a stuck kernel, a frozen group peer) turns the worker\n"
+    "                              NOT_SERVING and ends its requests with UNAVAILABLE, so the\n"
+    "                              coordinator moves them elsewhere; SERVING again once steps\n"
+    "                              finish (default 120; 0: never)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --device cpu|cuda           where the model runs (default cpu); cuda needs a build with\n"
@@ -252,6 +258,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto tp_size, args.GetInt("tensor-parallel-size"));
   KVGRID_ASSIGN_OR_RETURN(auto rank, args.GetInt("rank"));
   KVGRID_ASSIGN_OR_RETURN(auto collective_timeout, args.GetDouble("collective-timeout-s"));
+  KVGRID_ASSIGN_OR_RETURN(auto stall_timeout, args.GetDouble("stall-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
@@ -326,6 +333,11 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--collective-timeout-s: must be in [2, 86400] (idle groups exchange a keep-alive "
         "every second), got ", *collective_timeout));
+  }
+  if (stall_timeout && !(*stall_timeout == 0.0 ||
+                        (*stall_timeout >= 0.1 && *stall_timeout <= 86400.0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--stall-timeout-s: must be 0 (never) or in [0.1, 86400], got ", *stall_timeout));
   }
   const int tp = static_cast<int>(tp_size.value_or(1));
   CudaFlags cuda{.dense_dtype = dense_dtype,
@@ -441,6 +453,18 @@ absl::Status Serve(Args& args) {
   if (health_listen) {
     KVGRID_ASSIGN_OR_RETURN(health_server, StartHealthServer(*health_listen, &unimplemented));
   }
+  // A stall turns both health services NOT_SERVING (and back once steps finish, unless the
+  // worker is draining by then).
+  std::unique_ptr<kvgrid::worker::StallWatchdog> watchdog;
+  if (const double t = stall_timeout.value_or(120.0); t > 0) {
+    watchdog = std::make_unique<kvgrid::worker::StallWatchdog>(
+        &loop, absl::Seconds(t), [&](bool stalled) {
+          service.SetStalled(stalled);
+          const bool serving = !stalled && !service.draining();
+          server->GetHealthCheckService()->SetServingStatus(serving);
+          if (health_server) health_server->GetHealthCheckService()->SetServingStatus(serving);
+        });
+  }
   const std::string host = listen.substr(0, listen.rfind(':'));
   const std::string address = advertise.value_or(absl::StrCat(host, ":", port));
   std::fprintf(stderr, "kvgrid-worker: listening on %s (model %s, %d KV blocks of %lld tokens)\n",
@@ -462,7 +486,8 @@ absl::Status Serve(Args& args) {
     reg.set_pid(getpid());
     registrar = std::make_unique<kvgrid::worker::Registrar>(
         coordinators, cluster_token, reg, [&loop] { return kvgrid::worker::UsageToProto(loop.Stats()); },
-        [&service] { return service.draining(); }, coordinator_channels);
+        [&service] { return service.draining(); }, coordinator_channels,
+        [&service] { return service.stalled(); });
   }
 
   kvgrid::cli::WaitForShutdownSignal();
@@ -478,6 +503,7 @@ absl::Status Serve(Args& args) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (registrar) registrar->Stop();
+  watchdog.reset();
   loop.Stop();  // fails whatever did not finish in time with UNAVAILABLE
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());

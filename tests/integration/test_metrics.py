@@ -34,6 +34,9 @@ def test_metrics_move_as_requests_run(cluster):
     before_c, before_w = scrape(cport), scrape(wport)
     assert value(before_c, "kvgrid:workers_live") == 1
     assert value(before_w, "kvgrid:kv_cache_blocks_total") > 0
+    # An idle engine is not busy (the stall watchdog's measure; see test_tensor_parallel.py).
+    assert "kvgrid:engine_busy_seconds{model_name=\"kjv-tiny\"}" in before_w, before_w.keys()
+    assert value(before_w, "kvgrid:engine_busy_seconds") == 0
 
     # A long request: while it runs, KV usage and the running count are above zero.
     stream = c.client.generate("In the beginning", max_new_tokens=400, ignore_eos=True,

@@ -2,7 +2,8 @@
 (trained and fixture models), a request too large for every single worker's KV pool goes to
 the two-rank group (and is refused at once, with the numbers, by a cluster without one), and
 losing either rank of a group takes the whole group down — no process hangs — while its
-request finishes on another worker."""
+request finishes on another worker, and a frozen rank stalls the group, whose request moves
+to another worker within the stall timeout."""
 
 import json
 import os
@@ -12,12 +13,14 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 import pytest
 
 from kvgrid_client import pb
 
-from .conftest import MODEL_DIR, Proc, collect, executable, rpc_error, wait_until
+from .conftest import (MODEL_DIR, Proc, collect, executable, health_check, rpc_error,
+                       wait_until)
 
 FOLLOWING = "following"
 
@@ -147,3 +150,53 @@ def test_losing_a_follower_takes_the_group_down_and_fails_over(cluster):
 
 def test_losing_the_leader_takes_the_group_down_and_fails_over(cluster):
     _fail_over_after_killing(cluster, victim_rank=0)
+
+
+def test_a_frozen_follower_stalls_the_group_and_its_request_moves_within_the_stall_timeout(
+        cluster):
+    """A follower that freezes (SIGSTOP) leaves the leader's step waiting in a collective that
+    would give up only after --collective-timeout-s (120 s here). The leader's stall watchdog
+    sees it after --stall-timeout-s (2 s): the leader answers NOT_SERVING, ClusterStatus shows
+    it STALLED and places nothing there, and the stream moves to the other worker with no token
+    lost or repeated, long before the collective timeout. Thawed, the group finishes its step
+    and serves again."""
+    c = cluster(workers=0)
+    leader, follower = start_group(c, 2, "g", ["--stall-timeout-s", 2,
+                                               "--collective-timeout-s", 120])
+    c.wait_serving(1)
+    want = run_json(MODEL_DIR, "--prompt", "In the beginning", "--max-new-tokens", 300,
+                    "--temperature", 0, "--ignore-eos")
+    stream = c.client.generate("In the beginning", max_new_tokens=300, temperature=0,
+                               ignore_eos=True)
+    first = next(stream)
+    other = c.add_worker(["--threads", "1"])
+    c.wait_serving(2)
+    leader_id = [w.worker_id for w in c.status().workers if w.group_id == "g"][0]
+    follower.popen.send_signal(signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        rest = collect(stream)
+        took = time.monotonic() - frozen_at
+        assert list(first.token_ids) + rest.token_ids == want["token_ids"], \
+            "tokens lost or repeated across the failover"
+        assert rest.finish_reason == "length"
+        assert took < 60, f"the stalled group held its request for {took:.1f} s"
+        assert leader_id not in rest.worker_ids[-1:], rest.worker_ids
+        with grpc.insecure_channel(leader.address) as ch:
+            assert health_check(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert wait_until(lambda: any(w.worker_id == leader_id and
+                                      w.state == pb.WORKER_STATE_STALLED
+                                      for w in c.status().workers), timeout=10), c.status()
+        # New requests go to the worker that can serve them, at once.
+        done = c.client.generate_text("And God said", max_new_tokens=8, temperature=0)
+        assert done.worker_ids and leader_id not in done.worker_ids, done.worker_ids
+        assert follower.alive() and leader.alive()
+    finally:
+        follower.popen.send_signal(signal.SIGCONT)
+    # The step finishes, the leader drops the request that moved away and serves again.
+    with grpc.insecure_channel(leader.address) as ch:
+        assert wait_until(lambda: health_check(ch) == health_pb2.HealthCheckResponse.SERVING,
+                          timeout=60), leader.describe()
+    c.wait_serving(2)
+    assert "making progress again" in leader.log(), leader.describe()
+    assert other.alive()

@@ -69,8 +69,9 @@ constexpr char kHelp[] =
     "  worker flags, passed to each worker: --kv-cache-memory --kv-cache-dtype --k-cache-dtype\n"
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
-    "  --device --dtype --gpu-memory-utilization --cuda-graphs (on cuda, worker process i of\n"
-    "  the cluster runs on visible device i modulo their count)\n"
+    "  --device --dtype --gpu-memory-utilization --cuda-graphs --stall-timeout-s\n"
+    "  --collective-timeout-s (on cuda, worker process i of the cluster runs on visible\n"
+    "  device i modulo their count)\n"
     "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
     "  the machine)\n";
 
@@ -79,7 +80,8 @@ constexpr const char* kWorkerFlags[] = {
     "block-size",             "max-num-seqs",   "max-num-batched-tokens",
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
     "weight-dtype",           "preemption-mode", "watermark",
-    "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs"};
+    "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs",
+    "stall-timeout-s",        "collective-timeout-s"};
 
 constexpr const char* kCoordinatorFlags[] = {"health-listen", "metrics-listen", "tls-cert",
                                              "tls-key",       "api-keys",       "api-key-file"};

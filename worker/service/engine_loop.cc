@@ -1,5 +1,7 @@
 #include "worker/service/engine_loop.h"
 
+#include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -10,6 +12,12 @@ namespace kvgrid::worker {
 namespace {
 
 constexpr absl::Duration kKeepAliveInterval = absl::Seconds(1);
+
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 }  // namespace
 
@@ -49,6 +57,42 @@ int64_t EngineLoop::NumActive() const {
   return num_active_;
 }
 
+absl::Duration EngineLoop::BusyFor() const {
+  const int64_t since = busy_since_ns_.load(std::memory_order_relaxed);
+  if (since == 0) return absl::ZeroDuration();
+  return absl::Nanoseconds(std::max<int64_t>(0, SteadyNanos() - since));
+}
+
+void EngineLoop::MarkBusy(bool busy) {
+  busy_since_ns_.store(busy ? std::max<int64_t>(1, SteadyNanos()) : 0,
+                       std::memory_order_relaxed);
+}
+
+int64_t EngineLoop::FailRunning(const absl::Status& status) {
+  std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>> queued;
+  {
+    absl::MutexLock lock(&mu_);
+    queued.swap(inbox_);
+  }
+  std::vector<std::shared_ptr<OutputSink>> running;
+  {
+    absl::MutexLock lock(&sinks_mu_);
+    for (auto& [id, active] : active_) {
+      running.push_back(std::move(active.sink));
+      dropped_.push_back(id);
+    }
+    active_.clear();
+  }
+  for (auto& [request, sink] : queued) sink->OnError(status);
+  for (const std::shared_ptr<OutputSink>& sink : running) sink->OnError(status);
+  const int64_t ended = static_cast<int64_t>(queued.size() + running.size());
+  if (ended > 0) {
+    absl::MutexLock lock(&mu_);
+    num_active_ -= ended;
+  }
+  return ended;
+}
+
 void EngineLoop::Stop() {
   {
     absl::MutexLock lock(&mu_);
@@ -61,6 +105,10 @@ void EngineLoop::Drain(
     std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
     std::vector<PendingAbort>& aborts) {
   int64_t ended = 0;
+  absl::ReleasableMutexLock sinks(&sinks_mu_);
+  // Requests FailRunning ended: their sinks are gone, the engine still holds them.
+  for (const std::string& id : dropped_) engine_->Abort(id);
+  dropped_.clear();
   for (auto& [request, sink] : submits) {
     const std::string id = request.id;
     const int64_t n = request.n;
@@ -93,6 +141,7 @@ void EngineLoop::Drain(
   }
   submits.clear();
   aborts.clear();
+  sinks.Release();
   if (ended > 0) {
     absl::MutexLock lock(&mu_);
     num_active_ -= ended;
@@ -117,6 +166,7 @@ void EngineLoop::Run() {
               return self->stop_ || !self->inbox_.empty() || !self->aborts_.empty();
             },
             this);
+        MarkBusy(false);
         if (!engine_->has_group()) {
           mu_.Await(wake);
         } else {
@@ -124,6 +174,7 @@ void EngineLoop::Run() {
           keep_alive = !mu_.AwaitWithTimeout(wake, kKeepAliveInterval);
         }
       }
+      MarkBusy(true);
       stop = stop_;
       submits.swap(inbox_);
       aborts.swap(aborts_);
@@ -145,38 +196,48 @@ void EngineLoop::Run() {
     }
     absl::StatusOr<std::vector<TokenOutput>> outputs = engine_->Step();
     int64_t ended = 0;
-    if (!outputs.ok()) {
-      // A failed forward pass leaves the step's sequences to be retried; a failure that
-      // repeats would spin, so every request fails and its blocks are freed.
-      for (auto& [id, active] : active_) {
-        engine_->Abort(id);
-        active.sink->OnError(outputs.status());
-        ++ended;
-      }
-      active_.clear();
-      if (on_step_error_) on_step_error_(outputs.status());
-    } else {
-      for (TokenOutput& out : *outputs) {
-        auto it = active_.find(out.request_id);
-        if (it == active_.end()) continue;
-        const bool finished = out.finish != FinishReason::kNone;
-        it->second.sink->OnOutput(std::move(out));
-        if (finished && --it->second.unfinished == 0) {
-          active_.erase(it);
+    {
+      absl::MutexLock sinks(&sinks_mu_);
+      for (const std::string& id : dropped_) engine_->Abort(id);
+      dropped_.clear();
+      if (!outputs.ok()) {
+        // A failed forward pass leaves the step's sequences to be retried; a failure that
+        // repeats would spin, so every request fails and its blocks are freed.
+        for (auto& [id, active] : active_) {
+          engine_->Abort(id);
+          active.sink->OnError(outputs.status());
           ++ended;
+        }
+        active_.clear();
+      } else {
+        for (TokenOutput& out : *outputs) {
+          auto it = active_.find(out.request_id);
+          if (it == active_.end()) continue;
+          const bool finished = out.finish != FinishReason::kNone;
+          it->second.sink->OnOutput(std::move(out));
+          if (finished && --it->second.unfinished == 0) {
+            active_.erase(it);
+            ++ended;
+          }
         }
       }
     }
+    if (!outputs.ok() && on_step_error_) on_step_error_(outputs.status());
     absl::MutexLock lock(&mu_);
     num_active_ -= ended;
     stats_ = engine_->Stats();
   }
   // Stopping: whatever is still running or queued is failed, and its blocks freed.
-  for (auto& [id, active] : active_) {
-    engine_->Abort(id);
-    active.sink->OnError(absl::UnavailableError("the worker is shutting down"));
+  {
+    absl::MutexLock sinks(&sinks_mu_);
+    for (const std::string& id : dropped_) engine_->Abort(id);
+    dropped_.clear();
+    for (auto& [id, active] : active_) {
+      engine_->Abort(id);
+      active.sink->OnError(absl::UnavailableError("the worker is shutting down"));
+    }
+    active_.clear();
   }
-  active_.clear();
   // A tensor-parallel group's other ranks leave their loops (best effort: a broken group
   // fails here too).
   (void)engine_->StopFollowers();
@@ -185,6 +246,7 @@ void EngineLoop::Run() {
     num_active_ = 0;
     stats_ = engine_->Stats();
   }
+  MarkBusy(false);
 }
 
 }  // namespace kvgrid::worker

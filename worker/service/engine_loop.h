@@ -2,11 +2,18 @@
 // a sink that receives its outputs; the loop steps the engine while it has work and sleeps
 // when it has none.
 //
-// Thread-safety: Submit, Abort, Stats, NumActive and Stop may be called from any thread. Sink
-// callbacks run on the loop's thread, in order per request, and must not block.
+// Stalls: BusyFor says how long the loop's current round (a step, a keep-alive, applying
+// submissions) has run, so a watchdog (worker/service/stall_watchdog.h) can see a step that
+// never ends (a stuck kernel, a collective that never returns) and FailRunning can end every
+// request's sink while the loop thread is still stuck.
+//
+// Thread-safety: Submit, Abort, Stats, NumActive, BusyFor, FailRunning and Stop may be called
+// from any thread. Sink callbacks run on the loop's thread (FailRunning's OnError on its
+// caller's), in order per request, and must neither block nor call back into the loop.
 #ifndef KVGRID_WORKER_SERVICE_ENGINE_LOOP_H_
 #define KVGRID_WORKER_SERVICE_ENGINE_LOOP_H_
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -18,6 +25,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "worker/engine/engine.h"
 
 namespace kvgrid::worker {
@@ -60,6 +68,15 @@ class EngineLoop {
   // Fails every request with UNAVAILABLE and stops the thread. Idempotent.
   void Stop();
 
+  // How long the loop's current round has run; zero while it waits for work. A loop that has
+  // work and makes progress comes back to zero after every step.
+  [[nodiscard]] absl::Duration BusyFor() const;
+  // Ends every running and queued request at once with `status` (each sink's OnError, called
+  // here, and nothing after), even while the loop thread is stuck in a step; the engine drops
+  // those requests and frees their blocks when the loop thread next gets to it. Returns how
+  // many requests were ended.
+  int64_t FailRunning(const absl::Status& status);
+
  private:
   struct Active {
     std::shared_ptr<OutputSink> sink;
@@ -70,7 +87,10 @@ class EngineLoop {
     std::shared_ptr<const OutputSink> owner;  // null: whichever sink the request has
   };
   void Run();
-  // Applies queued submissions, then aborts, to the engine (loop thread only).
+  // Marks the start of a round (now) or the wait for work (idle).
+  void MarkBusy(bool busy);
+  // Applies the drops of FailRunning, queued submissions, then aborts, to the engine (loop
+  // thread only).
   void Drain(std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
              std::vector<PendingAbort>& aborts);
 
@@ -81,11 +101,20 @@ class EngineLoop {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
   int64_t num_active_ ABSL_GUARDED_BY(mu_) = 0;
+  // steady_clock nanoseconds at the start of the current round; 0 while waiting for work.
+  std::atomic<int64_t> busy_since_ns_{0};
+
+  // The requests the engine runs, by id. Written by the loop thread and by FailRunning, which
+  // moves them all out and leaves their ids in dropped_ for the engine to abort. Sink
+  // callbacks run with sinks_mu_ held, so that none follows FailRunning's OnError. Nothing
+  // takes sinks_mu_ with mu_ held.
+  absl::Mutex sinks_mu_;
+  absl::flat_hash_map<std::string, Active> active_ ABSL_GUARDED_BY(sinks_mu_);
+  std::vector<std::string> dropped_ ABSL_GUARDED_BY(sinks_mu_);
 
   // Loop thread only.
   std::unique_ptr<Engine> engine_;
   std::function<void(const absl::Status&)> on_step_error_;
-  absl::flat_hash_map<std::string, Active> active_;
   std::thread thread_;
 };
 

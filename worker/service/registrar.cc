@@ -33,11 +33,12 @@ grpc::ChannelArguments CoordinatorChannelArgs() {
 Registrar::Registrar(std::vector<std::string> coordinator_addresses, std::string token,
                      v1::RegisterWorkerRequest registration,
                      std::function<v1::KvUsage()> usage, std::function<bool()> draining,
-                     const auth::ClusterChannels& channels)
+                     const auth::ClusterChannels& channels, std::function<bool()> stalled)
     : token_(std::move(token)),
       registration_(std::move(registration)),
       usage_(std::move(usage)),
-      draining_(std::move(draining)) {
+      draining_(std::move(draining)),
+      stalled_(std::move(stalled)) {
   for (std::string& address : coordinator_addresses) {
     auto stub = v1::Coordinator::NewStub(channels.Create(address, CoordinatorChannelArgs()));
     links_.push_back(Link{.address = std::move(address), .stub = std::move(stub)});
@@ -110,6 +111,7 @@ void Registrar::Run(size_t index) {
     req.set_worker_id(id);
     *req.mutable_usage() = usage_();
     req.set_draining(draining_());
+    if (stalled_) req.set_stalled(stalled_());
     v1::HeartbeatResponse resp;
     const grpc::Status s = link.stub->Heartbeat(&ctx, req, &resp);
     if (stop) return;

@@ -27,13 +27,14 @@ namespace kvgrid::worker {
 
 class Registrar {
  public:
-  // `usage` is called on the registrar's threads for each heartbeat; `draining` likewise
-  // (both may run concurrently when there are several coordinators). `token` (the cluster
-  // token; may be empty) goes with every call to a coordinator, over channels made by
-  // `channels` (--worker-tls-*; plaintext by default).
+  // `usage` is called on the registrar's threads for each heartbeat; `draining` and
+  // `stalled` (optional) likewise (all may run concurrently when there are several
+  // coordinators). `token` (the cluster token; may be empty) goes with every call to a
+  // coordinator, over channels made by `channels` (--worker-tls-*; plaintext by default).
   Registrar(std::vector<std::string> coordinator_addresses, std::string token,
             v1::RegisterWorkerRequest registration, std::function<v1::KvUsage()> usage,
-            std::function<bool()> draining, const auth::ClusterChannels& channels = {});
+            std::function<bool()> draining, const auth::ClusterChannels& channels = {},
+            std::function<bool()> stalled = nullptr);
   ~Registrar();
   Registrar(const Registrar&) = delete;
   Registrar& operator=(const Registrar&) = delete;
@@ -55,6 +56,7 @@ class Registrar {
   v1::RegisterWorkerRequest registration_;
   std::function<v1::KvUsage()> usage_;
   std::function<bool()> draining_;
+  std::function<bool()> stalled_;
   mutable absl::Mutex mu_;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::string> worker_ids_ ABSL_GUARDED_BY(mu_);

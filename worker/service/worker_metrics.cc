@@ -1,5 +1,7 @@
 #include "worker/service/worker_metrics.h"
 
+#include "absl/time/time.h"
+
 namespace kvgrid::worker {
 
 void AddEngineMetrics(metrics::Registry* registry, const EngineLoop* loop,
@@ -24,7 +26,13 @@ void AddEngineMetrics(metrics::Registry* registry, const EngineLoop* loop,
                                             "Prompt tokens looked up in the prefix cache.", m);
   metrics::Counter* hits = r->GetCounter("kvgrid:prefix_cache_hits_total",
                                          "Prompt tokens found in the prefix cache.", m);
+  metrics::Gauge* busy = r->GetGauge(
+      "kvgrid:engine_busy_seconds",
+      "How long the engine's current step has run (0 while idle); past --stall-timeout-s the "
+      "worker reports a stall.",
+      m);
   r->AddCollector([=] {
+    busy->Set(absl::ToDoubleSeconds(loop->BusyFor()));
     const EngineStats s = loop->Stats();
     running->Set(static_cast<double>(s.num_running));
     waiting->Set(static_cast<double>(s.num_waiting));

@@ -176,6 +176,10 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(
     channel->OnError(absl::UnavailableError("the worker is draining"));
     return stream;
   }
+  if (stalled_.load()) {
+    channel->OnError(absl::UnavailableError("the worker's engine is stalled"));
+    return stream;
+  }
   loop_->Submit(std::move(req), channel);
   return stream;
 }

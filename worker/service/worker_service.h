@@ -36,6 +36,10 @@ class WorkerService final : public v1::Worker::CallbackService {
   // While draining, new Generate calls get UNAVAILABLE; running ones go on.
   void SetDraining(bool draining) { draining_.store(draining); }
   [[nodiscard]] bool draining() const { return draining_.load(); }
+  // While the engine is stalled (worker/service/stall_watchdog.h), new Generate calls get
+  // UNAVAILABLE naming the stall.
+  void SetStalled(bool stalled) { stalled_.store(stalled); }
+  [[nodiscard]] bool stalled() const { return stalled_.load(); }
 
  private:
   EngineLoop* loop_;
@@ -43,6 +47,7 @@ class WorkerService final : public v1::Worker::CallbackService {
   v1::KvCapacity capacity_;
   int32_t max_num_seqs_;
   std::atomic<bool> draining_{false};
+  std::atomic<bool> stalled_{false};
 };
 
 }  // namespace kvgrid::worker

@@ -1,9 +1,11 @@
 // The worker registry: ids are unique across coordinator restarts (the epoch is part of them),
 // an id of another epoch is unknown (so its worker registers again instead of keeping another
-// worker's entry fresh), and a lost worker's KV usage is cleared.
+// worker's entry fresh), a lost worker's KV usage is cleared, and a stalled worker is out of
+// placement while its heartbeats say so.
 #include "coordinator/registry.h"
 
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -119,6 +121,30 @@ TEST(RegistryTest, ExpiredWorkersUsageIsCleared) {
   EXPECT_EQ(w->usage().num_running(), 0);
   // A lost worker's heartbeat is refused: it registers again.
   EXPECT_FALSE(r.Heartbeat(Beat(id, 42)));
+}
+
+TEST(RegistryTest, AStalledWorkerIsNotPlacedOnUntilItsHeartbeatSaysOtherwise) {
+  WorkerRegistry r({.epoch = "e"});
+  const std::string id = r.Register(Worker("127.0.0.1:1"));
+  v1::HeartbeatRequest stalled = Beat(id, 10);
+  stalled.set_stalled(true);
+  ASSERT_TRUE(r.Heartbeat(stalled));
+  EXPECT_EQ(r.NumLive("tiny"), 0);
+  {
+    v1::ClusterStatusResponse s;
+    r.FillStatus(&s);
+    ASSERT_NE(Find(s, id), nullptr);
+    EXPECT_EQ(Find(s, id)->state(), v1::WORKER_STATE_STALLED);
+    EXPECT_EQ(Find(s, id)->usage().blocks_used(), 10);  // it still reports, unlike a lost one
+  }
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  EXPECT_FALSE(r.Place("tiny", prompt, 8, {}).ok());
+  // Steps finish again: placed on as before, under the same id.
+  ASSERT_TRUE(r.Heartbeat(Beat(id, 10)));
+  EXPECT_EQ(r.NumLive("tiny"), 1);
+  absl::StatusOr<WorkerRegistry::Placement> placed = r.Place("tiny", prompt, 8, {});
+  ASSERT_TRUE(placed.ok()) << placed.status();
+  EXPECT_EQ(placed->worker_id, id);
 }
 
 }  // namespace
