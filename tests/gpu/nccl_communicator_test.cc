@@ -1,12 +1,15 @@
 // Device collectives: NCCL with one rank per visible GPU (a single GPU makes a group of one),
 // through its own stream and on the caller's (recorded in a CUDA graph too), and the host-staged
-// communicator with two ranks on one card; results against the values every rank contributed.
-// Skipped where no GPU is visible.
+// communicator with two ranks on one card; results against the values every rank contributed;
+// a join that a rank never completes gives up after its timeout. Skipped where no GPU is
+// visible.
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <thread>
+#include <string>
 #include <vector>
 
 #include "gloo/rendezvous/hash_store.h"
@@ -58,6 +61,39 @@ TEST(NcclCommunicatorTest, CollectivesAcrossTheVisibleGpus) {
     });
   }
   for (auto& t : ranks) t.join();
+}
+
+TEST(NcclCommunicatorTest, JoiningIsBoundedWhenARankNeverComes) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  }
+  // Rank 0 of two, and rank 1 never starts: the join gives up after the timeout instead of
+  // waiting in ncclCommInitRank forever.
+  gloo::rendezvous::HashStore store;
+  const auto start = std::chrono::steady_clock::now();
+  auto alone = NcclCommunicator::Connect(0, 2, 0, store, std::chrono::seconds(3));
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_FALSE(alone.ok());
+  EXPECT_EQ(alone.status().code(), absl::StatusCode::kDeadlineExceeded) << alone.status();
+  EXPECT_NE(alone.status().message().find("ncclCommInitRankConfig"), std::string::npos)
+      << alone.status();
+  EXPECT_GE(took, 2.9);
+  EXPECT_LT(took, 60.0);
+  // Nothing of it is left behind: a group of one forms and reduces on the same device.
+  gloo::rendezvous::HashStore fresh;
+  auto one = NcclCommunicator::Connect(0, 1, 0, fresh, std::chrono::seconds(60));
+  ASSERT_TRUE(one.ok()) << one.status();
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&d), sizeof(float)), cudaSuccess);
+  const float v = 7.f;
+  ASSERT_EQ(cudaMemcpy(d, &v, sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_TRUE((*one)->AllReduceSum(std::span<float>(d, 1)).ok());
+  float got = 0;
+  ASSERT_EQ(cudaMemcpy(&got, d, sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, 7.f);
+  cudaFree(d);
 }
 
 // Rank r contributes {r, 2, -3r, 0.5} to an all-reduce and {10r, 10r + 1} to an all-gather, on

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <string>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "gloo/rendezvous/store.h"
 #include "kernels/cuda/cuda_status.h"
+#include "model/status_macros.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -26,6 +28,17 @@ absl::Status NcclStatus(ncclResult_t result, const char* call, const char* file,
   do {                                                                                    \
     ::absl::Status kvgrid_nccl_status_ = NcclStatus((call), #call, __FILE__, __LINE__);   \
     if (!kvgrid_nccl_status_.ok()) return kvgrid_nccl_status_;                            \
+  } while (0)
+
+
+// A call on a State's communicator: it is non-blocking (see Join), so a call may return
+// ncclInProgress, and the next one may only follow once its state leaves ncclInProgress.
+#define KVGRID_NCCL_CALL(state, call, timeout)                                          \
+  do {                                                                                  \
+    ::absl::Status kvgrid_nccl_status_ = Settle(&(state)->comm, &(state)->aborted, (call), \
+                                                #call, __FILE__, __LINE__, (timeout),   \
+                                                ::absl::StatusCode::kUnavailable);      \
+    if (!kvgrid_nccl_status_.ok()) return kvgrid_nccl_status_;                          \
   } while (0)
 
 }  // namespace
@@ -53,6 +66,53 @@ struct NcclCommunicator::State {
   bool aborted = false;
   float* barrier_buffer = nullptr;  // one float all-reduced as a barrier
 };
+
+namespace {
+
+// Waits while the communicator `*comm` is busy with `call` (which returned `result`), up to
+// `timeout`. A failure or the timeout aborts the communicator and clears `*comm` (a later call
+// finds the group broken): UNAVAILABLE naming the call and NCCL's error, `on_timeout` past
+// the timeout.
+absl::Status Settle(ncclComm_t* comm, bool* aborted, ncclResult_t result, const char* call,
+                    const char* file, int line, std::chrono::milliseconds timeout,
+                    absl::StatusCode on_timeout) {
+  auto abort = [&] {
+    if (*comm == nullptr) return;
+    *aborted = true;
+    (void)ncclCommAbort(*comm);
+    *comm = nullptr;
+  };
+  if (result != ncclInProgress) {
+    if (result != ncclSuccess) abort();
+    return NcclStatus(result, call, file, line);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int64_t polls = 0;
+  for (;;) {
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t query = ncclCommGetAsyncError(*comm, &async);
+    if (query != ncclSuccess) async = query;
+    if (async == ncclSuccess) return absl::OkStatus();
+    if (async != ncclInProgress) {
+      abort();
+      return NcclStatus(async, call, file, line);
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      abort();
+      return absl::Status(
+          on_timeout, absl::StrCat(call, " did not complete within ", timeout.count(), " ms at ",
+                                   file, ":", line,
+                                   " (a rank of the group never joined, or its device hangs)"));
+    }
+    if (++polls < 1000) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Connect(
     int rank, int size, int device, gloo::rendezvous::Store& store,
@@ -112,7 +172,15 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Join(
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
   KVGRID_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&state->barrier_buffer), sizeof(float)));
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclCommInitRank(&state->comm, size, id, rank));
+  // Non-blocking, so that a rank that never joins (its pod never started, its card hangs)
+  // cannot hold this one in ncclCommInitRank forever: the join is bounded by `timeout`, then
+  // aborted.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  KVGRID_RETURN_IF_ERROR(Settle(&state->comm, &state->aborted,
+                                ncclCommInitRankConfig(&state->comm, size, id, rank, &config),
+                                "ncclCommInitRankConfig", __FILE__, __LINE__, timeout,
+                                absl::StatusCode::kDeadlineExceeded));
   return std::unique_ptr<NcclCommunicator>(
       new NcclCommunicator(std::move(state), rank, size, timeout));
 }
@@ -135,6 +203,7 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
     }
     ncclResult_t async = ncclSuccess;
     KVGRID_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(state_->comm, &async));
+    if (async == ncclInProgress) async = ncclSuccess;  // a call still settling: not an error
     if (async != ncclSuccess || std::chrono::steady_clock::now() > deadline) {
       state_->aborted = true;
       (void)ncclCommAbort(state_->comm);
@@ -155,8 +224,10 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
 
 absl::Status NcclCommunicator::AllReduceSum(std::span<float> data) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32,
-                                            ncclSum, state_->comm, state_->stream));
+  KVGRID_NCCL_CALL(state_.get(),
+                   ncclAllReduce(data.data(), data.data(), data.size(), ncclFloat32, ncclSum,
+                                 state_->comm, state_->stream),
+                   timeout_);
   return Wait(state_->stream, "allreduce");
 }
 
@@ -165,15 +236,19 @@ absl::Status NcclCommunicator::AllGather(std::span<const float> in, std::span<fl
     return absl::InvalidArgumentError("AllGather: out must hold size() * in.size() values");
   }
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllGather(in.data(), out.data(), in.size(), ncclFloat32,
-                                            state_->comm, state_->stream));
+  KVGRID_NCCL_CALL(state_.get(),
+                   ncclAllGather(in.data(), out.data(), in.size(), ncclFloat32, state_->comm,
+                                 state_->stream),
+                   timeout_);
   return Wait(state_->stream, "allgather");
 }
 
 absl::Status NcclCommunicator::Broadcast(std::span<char> data, int root) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclBroadcast(data.data(), data.data(), data.size(), ncclInt8,
-                                            root, state_->comm, state_->stream));
+  KVGRID_NCCL_CALL(state_.get(),
+                   ncclBroadcast(data.data(), data.data(), data.size(), ncclInt8, root,
+                                 state_->comm, state_->stream),
+                   timeout_);
   return Wait(state_->stream, "broadcast");
 }
 
@@ -183,16 +258,20 @@ absl::Status NcclCommunicator::Barrier() {
 
 absl::Status NcclCommunicator::AllReduceSumOn(float* data, int64_t count, cudaStream_t stream) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllReduce(data, data, static_cast<size_t>(count), ncclFloat32,
-                                            ncclSum, state_->comm, stream));
+  KVGRID_NCCL_CALL(state_.get(),
+                   ncclAllReduce(data, data, static_cast<size_t>(count), ncclFloat32, ncclSum,
+                                 state_->comm, stream),
+                   timeout_);
   return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::AllGatherOn(const float* in, float* out, int64_t count,
                                            cudaStream_t stream) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
-  KVGRID_NCCL_RETURN_IF_ERROR(ncclAllGather(in, out, static_cast<size_t>(count), ncclFloat32,
-                                            state_->comm, stream));
+  KVGRID_NCCL_CALL(state_.get(),
+                   ncclAllGather(in, out, static_cast<size_t>(count), ncclFloat32, state_->comm,
+                                 stream),
+                   timeout_);
   return absl::OkStatus();
 }
 

@@ -9,7 +9,9 @@
 //
 // Every NCCL and CUDA call is checked and becomes a Status naming the call; a collective that
 // does not finish within the timeout (a peer died) aborts the communicator and returns
-// UNAVAILABLE — nothing aborts the process.
+// UNAVAILABLE — nothing aborts the process. The communicator is non-blocking (NCCL's
+// `blocking = 0`), so that joining it is bounded too: a rank that never comes would otherwise
+// hold the others in ncclCommInitRank forever.
 //
 // Built wherever the CUDA toolkit (with NCCL) is found; its tests carry the `gpu` label.
 #ifndef KVGRID_WORKER_COMM_NCCL_COMMUNICATOR_H_
@@ -30,9 +32,11 @@ namespace kvgrid::worker {
 
 class NcclCommunicator final : public Communicator, public DeviceCommunicator {
  public:
-  // Joins rank `rank` of `size` on CUDA device `device`. Errors: INVALID_ARGUMENT for
+  // Joins rank `rank` of `size` on CUDA device `device`; sharing the id and NCCL's join each
+  // take at most `timeout`, which also bounds every collective. Errors: INVALID_ARGUMENT for
   // rank/size/device; UNAVAILABLE when the id cannot be shared or NCCL cannot connect
-  // (naming the call).
+  // (naming the call); DEADLINE_EXCEEDED when not every rank joined within `timeout` (the
+  // half-made communicator is aborted).
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Connect(
       int rank, int size, int device, gloo::rendezvous::Store& store,
       std::chrono::milliseconds timeout);
