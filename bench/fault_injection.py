@@ -16,6 +16,10 @@ after its retries), or duplicated (a token repeated or the stream longer than as
                       worker joins, then the group's follower rank is SIGKILLed mid-stream
                       (the leader's collective fails, the group leaves, the coordinator fails
                       its sequences over to the single worker).
+  rank_freeze         as rank_loss, but the follower is SIGSTOPped (its process and sockets
+                      stay up, so no collective fails before --collective-timeout-s, 120 s
+                      here); the leader's stall watchdog (--stall-timeout-s 3) ends its
+                      requests and the coordinator fails them over; SIGCONTed at the end.
 
 Usage: bench/fault_injection.py [--json] [--build build] [--requests 8] [--tokens 120]
 """
@@ -52,7 +56,8 @@ def free_port() -> int:
 
 
 class Cluster:
-    def __init__(self, build: Path, logs: Path, coordinators: int, group: bool = False):
+    def __init__(self, build: Path, logs: Path, coordinators: int, group: bool = False,
+                 group_args=()):
         self.build, self.logs = build, logs
         self.procs = []
         self.addrs = [f"127.0.0.1:{free_port()}" for _ in range(coordinators)]
@@ -64,7 +69,8 @@ class Cluster:
             self.workers = [self.start("kvgrid-worker", "--model", MODEL, "--coordinator",
                                        self.addrs[0], "--listen", "127.0.0.1:0", "--group", "g",
                                        "--tensor-parallel-size", "2", "--rank", str(rank),
-                                       "--threads", "1", *WORKER_ARGS, listening=False)
+                                       "--threads", "1", *WORKER_ARGS, *group_args,
+                                       listening=False)
                             for rank in range(2)]
             # The leader listens once its follower has joined: both must be started first.
             self.wait_listening(self.workers[0])
@@ -119,7 +125,9 @@ class Cluster:
 
 def run_fault(build, logs, fault, n, tokens):
     cluster = Cluster(build, logs, coordinators=2 if fault == "coordinator_kill" else 1,
-                      group=fault == "rank_loss")
+                      group=fault in ("rank_loss", "rank_freeze"),
+                      group_args=["--stall-timeout-s", "3", "--collective-timeout-s", "120"]
+                      if fault == "rank_freeze" else [])
     clients = [Client(a, timeout=120) for a in cluster.addrs]
     try:
         params = dict(temperature=0, max_new_tokens=tokens, ignore_eos=True)
@@ -152,10 +160,13 @@ def run_fault(build, logs, fault, n, tokens):
             cluster.workers[0].kill()
         elif fault == "worker_freeze":
             cluster.workers[0].send_signal(signal.SIGSTOP)
-        elif fault == "rank_loss":
+        elif fault in ("rank_loss", "rank_freeze"):
             cluster.add_worker()  # somewhere to fail over to
             cluster.wait_serving(cluster.addrs[0], 2)
-            cluster.workers[1].kill()
+            if fault == "rank_loss":
+                cluster.workers[1].kill()
+            else:
+                cluster.workers[1].send_signal(signal.SIGSTOP)
         else:
             cluster.coordinators[0].kill()
         t0 = time.monotonic()
@@ -190,7 +201,8 @@ def main():
     ap.add_argument("--build", type=Path, default=ROOT / "build")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=120)
-    ap.add_argument("--faults", default="worker_kill,worker_freeze,coordinator_kill,rank_loss")
+    ap.add_argument("--faults",
+                    default="worker_kill,worker_freeze,coordinator_kill,rank_loss,rank_freeze")
     args = ap.parse_args()
     out = []
     with tempfile.TemporaryDirectory(prefix="kvgrid-faults-") as tmp:

@@ -50,6 +50,17 @@ struct NcclCommunicator::State {
   State& operator=(const State&) = delete;
   ~State() {
     if (comm != nullptr) {
+      if (!aborted) {
+        // A non-blocking communicator finalizes asynchronously: wait for it (a peer that is
+        // gone would hold it, hence the bound), then free it; abort it otherwise.
+        ncclResult_t state = ncclCommFinalize(comm);
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+        }
+        aborted = state != ncclSuccess;
+      }
       if (aborted) {
         (void)ncclCommAbort(comm);
       } else {
