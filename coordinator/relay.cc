@@ -241,9 +241,12 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
     }
     if (!cancelled_ && !finish_called_ && !error_ && !unfinished.empty()) {
       const grpc::StatusCode code = status.error_code();
+      // A worker whose own queue is full (another coordinator filled it) refused the request:
+      // another worker may take it; if none can, the client gets the refusal.
+      const bool full = code == grpc::StatusCode::RESOURCE_EXHAUSTED;
       const bool retry = code == grpc::StatusCode::OK || code == grpc::StatusCode::UNAVAILABLE ||
                          code == grpc::StatusCode::INTERNAL || code == grpc::StatusCode::UNKNOWN ||
-                         code == grpc::StatusCode::CANCELLED;
+                         code == grpc::StatusCode::CANCELLED || full;
       if (!retry) {
         // The request itself is bad, its deadline passed, or it was aborted on the worker
         // (Worker.Abort: ABORTED, meant to end it, not to move it).
@@ -252,16 +255,16 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
         tried_.insert(up->worker_id());
         // A broken stream means the worker is likely gone; a draining or stalled one still
         // heartbeats, and its heartbeats say when it may be placed on again.
-        if (code != grpc::StatusCode::OK &&
+        if (code != grpc::StatusCode::OK && !full &&
             status.error_message().find("draining") == std::string::npos &&
             status.error_message().find("stalled") == std::string::npos) {
           registry_->MarkLost(up->worker_id());
         }
+        const grpc::StatusCode give_up = full ? code : grpc::StatusCode::UNAVAILABLE;
         if (++failovers_ > options_.max_failovers) {
           FailLocked(grpc::Status(
-              grpc::StatusCode::UNAVAILABLE,
-              absl::StrCat("worker ", up->worker_id(), " failed (", status.error_message(),
-                           ") and the failover limit was reached")));
+              give_up, absl::StrCat("worker ", up->worker_id(), " failed (",
+                                    status.error_message(), ") and the failover limit was reached")));
         }
         for (uint32_t i : unfinished) {
           if (error_) break;
@@ -269,11 +272,11 @@ void GenerateRelay::OnUpstreamDone(Upstream* up, const grpc::Status& status) {
           resumed.set_n(1);
           resumed.set_index_offset(i);
           resumed.mutable_resume_token_ids()->Assign(tokens_[i].begin(), tokens_[i].end());
-          if (metrics_ != nullptr) metrics_->CountFailover(model_);
+          if (metrics_ != nullptr && !full) metrics_->CountFailover(model_);
           absl::Status placed = PlaceLocked(std::move(resumed), {i}, &start);
           if (!placed.ok()) {
             FailLocked(grpc::Status(
-                grpc::StatusCode::UNAVAILABLE,
+                give_up,
                 absl::StrCat("worker ", up->worker_id(), " failed (", status.error_message(),
                              ") and no other worker can take over: ", placed.message())));
           }

@@ -17,6 +17,9 @@
 // each unfinished continuation is resubmitted to another worker with its prompt and the
 // tokens it already streamed (WorkerGenerateRequest.resume_token_ids), so the client sees no
 // token lost or repeated; with greedy decoding the output equals an uninterrupted run.
+// A worker that refuses a request with RESOURCE_EXHAUSTED (its own queue is full: several
+// coordinators share it) is tried no more for it, and the request goes to another worker the
+// same way; when none can take it, the client gets RESOURCE_EXHAUSTED.
 //
 // Cancellation: a client cancel (a gRPC cancel, an HTTP client that disconnected) or the
 // deadline cancels the worker streams, which aborts the requests there and frees their blocks.

@@ -95,6 +95,9 @@ constexpr char kHelp[] =
     "                              NOT_SERVING and ends its requests with UNAVAILABLE, so the\n"
     "                              coordinator moves them elsewhere; SERVING again once steps\n"
     "                              finish (default 120; 0: never)\n"
+    "  --max-queue-depth N         requests that may wait beyond --max-num-seqs; more are\n"
+    "                              refused with RESOURCE_EXHAUSTED (default 64; the bound that\n"
+    "                              holds when several coordinators share this worker)\n"
     "  --threads N                 CPU threads for the kernels (default: every core; give\n"
     "                              each worker its share when several share a machine)\n"
     "  --device cpu|cuda           where the model runs (default cpu); cuda needs a build with\n"
@@ -259,6 +262,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto rank, args.GetInt("rank"));
   KVGRID_ASSIGN_OR_RETURN(auto collective_timeout, args.GetDouble("collective-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(auto stall_timeout, args.GetDouble("stall-timeout-s"));
+  KVGRID_ASSIGN_OR_RETURN(auto max_queue_depth, args.GetInt("max-queue-depth"));
   KVGRID_ASSIGN_OR_RETURN(
       const std::string cluster_token,
       kvgrid::auth::ResolveToken(args.GetString("cluster-token-file"),
@@ -333,6 +337,10 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--collective-timeout-s: must be in [2, 86400] (idle groups exchange a keep-alive "
         "every second), got ", *collective_timeout));
+  }
+  if (max_queue_depth && (*max_queue_depth < 0 || *max_queue_depth > 1'000'000)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-queue-depth: must be in [0, 1000000], got ", *max_queue_depth));
   }
   if (stall_timeout && !(*stall_timeout == 0.0 ||
                         (*stall_timeout >= 0.1 && *stall_timeout <= 86400.0))) {
@@ -420,7 +428,8 @@ absl::Status Serve(Args& args) {
   const kvgrid::auth::BearerAuth cluster_auth =
       kvgrid::auth::BearerAuth::FromTokens({cluster_token});
   kvgrid::worker::WorkerService service(&loop, &cluster_auth, capacity,
-                                        static_cast<int32_t>(options.max_num_seqs));
+                                        static_cast<int32_t>(options.max_num_seqs),
+                                        max_queue_depth.value_or(64));
   const std::string name = model_name.value_or(kvgrid::model::ServedModelName(dir));
   kvgrid::metrics::Registry metrics;
   kvgrid::worker::AddEngineMetrics(&metrics, &loop, name);

@@ -7,6 +7,9 @@ no worker keeps another's entry fresh), and generates on both.
 B keeps serving, and every request sent to B while A dies completes.
 (c) A stream through a coordinator killed mid-stream fails UNAVAILABLE at the client (no hang),
 and a client that retries on the other coordinator completes every request, once each.
+(d) Each coordinator counts only what it placed, so the workers' own bound (--max-num-seqs +
+--max-queue-depth) holds across both: a request that finds its worker full moves to another,
+and with none left the client gets RESOURCE_EXHAUSTED at once.
 
 Each test prints its fault-injection figures (completed / failed / duplicated) as a JSON line
 starting with FAULTS, for bench/RESULTS.md."""
@@ -18,7 +21,8 @@ import time
 
 import grpc
 
-from .conftest import (CALL_TIMEOUT_S, MODEL_DIR, Proc, executable, free_port, wait_until)
+from .conftest import (CALL_TIMEOUT_S, MODEL_DIR, Proc, collect, executable, free_port,
+                       rpc_error, wait_until)
 from kvgrid_client import Client, Completion, pb
 
 HEARTBEAT_MS = 500
@@ -67,12 +71,12 @@ class Coordinators:
         p.popen.kill()
         p.popen.wait(timeout=10)
 
-    def add_worker(self):
+    def add_worker(self, args=WORKER_ARGS):
         n = len(self.workers)
         proc = Proc(f"worker-{n}", [executable("kvgrid-worker"), "--model", MODEL_DIR,
                                     "--coordinator", ",".join(self.addr(i) for i in
                                                               range(len(self.ports))),
-                                    "--listen", "127.0.0.1:0", *WORKER_ARGS],
+                                    "--listen", "127.0.0.1:0", *args],
                     self.log_dir / f"worker-{n}.log")
         self.workers.append(proc)
         proc.wait_listening()
@@ -280,4 +284,43 @@ def test_stream_through_a_killed_coordinator_fails_and_retries_on_the_other(tmp_
         finally:
             for c in clients:
                 c.close()
+    run_test(tmp_path, 2, body)
+
+
+def test_two_coordinators_never_overfill_a_worker(tmp_path):
+    slot = ["--kv-cache-memory", "16MiB", "--max-num-seqs", "1", "--max-queue-depth", "0"]
+    # Several KV blocks long, so that each coordinator's prefix affinity remembers its worker.
+    prompt = " ".join(["And God said, Let there be light: and there was light."] * 3)
+
+    def body(cs):
+        w1 = cs.add_worker(slot)
+        cs.wait_serving(0, 1)
+        cs.wait_serving(1, 1)
+        a, b = cs.client(0), cs.client(1)
+        try:
+            for c in (a, b):  # both have seen the prompt on w1
+                assert len(c.generate_text(prompt, max_new_tokens=2, temperature=0).token_ids)
+            long = a.generate(prompt, max_new_tokens=400, temperature=0, ignore_eos=True)
+            first = next(long)  # w1's one slot is taken through A
+            # B's own count says w1 is free; w1 says it is full.
+            t0 = time.monotonic()
+            e = rpc_error(lambda: b.generate_text(prompt, max_new_tokens=4, temperature=0,
+                                                  timeout=30))
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (e.code(), e.details())
+            assert "queue is full" in e.details(), e.details()
+            assert time.monotonic() - t0 < 10
+            # With a second worker, B's request tries w1 (its affinity), is refused there and
+            # runs on w2.
+            w2 = cs.add_worker(slot)
+            cs.wait_serving(1, 2)
+            done = b.generate_text(prompt, max_new_tokens=4, temperature=0, timeout=30)
+            assert len(done.token_ids) == 4
+            w2_id = [w.worker_id for w in cs.serving(1) if w.address == w2.address]
+            assert done.worker_ids == w2_id, (done.worker_ids, w2_id)
+            rest = collect(long)
+            assert len(first.token_ids) + len(rest.token_ids) == 400
+            assert rest.finish_reason == "length"
+        finally:
+            a.close()
+            b.close()
     run_test(tmp_path, 2, body)

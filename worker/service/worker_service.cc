@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/grpc_status.h"
 #include "worker/service/convert.h"
@@ -156,8 +157,13 @@ void Channel::Run(Action action) {
 }  // namespace
 
 WorkerService::WorkerService(EngineLoop* loop, const auth::BearerAuth* cluster,
-                             v1::KvCapacity capacity, int32_t max_num_seqs)
-    : loop_(loop), cluster_(cluster), capacity_(std::move(capacity)), max_num_seqs_(max_num_seqs) {}
+                             v1::KvCapacity capacity, int32_t max_num_seqs,
+                             int64_t max_queue_depth)
+    : loop_(loop),
+      cluster_(cluster),
+      capacity_(std::move(capacity)),
+      max_num_seqs_(max_num_seqs),
+      max_queue_depth_(max_queue_depth) {}
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(
     grpc::CallbackServerContext* context, const v1::WorkerGenerateRequest* request) {
@@ -178,6 +184,12 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* WorkerService::Generate(
   }
   if (stalled_.load()) {
     channel->OnError(absl::UnavailableError("the worker's engine is stalled"));
+    return stream;
+  }
+  if (const int64_t active = loop_->NumActive(); active >= max_num_seqs_ + max_queue_depth_) {
+    channel->OnError(absl::ResourceExhaustedError(absl::StrCat(
+        "the worker's queue is full: ", active, " requests running or waiting (--max-num-seqs ",
+        max_num_seqs_, " + --max-queue-depth ", max_queue_depth_, ")")));
     return stream;
   }
   loop_->Submit(std::move(req), channel);

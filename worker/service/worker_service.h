@@ -20,9 +20,12 @@ class WorkerService final : public v1::Worker::CallbackService {
  public:
   // `loop` and `cluster` are not owned and must outlive the service (and the server running
   // it). When `cluster` holds a token every call must present it (UNAUTHENTICATED otherwise),
-  // so only the coordinator can use the worker.
+  // so only the coordinator can use the worker. A Generate call finding `max_num_seqs` +
+  // `max_queue_depth` requests already running or waiting is refused with
+  // RESOURCE_EXHAUSTED: coordinators count only the requests they placed themselves, so with
+  // several of them this is the bound that holds.
   WorkerService(EngineLoop* loop, const auth::BearerAuth* cluster, v1::KvCapacity capacity,
-                int32_t max_num_seqs);
+                int32_t max_num_seqs, int64_t max_queue_depth = 64);
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::WorkerGenerateRequest* request) override;
@@ -46,6 +49,7 @@ class WorkerService final : public v1::Worker::CallbackService {
   const auth::BearerAuth* cluster_;
   v1::KvCapacity capacity_;
   int32_t max_num_seqs_;
+  int64_t max_queue_depth_;
   std::atomic<bool> draining_{false};
   std::atomic<bool> stalled_{false};
 };
