@@ -7,6 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "google/protobuf/stubs/logging.h"
 #include "kvgrid/v1/generation.pb.h"
 
 namespace kvgrid::coordinator {
@@ -82,6 +83,37 @@ TEST(RequestParseTest, BytesThatAreNoMessageSaySo) {
   const absl::Status s = ParseRequest(std::string("\xff\xff\xff\xff"), &out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("not a valid kvgrid.v1.GenerateRequest"));
+}
+
+// Found by tests/fuzz/grpc_request_fuzz: bytes that fail to parse only after an invalid
+// string made protobuf log a line for it, once per request. They are refused before protobuf
+// sees them, and protobuf logs nothing.
+int protobuf_log_lines = 0;
+void CountProtobufLog(google::protobuf::LogLevel, const char*, int, const std::string&) {
+  ++protobuf_log_lines;
+}
+
+TEST(RequestParseTest, MalformedBytesAfterAnInvalidStringNeverReachProtobuf) {
+  google::protobuf::LogHandler* previous = google::protobuf::SetLogHandler(&CountProtobufLog);
+  protobuf_log_lines = 0;
+  v1::GenerateRequest in;
+  in.set_prompt(kMarker);
+  v1::GenerateRequest nested;
+  nested.add_messages()->set_content(kMarker);
+  for (const std::string& valid_then_bad :
+       {Corrupt(in) + "\xff\xff\xff", Corrupt(nested) + std::string("\x0a\x05" "ab")}) {
+    v1::GenerateRequest out;
+    const absl::Status s = ParseRequest(valid_then_bad, &out);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("not a valid kvgrid.v1.GenerateRequest"));
+  }
+  // A truncated nested message holding an invalid string, then more fields.
+  std::string inner = Corrupt(nested);
+  inner.pop_back();
+  v1::GenerateRequest out;
+  EXPECT_EQ(ParseRequest(inner, &out).code(), absl::StatusCode::kInvalidArgument);
+  google::protobuf::SetLogHandler(previous);
+  EXPECT_EQ(protobuf_log_lines, 0);
 }
 
 }  // namespace
