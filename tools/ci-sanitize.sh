@@ -27,7 +27,7 @@ export ASAN_OPTIONS="abort_on_error=1:detect_leaks=1:strict_string_checks=1:dete
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
 cd "$build"
 # The numeric reference tests (forward passes against numpy, minutes each here).
-slow='^reference\.(forward|awq_gptq|chat_template|gguf_model|gguf_kquant_model|gguf_mixed_kquant_model|penalties|qwen3_rope|sliding_window|trained_model|sentencepiece_tokenizer|llama_cpp_vocab)$'
+slow='^reference\.(forward|awq_gptq|chat_template|gguf_model|gguf_kquant_model|gguf_mixed_kquant_model|penalties|qwen3_rope|sliding_window|trained_model|sentencepiece_tokenizer|llama_cpp_vocab|tokenizer)$'
 if [[ -n "${KVGRID_SANITIZE_ALL:-}" || $# -gt 0 ]]; then
   ctest --output-on-failure -j "${KVGRID_TEST_JOBS:-2}" -L "unit|reference" "$@"
 else
