@@ -7,7 +7,11 @@ each target it reports the executions, the seconds, the rate, the corpus it grew
 anything was found (a crash, leak, timeout, out-of-memory or sanitizer report; the input is
 left in build-fuzz/campaign/<target>/artifacts/).
 
-Usage: bench/fuzz_campaign.py [--json] [--runs 10000000] [--targets a,b] [--jobs 2] [--nice 19]
+A campaign also ends after --max-seconds (default: none), so a short one reports how far it
+got.
+
+Usage: bench/fuzz_campaign.py [--json] [--runs 10000000] [--max-seconds S] [--targets a,b]
+                              [--jobs 2] [--nice 19]
 """
 
 import argparse
@@ -26,7 +30,7 @@ TARGETS = ["safetensors_fuzz", "model_config_fuzz", "tokenizer_fuzz", "gguf_fuzz
            "openai_request_fuzz", "grpc_request_fuzz"]
 
 
-def campaign(target: str, runs: int, niceness: int) -> dict:
+def campaign(target: str, runs: int, niceness: int, max_seconds: int) -> dict:
     exe = BUILD / "bin" / target
     if not exe.is_file():
         raise SystemExit(f"{exe} is missing: run tools/ci-fuzz.sh (it builds build-fuzz/) first")
@@ -42,7 +46,8 @@ def campaign(target: str, runs: int, niceness: int) -> dict:
     t0 = time.monotonic()
     with open(log, "wb") as out:
         rc = subprocess.run(
-            ["nice", "-n", str(niceness), str(exe), f"-runs={runs}", "-timeout=10",
+            ["nice", "-n", str(niceness), str(exe), f"-runs={runs}",
+             *([f"-max_total_time={max_seconds}"] if max_seconds > 0 else []), "-timeout=10",
              "-rss_limit_mb=2048", "-max_len=65536", "-print_final_stats=1",
              f"-artifact_prefix={artifacts}/", str(corpus)],
             stdout=out, stderr=subprocess.STDOUT).returncode
@@ -51,7 +56,8 @@ def campaign(target: str, runs: int, niceness: int) -> dict:
     m = re.search(r"^stat::number_of_executed_units:\s*(\d+)", text, re.M)
     executed = int(m.group(1)) if m else 0
     findings = sorted(p.name for p in artifacts.iterdir())
-    return {"target": target, "executions": executed, "seconds": round(seconds, 1),
+    return {"target": target, "executions": executed, "reached": executed >= runs,
+            "seconds": round(seconds, 1),
             "executions_per_s": round(executed / seconds) if seconds > 0 else 0,
             "corpus_before": before, "corpus_after": len(list(corpus.iterdir())),
             "exit_code": rc, "finding": rc != 0 or bool(findings), "artifacts": findings}
@@ -64,11 +70,12 @@ def main():
     ap.add_argument("--targets", default=",".join(TARGETS))
     ap.add_argument("--jobs", type=int, default=2, help="targets run at once")
     ap.add_argument("--nice", type=int, default=19)
+    ap.add_argument("--max-seconds", type=int, default=0, help="per target; 0: no limit")
     args = ap.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     results = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(campaign, t, args.runs, args.nice) for t in targets]
+        futures = [pool.submit(campaign, t, args.runs, args.nice, args.max_seconds) for t in targets]
         for f in futures:
             results.append(f.result())
             if not args.json:

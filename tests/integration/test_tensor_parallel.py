@@ -118,18 +118,26 @@ def test_oversize_request_goes_to_the_two_rank_group(cluster, fixtures_dir):
     assert leader.alive()
 
 
-def _fail_over_after_killing(cluster, victim_rank: int):
+def _stream_on_a_group_beside_a_worker(cluster, group_args=()):
+    """A two-rank group streaming a greedy request (its first response read) and then a
+    single worker to fail over to: (cluster, group procs, single worker, the uninterrupted
+    run's tokens, the stream, its first response)."""
     c = cluster(workers=0)
-    group = start_group(c, 2, "g")
+    group = start_group(c, 2, "g", group_args)
     c.wait_serving(1)
     want = run_json(MODEL_DIR, "--prompt", "In the beginning", "--max-new-tokens", 300,
                     "--temperature", 0, "--ignore-eos")
     stream = c.client.generate("In the beginning", max_new_tokens=300, temperature=0,
                                ignore_eos=True)
     first = next(stream)
-    # Somewhere to fail over to, then the group loses a rank mid-stream.
-    c.add_worker(["--threads", "1"])
+    other = c.add_worker(["--threads", "1"])
     c.wait_serving(2)
+    return c, group, other, want, stream, first
+
+
+def _fail_over_after_killing(cluster, victim_rank: int):
+    # The group loses a rank mid-stream.
+    c, group, _, want, stream, first = _stream_on_a_group_beside_a_worker(cluster)
     group[victim_rank].popen.send_signal(signal.SIGKILL)
     rest = collect(stream)
     tokens = list(first.token_ids) + rest.token_ids
@@ -160,17 +168,8 @@ def test_a_frozen_follower_stalls_the_group_and_its_request_moves_within_the_sta
     it STALLED and places nothing there, and the stream moves to the other worker with no token
     lost or repeated, long before the collective timeout. Thawed, the group finishes its step
     and serves again."""
-    c = cluster(workers=0)
-    leader, follower = start_group(c, 2, "g", ["--stall-timeout-s", 2,
-                                               "--collective-timeout-s", 120])
-    c.wait_serving(1)
-    want = run_json(MODEL_DIR, "--prompt", "In the beginning", "--max-new-tokens", 300,
-                    "--temperature", 0, "--ignore-eos")
-    stream = c.client.generate("In the beginning", max_new_tokens=300, temperature=0,
-                               ignore_eos=True)
-    first = next(stream)
-    other = c.add_worker(["--threads", "1"])
-    c.wait_serving(2)
+    c, (leader, follower), other, want, stream, first = _stream_on_a_group_beside_a_worker(
+        cluster, ["--stall-timeout-s", 2, "--collective-timeout-s", 120])
     leader_id = [w.worker_id for w in c.status().workers if w.group_id == "g"][0]
     follower.popen.send_signal(signal.SIGSTOP)
     frozen_at = time.monotonic()

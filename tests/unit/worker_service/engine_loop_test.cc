@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
+#include "tests/unit/worker_service/collector.h"
 
 namespace kvgrid::worker {
 namespace {
@@ -36,37 +37,7 @@ GenerationRequest Request(int i, int64_t max_new = 12) {
   return r;
 }
 
-class Collector : public OutputSink {
- public:
-  void OnOutput(TokenOutput out) override {
-    absl::MutexLock lock(&mu_);
-    tokens_.push_back(out.token_id);
-    if (out.finish != FinishReason::kNone) done_ = true;
-  }
-  void OnError(absl::Status s) override {
-    absl::MutexLock lock(&mu_);
-    error_ = std::move(s);
-    done_ = true;
-  }
-  void Wait() {
-    absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&done_));
-  }
-  std::vector<int32_t> tokens() {
-    absl::MutexLock lock(&mu_);
-    return tokens_;
-  }
-  absl::Status error() {
-    absl::MutexLock lock(&mu_);
-    return error_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<int32_t> tokens_;
-  absl::Status error_;
-  bool done_ = false;
-};
+using ::kvgrid::worker::testing::Collector;
 
 TEST(EngineLoopTest, ConcurrentSubmissionsMatchTheEngineAlone) {
   std::map<std::string, std::vector<int32_t>> alone;

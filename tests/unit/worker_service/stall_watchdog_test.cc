@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "gtest/gtest.h"
+#include "tests/unit/worker_service/collector.h"
 #include "worker/executor/cpu_executor.h"
 #include "worker/service/engine_loop.h"
 
@@ -99,59 +100,7 @@ GenerationRequest Request(int i, int64_t max_new) {
   return r;
 }
 
-class Collector : public OutputSink {
- public:
-  void OnOutput(TokenOutput out) override {
-    absl::MutexLock lock(&mu_);
-    if (done_) ++after_end_;
-    tokens_.push_back(out.token_id);
-    if (out.finish != FinishReason::kNone) done_ = true;
-  }
-  void OnError(absl::Status s) override {
-    absl::MutexLock lock(&mu_);
-    if (done_) ++after_end_;
-    error_ = std::move(s);
-    done_ = true;
-  }
-  bool WaitDone(absl::Duration timeout = absl::Seconds(30)) {
-    absl::MutexLock lock(&mu_);
-    return mu_.AwaitWithTimeout(absl::Condition(&done_), timeout);
-  }
-  bool WaitTokens(size_t n) {
-    absl::MutexLock lock(&mu_);
-    std::pair<Collector*, size_t> arg(this, n);
-    return mu_.AwaitWithTimeout(
-        absl::Condition(
-            +[](std::pair<Collector*, size_t>* a) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return a->first->tokens_.size() >= a->second;
-            },
-            &arg),
-        absl::Seconds(30));
-  }
-  size_t num_tokens() {
-    absl::MutexLock lock(&mu_);
-    return tokens_.size();
-  }
-  std::vector<int32_t> tokens() {
-    absl::MutexLock lock(&mu_);
-    return tokens_;
-  }
-  absl::Status error() {
-    absl::MutexLock lock(&mu_);
-    return error_;
-  }
-  int after_end() {
-    absl::MutexLock lock(&mu_);
-    return after_end_;
-  }
-
- private:
-  absl::Mutex mu_;
-  std::vector<int32_t> tokens_ ABSL_GUARDED_BY(mu_);
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  int after_end_ ABSL_GUARDED_BY(mu_) = 0;
-};
+using ::kvgrid::worker::testing::Collector;
 
 // Polls `done` for up to `timeout`.
 template <typename F>
