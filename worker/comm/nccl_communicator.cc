@@ -30,7 +30,6 @@ absl::Status NcclStatus(ncclResult_t result, const char* call, const char* file,
     if (!kvgrid_nccl_status_.ok()) return kvgrid_nccl_status_;                            \
   } while (0)
 
-
 // A call on a State's communicator: it is non-blocking (see Join), so a call may return
 // ncclInProgress, and the next one may only follow once its state leaves ncclInProgress.
 #define KVGRID_NCCL_CALL(state, call, timeout)                                          \
@@ -40,45 +39,6 @@ absl::Status NcclStatus(ncclResult_t result, const char* call, const char* file,
                                                 ::absl::StatusCode::kUnavailable);      \
     if (!kvgrid_nccl_status_.ok()) return kvgrid_nccl_status_;                          \
   } while (0)
-
-}  // namespace
-
-// Owns what Join creates, so that a Join failing halfway releases what it had made.
-struct NcclCommunicator::State {
-  State() = default;
-  State(const State&) = delete;
-  State& operator=(const State&) = delete;
-  ~State() {
-    if (comm != nullptr) {
-      if (!aborted) {
-        // A non-blocking communicator finalizes asynchronously: wait for it (a peer that is
-        // gone would hold it, hence the bound), then free it; abort it otherwise.
-        ncclResult_t state = ncclCommFinalize(comm);
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(1));
-          if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
-        }
-        aborted = state != ncclSuccess;
-      }
-      if (aborted) {
-        (void)ncclCommAbort(comm);
-      } else {
-        (void)ncclCommDestroy(comm);
-      }
-    }
-    if (barrier_buffer != nullptr) (void)cudaFree(barrier_buffer);
-    if (stream != nullptr) (void)cudaStreamDestroy(stream);
-  }
-
-  ncclComm_t comm = nullptr;
-  cudaStream_t stream = nullptr;
-  int device = 0;
-  bool aborted = false;
-  float* barrier_buffer = nullptr;  // one float all-reduced as a barrier
-};
-
-namespace {
 
 // Waits while the communicator `*comm` is busy with `call` (which returned `result`), up to
 // `timeout`. A failure or the timeout aborts the communicator and clears `*comm` (a later call
@@ -124,6 +84,37 @@ absl::Status Settle(ncclComm_t* comm, bool* aborted, ncclResult_t result, const 
 }
 
 }  // namespace
+
+// Owns what Join creates, so that a Join failing halfway releases what it had made.
+struct NcclCommunicator::State {
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() {
+    if (comm != nullptr && !aborted) {
+      // A non-blocking communicator finalizes asynchronously: wait for it (a peer that is gone
+      // would hold it, hence the bound), then free it; Settle aborts it otherwise.
+      (void)Settle(&comm, &aborted, ncclCommFinalize(comm), "ncclCommFinalize", __FILE__,
+                   __LINE__, std::chrono::seconds(10), absl::StatusCode::kDeadlineExceeded);
+    }
+    if (comm != nullptr) {
+      if (aborted) {
+        (void)ncclCommAbort(comm);
+      } else {
+        (void)ncclCommDestroy(comm);
+      }
+    }
+    if (barrier_buffer != nullptr) (void)cudaFree(barrier_buffer);
+    if (stream != nullptr) (void)cudaStreamDestroy(stream);
+  }
+
+  ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
+  int device = 0;
+  bool aborted = false;
+  float* barrier_buffer = nullptr;  // one float all-reduced as a barrier
+};
+
 
 absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Connect(
     int rank, int size, int device, gloo::rendezvous::Store& store,

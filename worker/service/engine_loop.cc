@@ -101,14 +101,17 @@ void EngineLoop::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
+void EngineLoop::AbortDroppedLocked() {
+  for (const std::string& id : dropped_) engine_->Abort(id);
+  dropped_.clear();
+}
+
 void EngineLoop::Drain(
     std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
     std::vector<PendingAbort>& aborts) {
   int64_t ended = 0;
   absl::ReleasableMutexLock sinks(&sinks_mu_);
-  // Requests FailRunning ended: their sinks are gone, the engine still holds them.
-  for (const std::string& id : dropped_) engine_->Abort(id);
-  dropped_.clear();
+  AbortDroppedLocked();
   for (auto& [request, sink] : submits) {
     const std::string id = request.id;
     const int64_t n = request.n;
@@ -198,8 +201,6 @@ void EngineLoop::Run() {
     int64_t ended = 0;
     {
       absl::MutexLock sinks(&sinks_mu_);
-      for (const std::string& id : dropped_) engine_->Abort(id);
-      dropped_.clear();
       if (!outputs.ok()) {
         // A failed forward pass leaves the step's sequences to be retried; a failure that
         // repeats would spin, so every request fails and its blocks are freed.
@@ -230,8 +231,7 @@ void EngineLoop::Run() {
   // Stopping: whatever is still running or queued is failed, and its blocks freed.
   {
     absl::MutexLock sinks(&sinks_mu_);
-    for (const std::string& id : dropped_) engine_->Abort(id);
-    dropped_.clear();
+    AbortDroppedLocked();
     for (auto& [id, active] : active_) {
       engine_->Abort(id);
       active.sink->OnError(absl::UnavailableError("the worker is shutting down"));

@@ -87,6 +87,9 @@ class EngineLoop {
     std::shared_ptr<const OutputSink> owner;  // null: whichever sink the request has
   };
   void Run();
+  // Aborts in the engine the requests FailRunning ended: their sinks are gone, the engine
+  // still holds them (loop thread only).
+  void AbortDroppedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(sinks_mu_);
   // Marks the start of a round (now) or the wait for work (idle).
   void MarkBusy(bool busy);
   // Applies the drops of FailRunning, queued submissions, then aborts, to the engine (loop
