@@ -150,7 +150,7 @@ def test_worker_port_refuses_plaintext_wrong_ca_and_no_client_cert(mtls_cluster,
 
 def test_a_tls_worker_answers_probes_on_its_plaintext_health_port(mtls_cluster):
     from grpc_health.v1 import health_pb2
-    from .conftest import health_check
+    from .conftest import health_check, health_stub
     def serving(ch):
         try:
             return health_check(ch, "") == health_pb2.HealthCheckResponse.SERVING
@@ -158,15 +158,22 @@ def test_a_tls_worker_answers_probes_on_its_plaintext_health_port(mtls_cluster):
             return False
     with grpc.insecure_channel(f"127.0.0.1:{mtls_cluster['worker_health_port']}") as ch:
         assert wait_until(lambda: serving(ch), timeout=30), mtls_cluster["worker"].describe()
-    # Draining shows there too.
-    mtls_cluster["worker"].popen.send_signal(2)  # SIGINT: drain
-    with grpc.insecure_channel(f"127.0.0.1:{mtls_cluster['worker_health_port']}") as ch:
-        def not_serving():
-            try:
-                return health_check(ch, "") == health_pb2.HealthCheckResponse.NOT_SERVING
-            except grpc.RpcError:
-                return False
-        assert wait_until(not_serving, timeout=10), mtls_cluster["worker"].describe()
+        # Draining shows there too. An idle worker drains and exits at once, so a poll could
+        # miss the moment: a Watch opened before the signal hears the change when it happens.
+        watch = health_stub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=20)
+        seen = [next(watch).status]
+        assert seen == [health_pb2.HealthCheckResponse.SERVING], seen
+        mtls_cluster["worker"].popen.send_signal(2)  # SIGINT: drain
+        try:
+            for update in watch:
+                seen.append(update.status)
+                if update.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+        except grpc.RpcError:  # the worker is gone once it has said so
+            pass
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen, (
+            seen, mtls_cluster["worker"].describe())
+        watch.cancel()
 
 
 def test_coordinator_worker_port_refuses_workers_without_its_trust(mtls_cluster, certs):

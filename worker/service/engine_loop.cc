@@ -52,10 +52,7 @@ EngineStats EngineLoop::Stats() const {
   return stats_;
 }
 
-int64_t EngineLoop::NumActive() const {
-  absl::MutexLock lock(&mu_);
-  return num_active_;
-}
+int64_t EngineLoop::NumActive() const { return num_active_.load(); }
 
 absl::Duration EngineLoop::BusyFor() const {
   const int64_t since = busy_since_ns_.load(std::memory_order_relaxed);
@@ -83,13 +80,10 @@ int64_t EngineLoop::FailRunning(const absl::Status& status) {
     }
     active_.clear();
   }
+  const int64_t ended = static_cast<int64_t>(queued.size() + running.size());
+  num_active_ -= ended;
   for (auto& [request, sink] : queued) sink->OnError(status);
   for (const std::shared_ptr<OutputSink>& sink : running) sink->OnError(status);
-  const int64_t ended = static_cast<int64_t>(queued.size() + running.size());
-  if (ended > 0) {
-    absl::MutexLock lock(&mu_);
-    num_active_ -= ended;
-  }
   return ended;
 }
 
@@ -109,21 +103,20 @@ void EngineLoop::AbortDroppedLocked() {
 void EngineLoop::Drain(
     std::vector<std::pair<GenerationRequest, std::shared_ptr<OutputSink>>>& submits,
     std::vector<PendingAbort>& aborts) {
-  int64_t ended = 0;
-  absl::ReleasableMutexLock sinks(&sinks_mu_);
+  absl::MutexLock sinks(&sinks_mu_);
   AbortDroppedLocked();
   for (auto& [request, sink] : submits) {
     const std::string id = request.id;
     const int64_t n = request.n;
     if (active_.contains(id)) {
-      ++ended;
+      --num_active_;
       sink->OnError(absl::InvalidArgumentError(
           absl::StrCat("request_id: '", id, "' is already in use")));
       continue;
     }
     absl::Status status = engine_->AddRequest(std::move(request));
     if (!status.ok()) {
-      ++ended;
+      --num_active_;
       sink->OnError(std::move(status));
       continue;
     }
@@ -136,7 +129,7 @@ void EngineLoop::Drain(
     engine_->Abort(abort.request_id);
     std::shared_ptr<OutputSink> sink = std::move(it->second.sink);
     active_.erase(it);
-    ++ended;
+    --num_active_;
     // Ends the sink's stream: without it, an abort from anywhere but the stream itself would
     // leave that stream waiting for outputs that never come.
     sink->OnError(absl::AbortedError(absl::StrCat("request ", abort.request_id,
@@ -144,11 +137,6 @@ void EngineLoop::Drain(
   }
   submits.clear();
   aborts.clear();
-  sinks.Release();
-  if (ended > 0) {
-    absl::MutexLock lock(&mu_);
-    num_active_ -= ended;
-  }
 }
 
 void EngineLoop::Run() {
@@ -198,34 +186,30 @@ void EngineLoop::Run() {
       continue;
     }
     absl::StatusOr<std::vector<TokenOutput>> outputs = engine_->Step();
-    int64_t ended = 0;
     {
       absl::MutexLock sinks(&sinks_mu_);
       if (!outputs.ok()) {
         // A failed forward pass leaves the step's sequences to be retried; a failure that
         // repeats would spin, so every request fails and its blocks are freed.
+        num_active_ -= static_cast<int64_t>(active_.size());
         for (auto& [id, active] : active_) {
           engine_->Abort(id);
           active.sink->OnError(outputs.status());
-          ++ended;
         }
         active_.clear();
       } else {
         for (TokenOutput& out : *outputs) {
           auto it = active_.find(out.request_id);
           if (it == active_.end()) continue;
-          const bool finished = out.finish != FinishReason::kNone;
+          const bool last = out.finish != FinishReason::kNone && --it->second.unfinished == 0;
+          if (last) --num_active_;
           it->second.sink->OnOutput(std::move(out));
-          if (finished && --it->second.unfinished == 0) {
-            active_.erase(it);
-            ++ended;
-          }
+          if (last) active_.erase(it);
         }
       }
     }
     if (!outputs.ok() && on_step_error_) on_step_error_(outputs.status());
     absl::MutexLock lock(&mu_);
-    num_active_ -= ended;
     stats_ = engine_->Stats();
   }
   // Stopping: whatever is still running or queued is failed, and its blocks freed.

@@ -63,7 +63,8 @@ class EngineLoop {
   void Abort(const std::string& request_id, std::shared_ptr<const OutputSink> owner = nullptr);
   // Engine statistics as of the last step (or idle moment).
   [[nodiscard]] EngineStats Stats() const;
-  // Requests submitted and not yet finished, refused or aborted.
+  // Requests submitted and not yet finished, refused or aborted; a request stops counting
+  // before its sink receives its last output or its error.
   [[nodiscard]] int64_t NumActive() const;
   // Fails every request with UNAVAILABLE and stops the thread. Idempotent.
   void Stop();
@@ -103,7 +104,9 @@ class EngineLoop {
   std::vector<PendingAbort> aborts_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   EngineStats stats_ ABSL_GUARDED_BY(mu_);
-  int64_t num_active_ ABSL_GUARDED_BY(mu_) = 0;
+  // Counted down before the sink hears that its request ended, so that a client that sends
+  // its next request the moment the last one ends never finds the slot still taken.
+  std::atomic<int64_t> num_active_{0};
   // steady_clock nanoseconds at the start of the current round; 0 while waiting for work.
   std::atomic<int64_t> busy_since_ns_{0};
 
