@@ -76,20 +76,6 @@ absl::Status CheckModelName(const std::string& model) {
   return absl::OkStatus();
 }
 
-// `message` as wire bytes in `out`, the way gRPC serializes a typed method's responses.
-// Errors: INTERNAL when it cannot be serialized.
-template <typename Message>
-absl::Status Serialize(const Message& message, grpc::ByteBuffer* out) {
-  out->Clear();  // gRPC's writer serializes only into an empty buffer
-  bool own_buffer = false;
-  const grpc::Status s = grpc::SerializationTraits<Message>::Serialize(message, out, &own_buffer);
-  if (!s.ok()) {
-    return absl::InternalError(absl::StrCat("cannot serialize a ", message.GetTypeName(), ": ",
-                                            s.error_message()));
-  }
-  return absl::OkStatus();
-}
-
 // The gRPC side of a relayed Generate call: the relay's sink, as a server write reactor. The
 // method is registered raw, so each response is serialized here; the relay writes one at a
 // time (the next after OnWriteDone), so one buffer is enough.
@@ -105,7 +91,7 @@ class GrpcGenerateStream final : public grpc::ServerWriteReactor<grpc::ByteBuffe
   void Write(const v1::GenerateResponse& msg) override {
     // Cannot fail for a response under protobuf's 2 GiB; if it did, the relay ends the call
     // as it does for a write that failed.
-    if (!Serialize(msg, &buffer_).ok()) {
+    if (!SerializeMessage(msg, &buffer_).ok()) {
       relay_->OnWriteDone(false);
       return;
     }
@@ -316,7 +302,7 @@ grpc::ServerUnaryReactor* GenerationService::Tokenize(grpc::CallbackServerContex
   if (!ids.ok()) return Done(context, ids.status());
   v1::TokenizeResponse response;
   response.mutable_token_ids()->Add(ids->begin(), ids->end());
-  return Done(context, Serialize(response, raw_response));
+  return Done(context, SerializeMessage(response, raw_response));
 }
 
 grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerContext* context,
@@ -336,7 +322,7 @@ grpc::ServerUnaryReactor* GenerationService::Detokenize(grpc::CallbackServerCont
   }
   v1::DetokenizeResponse response;
   response.set_text(*std::move(text));
-  return Done(context, Serialize(response, raw_response));
+  return Done(context, SerializeMessage(response, raw_response));
 }
 
 grpc::ServerUnaryReactor* GenerationService::ListModels(grpc::CallbackServerContext* context,

@@ -22,6 +22,8 @@
 #include "auth/tls.h"
 #include "coordinator/frontend.h"
 #include "coordinator/http_server.h"
+#include "coordinator/kserve_http.h"
+#include "coordinator/kserve_service.h"
 #include "coordinator/openai_api.h"
 #include "coordinator/model_catalog.h"
 #include "coordinator/registry.h"
@@ -227,8 +229,12 @@ absl::Status Serve(Args& args) {
                  metrics_endpoint->port());
   }
 
-  // The OpenAI HTTP API: the same service, registry, metrics and keys as the gRPC API.
+  // The OpenAI HTTP API and KServe v2 (gRPC, and HTTP beside OpenAI's routes): the same
+  // service, registry, metrics and keys as the gRPC API.
   kvgrid::coordinator::OpenAiApi openai_api(&generation, &catalog, &registry, &api_keys);
+  kvgrid::coordinator::KServeApi kserve_api(&generation, &catalog, &registry);
+  kvgrid::coordinator::KServeService kserve_service(&kserve_api, &api_keys);
+  kvgrid::coordinator::KServeHttp kserve_http(&kserve_api, &api_keys);
   std::unique_ptr<kvgrid::coordinator::HttpServer> http_server;
   if (http_listen) {
     kvgrid::coordinator::HttpServerOptions ho;
@@ -256,11 +262,16 @@ absl::Status Serve(Args& args) {
     ho.tls_key = tls.key;
     KVGRID_ASSIGN_OR_RETURN(
         http_server, kvgrid::coordinator::HttpServer::Start(
-                         ho, [&openai_api](kvgrid::coordinator::HttpRequest request,
-                                           std::shared_ptr<kvgrid::coordinator::HttpResponder> r) {
-                           openai_api.Handle(std::move(request), std::move(r));
+                         ho, [&openai_api, &kserve_http](
+                                 kvgrid::coordinator::HttpRequest request,
+                                 std::shared_ptr<kvgrid::coordinator::HttpResponder> r) {
+                           if (kvgrid::coordinator::KServeHttp::Serves(request.path)) {
+                             kserve_http.Handle(std::move(request), std::move(r));
+                           } else {
+                             openai_api.Handle(std::move(request), std::move(r));
+                           }
                          }));
-    std::fprintf(stderr, "kvgrid-coordinator: OpenAI HTTP API on port %d%s\n",
+    std::fprintf(stderr, "kvgrid-coordinator: OpenAI and KServe v2 HTTP APIs on port %d%s\n",
                  http_server->port(), tls.cert ? " (TLS)" : "");
   }
 
@@ -284,6 +295,7 @@ absl::Status Serve(Args& args) {
       statuses.emplace_back(m->name, up && live);
     }
     statuses.emplace_back("kvgrid.v1.Generation", up && any);
+    statuses.emplace_back("inference.GRPCInferenceService", up && any);
     statuses.emplace_back("", up);
     // gRPC's health service sends every Watch stream a message on each SetServingStatus,
     // changed or not, and this runs every 100 ms: set only what changed (everything when a
@@ -308,6 +320,7 @@ absl::Status Serve(Args& args) {
   int port = 0;
   builder.AddListeningPort(listen, credentials, &port);
   builder.RegisterService(&generation);
+  builder.RegisterService(&kserve_service);
   // Workers register on the API port unless they have a port of their own.
   if (!worker_listen) builder.RegisterService(&registry_service);
   builder.SetMaxReceiveMessageSize(64 << 20);

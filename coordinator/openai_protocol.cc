@@ -87,6 +87,19 @@ class ErrorLocator final : public nlohmann::json_sax<Json> {
   bool utf8_ = false;
 };
 
+}  // namespace
+
+absl::Status JsonError(absl::string_view body) {
+  ErrorLocator locator;
+  Json::sax_parse(body.begin(), body.end(), &locator);
+  if (locator.utf8()) {
+    return Bad(locator.path().empty() ? "body" : locator.path(), "invalid UTF-8");
+  }
+  return Bad("body", "not valid JSON");
+}
+
+namespace {
+
 absl::StatusOr<Json> ParseObject(absl::string_view body) {
   if (body.size() > kMaxBodyBytes) {
     return Bad("body", absl::StrCat("larger than ", kMaxBodyBytes, " bytes"));
@@ -97,14 +110,7 @@ absl::StatusOr<Json> ParseObject(absl::string_view body) {
     return s;
   }
   Json j = Json::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    ErrorLocator locator;
-    Json::sax_parse(body.begin(), body.end(), &locator);
-    if (locator.utf8()) {
-      return Bad(locator.path().empty() ? "body" : locator.path(), "invalid UTF-8");
-    }
-    return Bad("body", "not valid JSON");
-  }
+  if (j.is_discarded()) return JsonError(body);
   if (!j.is_object()) return Bad("body", "must be a JSON object");
   return j;
 }

@@ -79,6 +79,10 @@ absl::StatusOr<DetokenizeCall> ParseDetokenizeCall(absl::string_view body);
 // UNAVAILABLE 503; DEADLINE_EXCEEDED 504; anything else 500.
 int HttpStatusFor(absl::StatusCode code);
 
+// Why the JSON parser refused `body`: INVALID_ARGUMENT "<path>: invalid UTF-8" naming the
+// field whose text is not UTF-8 ("messages[1].content"), else "body: not valid JSON".
+absl::Status JsonError(absl::string_view body);
+
 // {"error": {"message", "type", "param", "code"}} as OpenAI's servers send it, for `status`.
 std::string ErrorBody(const absl::Status& status);
 // The same, with the HTTP status of a transport-level refusal (413 body too large, 404 path,

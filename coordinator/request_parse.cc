@@ -2,11 +2,14 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/unknown_field_set.h"
+#include "grpcpp/support/slice.h"
 #include "model/utf8.h"
 
 namespace kvgrid::coordinator {
@@ -91,6 +94,18 @@ absl::Status ParseRequest(const grpc::ByteBuffer& buffer, pb::Message* message) 
     bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   }
   return ParseRequest(bytes, message);
+}
+
+absl::Status SerializeMessage(const google::protobuf::Message& message, grpc::ByteBuffer* out) {
+  std::string bytes;
+  if (!message.SerializeToString(&bytes)) {
+    return absl::InternalError(
+        absl::StrCat("cannot serialize a ", message.GetTypeName(), " (", message.ByteSizeLong(),
+                     " bytes)"));
+  }
+  grpc::Slice slice(std::move(bytes));
+  *out = grpc::ByteBuffer(&slice, 1);
+  return absl::OkStatus();
 }
 
 }  // namespace kvgrid::coordinator

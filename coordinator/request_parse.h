@@ -24,6 +24,10 @@ namespace kvgrid::coordinator {
 absl::Status ParseRequest(std::string_view bytes, google::protobuf::Message* message);
 absl::Status ParseRequest(const grpc::ByteBuffer& buffer, google::protobuf::Message* message);
 
+// `message` as wire bytes in `out` (replaced), as gRPC serializes a typed method's messages,
+// for methods registered raw. Errors: INTERNAL when it cannot be serialized (over 2 GiB).
+absl::Status SerializeMessage(const google::protobuf::Message& message, grpc::ByteBuffer* out);
+
 // The path of the first string field of a `descriptor` message encoded in `bytes` that holds
 // invalid UTF-8, or "" when there is none (or the bytes are not well-formed wire data).
 std::string FindInvalidUtf8(const google::protobuf::Descriptor* descriptor,
