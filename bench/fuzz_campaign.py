@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build-fuzz"
 TARGETS = ["safetensors_fuzz", "model_config_fuzz", "tokenizer_fuzz", "gguf_fuzz", "jinja_fuzz",
-           "openai_request_fuzz", "grpc_request_fuzz"]
+           "openai_request_fuzz", "grpc_request_fuzz", "kserve_request_fuzz"]
 
 
 def campaign(target: str, runs: int, niceness: int, max_seconds: int) -> dict:

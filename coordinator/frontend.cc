@@ -280,9 +280,9 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* GenerationService::Generate(
   return stream;
 }
 
-grpc::ServerUnaryReactor* GenerationService::RefuseUnauthenticated(
-    grpc::CallbackServerContext* context) const {
-  const grpc::Status auth = api_keys_->Check(*context);
+grpc::ServerUnaryReactor* RefuseUnauthenticated(const auth::BearerAuth& keys,
+                                                grpc::CallbackServerContext* context) {
+  const grpc::Status auth = keys.Check(*context);
   if (auth.ok()) return nullptr;
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(auth);

@@ -35,6 +35,11 @@ struct AdmitOptions {
   bool refuse_beyond_context = false;
 };
 
+// A unary reactor finished with UNAUTHENTICATED when `context` carries no key `keys` accepts
+// (none needed when `keys` holds none), else null.
+grpc::ServerUnaryReactor* RefuseUnauthenticated(const auth::BearerAuth& keys,
+                                                grpc::CallbackServerContext* context);
+
 // Generate, Tokenize and Detokenize are registered raw and parse their own requests
 // (request_parse.h), so a string that is not UTF-8 is answered INVALID_ARGUMENT naming the
 // field rather than gRPC's bare UNIMPLEMENTED.
@@ -107,9 +112,9 @@ class GenerationService final : public GenerationServiceBase {
                                                     const ServedModel** model) const;
 
  private:
-  // A reactor finished with UNAUTHENTICATED when the call carries no accepted API key, else
-  // null.
-  grpc::ServerUnaryReactor* RefuseUnauthenticated(grpc::CallbackServerContext* context) const;
+  grpc::ServerUnaryReactor* RefuseUnauthenticated(grpc::CallbackServerContext* context) const {
+    return coordinator::RefuseUnauthenticated(*api_keys_, context);
+  }
 
   const ModelCatalog* catalog_;
   WorkerRegistry* registry_;

@@ -514,15 +514,6 @@ void KServeApi::Finished(const std::string& model, bool ok,
 KServeService::KServeService(KServeApi* api, const auth::BearerAuth* api_keys)
     : api_(api), api_keys_(api_keys) {}
 
-grpc::ServerUnaryReactor* KServeService::RefuseUnauthenticated(
-    grpc::CallbackServerContext* context) const {
-  const grpc::Status auth = api_keys_->Check(*context);
-  if (auth.ok()) return nullptr;
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(auth);
-  return reactor;
-}
-
 grpc::ServerUnaryReactor* KServeService::ServerLive(grpc::CallbackServerContext* context,
                                                     const inference::ServerLiveRequest*,
                                                     inference::ServerLiveResponse* response) {

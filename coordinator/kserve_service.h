@@ -131,9 +131,9 @@ class KServeService final : public KServeServiceBase {
       grpc::CallbackServerContext* context) override;
 
  private:
-  // A reactor finished with UNAUTHENTICATED when the call carries no accepted API key, else
-  // null.
-  grpc::ServerUnaryReactor* RefuseUnauthenticated(grpc::CallbackServerContext* context) const;
+  grpc::ServerUnaryReactor* RefuseUnauthenticated(grpc::CallbackServerContext* context) const {
+    return coordinator::RefuseUnauthenticated(*api_keys_, context);
+  }
 
   KServeApi* const api_;
   const auth::BearerAuth* const api_keys_;

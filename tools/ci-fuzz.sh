@@ -10,7 +10,7 @@ seconds="${KVGRID_FUZZ_SECONDS:-30}"
 jobs="${KVGRID_JOBS:-$(nproc)}"
 build="$root/build-fuzz"
 targets=(safetensors_fuzz model_config_fuzz tokenizer_fuzz gguf_fuzz jinja_fuzz openai_request_fuzz
-         grpc_request_fuzz)
+         grpc_request_fuzz kserve_request_fuzz)
 
 need=()
 for p in clang libclang-rt-14-dev; do
