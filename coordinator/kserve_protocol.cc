@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "coordinator/openai_protocol.h"
 #include "model/json_util.h"
+#include "model/status_macros.h"
 #include "model/utf8.h"
 #include "nlohmann/json.hpp"
 
@@ -174,11 +175,6 @@ struct Builder {
   std::optional<std::string> sampling_parameters;  // the JSON string, applied before inputs
 };
 
-#define KVGRID_KSERVE_ASSIGN(lhs, expr) \
-  auto lhs##_or = (expr);               \
-  if (!lhs##_or.ok()) return lhs##_or.status(); \
-  auto lhs = *std::move(lhs##_or)
-
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // Applies one field. `known` is false for a name that is none of ours.
@@ -188,101 +184,101 @@ absl::Status Apply(const Field& f, Builder* b, bool* known) {
   v1::StoppingParams* st = b->call.request.mutable_stopping();
   const std::string& n = f.name;
   if (n == "text_input") {
-    KVGRID_KSERVE_ASSIGN(text, AsString(f));
+    KVGRID_ASSIGN_OR_RETURN(auto text, AsString(f));
     b->call.request.set_prompt(std::move(text));
     b->has_text = true;
   } else if (n == "stream") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->call.stream = v;
   } else if (n == "exclude_input_in_output") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->call.exclude_input_in_output = v;
   } else if (n == "return_finish_reason") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->wanted.finish_reason = v;
   } else if (n == "return_num_input_tokens") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->wanted.num_input_tokens = v;
   } else if (n == "return_num_output_tokens") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->wanted.num_output_tokens = v;
   } else if (n == "return_logprobs" || n == "return_log_probs") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->wanted.logprobs = v;
   } else if (n == "return_cumulative_logprob") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     b->wanted.cumulative_logprob = v;
   } else if (n == "max_tokens") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 1, std::numeric_limits<int32_t>::max()));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 1, std::numeric_limits<int32_t>::max()));
     st->set_max_new_tokens(static_cast<int32_t>(v));
   } else if (n == "min_tokens" || n == "min_length") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
     st->set_min_tokens(static_cast<int32_t>(v));
   } else if (n == "temperature") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, 0, 1e6));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, 0, 1e6));
     s->set_temperature(static_cast<float>(v));
   } else if (n == "top_p") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, 0, 1));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, 0, 1));
     // 0 means off in TensorRT-LLM's runtime, as 1 does here.
     s->set_top_p(v == 0 ? 1.f : static_cast<float>(v));
   } else if (n == "top_k") {
     // -1 is the vLLM backend's "off", 0 TensorRT-LLM's.
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, -1, std::numeric_limits<int32_t>::max()));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, -1, std::numeric_limits<int32_t>::max()));
     s->set_top_k(v < 0 ? 0 : static_cast<int32_t>(v));
   } else if (n == "min_p") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, 0, 1));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, 0, 1));
     s->set_min_p(static_cast<float>(v));
   } else if (n == "repetition_penalty") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, 1e-6, 1e6));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, 1e-6, 1e6));
     s->set_repetition_penalty(static_cast<float>(v));
   } else if (n == "presence_penalty") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, -kInf, kInf));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, -kInf, kInf));
     s->set_presence_penalty(static_cast<float>(v));
   } else if (n == "frequency_penalty") {
-    KVGRID_KSERVE_ASSIGN(v, AsFloat(f, -kInf, kInf));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsFloat(f, -kInf, kInf));
     s->set_frequency_penalty(static_cast<float>(v));
   } else if (n == "random_seed" || n == "seed") {
-    KVGRID_KSERVE_ASSIGN(v, AsUint64(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsUint64(f));
     s->set_seed(v);
   } else if (n == "logprobs") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 0, 20));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 0, 20));
     s->set_logprobs(static_cast<int32_t>(v));
   } else if (n == "stop_words" || n == "stop") {
-    KVGRID_KSERVE_ASSIGN(v, AsStrings(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsStrings(f));
     st->clear_stop();
     for (std::string& w : v) {
       if (!w.empty()) st->add_stop(std::move(w));
     }
   } else if (n == "bad_words") {
-    KVGRID_KSERVE_ASSIGN(v, AsStrings(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsStrings(f));
     b->call.bad_words.clear();
     for (std::string& w : v) {
       if (!w.empty()) b->call.bad_words.push_back(std::move(w));
     }
   } else if (n == "ignore_eos") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     st->set_ignore_eos(v);
   } else if (n == "include_stop_str_in_output") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     st->set_include_stop_str_in_output(v);
   } else if (n == "end_id") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
     st->add_stop_token_ids(static_cast<int32_t>(v));
   } else if (n == "pad_id") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 0, std::numeric_limits<int32_t>::max()));
     (void)v;  // nothing is padded: sequences are never batched into one tensor
   } else if (n == "beam_width" || n == "n") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, 1, 1));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, 1, 1));
     (void)v;
   } else if (n == "priority") {
-    KVGRID_KSERVE_ASSIGN(v, AsInt(f, std::numeric_limits<int32_t>::min(),
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsInt(f, std::numeric_limits<int32_t>::min(),
                                   std::numeric_limits<int32_t>::max()));
     b->call.request.set_priority(static_cast<int32_t>(v));
   } else if (n == "triton_enable_empty_final_response") {
-    KVGRID_KSERVE_ASSIGN(v, AsBool(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsBool(f));
     (void)v;  // the last response is always marked final, and is never empty-only
   } else if (n == "sampling_parameters") {
-    KVGRID_KSERVE_ASSIGN(v, AsString(f));
+    KVGRID_ASSIGN_OR_RETURN(auto v, AsString(f));
     b->sampling_parameters = std::move(v);
   } else {
     *known = false;

@@ -35,7 +35,8 @@ struct Started {
 };
 
 // `unary`: for ModelInfer, which refuses to stream.
-absl::StatusOr<Started> ParseAndAdmit(KServeApi* api, std::string_view bytes, bool unary) {
+absl::StatusOr<Started> ParseAndAdmit(KServeApi* api, const grpc::ByteBuffer& bytes,
+                                      bool unary) {
   inference::ModelInferRequest request;
   if (absl::Status s = ParseRequest(bytes, &request); !s.ok()) {
     api->generation()->CountRefused(kApi, grpc::StatusCode::INVALID_ARGUMENT);
@@ -54,14 +55,6 @@ absl::StatusOr<Started> ParseAndAdmit(KServeApi* api, std::string_view bytes, bo
   absl::StatusOr<GenerationService::Admitted> admitted = api->Admit(*call, kApi);
   if (!admitted.ok()) return admitted.status();
   return Started{*std::move(call), *std::move(admitted)};
-}
-
-std::string BufferBytes(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  std::string out;
-  if (!buffer.Dump(&slices).ok()) return out;
-  for (const grpc::Slice& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  return out;
 }
 
 // One ModelInfer call: the relay's sink, gathering the whole completion.
@@ -137,9 +130,8 @@ class StreamCall final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::
       MaybeFinish();
       return;
     }
-    const std::string bytes = BufferBytes(read_);
+    absl::StatusOr<Started> started = ParseAndAdmit(api_, read_, /*unary=*/false);
     read_.Clear();
-    absl::StatusOr<Started> started = ParseAndAdmit(api_, bytes, /*unary=*/false);
     if (!started.ok()) {
       inference::ModelStreamInferResponse error;
       error.set_error_message(std::string(started.status().message()));
@@ -590,7 +582,7 @@ grpc::ServerUnaryReactor* KServeService::ModelInfer(grpc::CallbackServerContext*
     reactor->Finish(auth);
     return reactor;
   }
-  absl::StatusOr<Started> started = ParseAndAdmit(api_, BufferBytes(*raw), /*unary=*/true);
+  absl::StatusOr<Started> started = ParseAndAdmit(api_, *raw, /*unary=*/true);
   if (!started.ok()) return Done(context, started.status());
   auto* call = new InferCall(api_, raw_response, *std::move(started), context->deadline());
   call->Start();
