@@ -1,9 +1,12 @@
 // decode_bench: prefill and decode speed of the CPU engine at batch 1 on a Qwen2-0.5B-shaped
 // model with random weights, against this machine's memory bandwidth (STREAM-style triad) and
-// the roofline it implies for decode (every weight byte is read once per token).
+// the roofline it implies for decode: the bytes one step reads, which are every weight byte
+// except the embedding table when the head has its own matrix (the lookup reads one row), plus
+// the context's K/V. --exact-linear runs the quantized layers on fp32 inputs instead of 8-bit
+// ones (kernels/cpu/quant_linear.h's LinearPrecision).
 //
 //   build/bin/decode_bench [--json] [--prompt-len 128] [--decode-tokens 32] [--repeats 5]
-//                          [--weight-dtype fp32|q8_0|q4_0]
+//                          [--weight-dtype fp32|fp16|bf16|q8_0|q4_0] [--exact-linear]
 #include <omp.h>
 
 #include <algorithm>
@@ -57,6 +60,7 @@ int main(int argc, char** argv) {
   bool json = false;
   int64_t prompt_len = 128, decode_tokens = 32, repeats = 5;
   kvgrid::kernels::cpu::WeightDType weight_dtype = kvgrid::kernels::cpu::WeightDType::kF32;
+  bool exact_linear = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> int64_t {
@@ -67,6 +71,7 @@ int main(int argc, char** argv) {
       return std::atoll(argv[++i]);
     };
     if (a == "--json") json = true;
+    else if (a == "--exact-linear") exact_linear = true;
     else if (a == "--prompt-len") prompt_len = next();
     else if (a == "--decode-tokens") decode_tokens = next();
     else if (a == "--repeats") repeats = next();
@@ -80,7 +85,8 @@ int main(int argc, char** argv) {
     }
     else {
       std::fprintf(stderr, "usage: decode_bench [--json] [--prompt-len N] [--decode-tokens N] "
-                           "[--repeats N] [--weight-dtype fp32|q8_0|q4_0]\n");
+                           "[--repeats N] [--weight-dtype fp32|fp16|bf16|q8_0|q4_0] "
+                           "[--exact-linear]\n");
       return 2;
     }
   }
@@ -100,7 +106,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "decode_bench: %s\n", std::string(s.message()).c_str());
     return 1;
   }
+  if (exact_linear) (*model)->SetLinearPrecision(kvgrid::kernels::cpu::LinearPrecision::kExact);
   const int64_t weight_bytes = (*model)->WeightBytes();
+  // A step reads the embedding table only when the head is tied to it.
+  const kvgrid::worker::LlamaWeights& w = (*model)->weights();
+  const bool head_on_embedding = w.lm_head.empty() && w.lm_head_q.empty();
+  const int64_t embedding_bytes =
+      static_cast<int64_t>(w.embed.size() * sizeof(float) + w.embed_q.data.size());
+  const int64_t step_weight_bytes = weight_bytes - (head_on_embedding ? 0 : embedding_bytes);
   kvgrid::worker::EngineOptions options;
   options.kv_cache_memory = 64ll << 20;
   auto engine = kvgrid::worker::Engine::Create(*std::move(model), options);
@@ -113,7 +126,7 @@ int main(int argc, char** argv) {
   // The host is shared and its bandwidth drifts, so each repeat measures the triad right before
   // its decode run and the ratio is taken within the repeat; the median ratio is reported.
   const double context = prompt_len + decode_tokens / 2.0;
-  const double bytes_per_token = weight_bytes + context * kv_bytes_per_token;
+  const double bytes_per_token = step_weight_bytes + context * kv_bytes_per_token;
   double best_prefill = 0, best_decode = 0, best_bandwidth = 0;
   std::vector<double> fractions;
   for (int64_t r = 0; r < repeats; ++r) {
@@ -151,7 +164,7 @@ int main(int argc, char** argv) {
   std::sort(fractions.begin(), fractions.end());
   const double median_fraction = fractions[fractions.size() / 2];
 
-  // Per decode token: every weight once, plus the K/V of the context read by attention.
+  // Per decode token: every weight a step reads once, plus the K/V of the context.
   const double roofline = best_bandwidth / bytes_per_token;
   nlohmann::json j = {
       {"model", "qwen2-0.5b-shape (random weights)"},
@@ -159,7 +172,9 @@ int main(int argc, char** argv) {
       {"threads", omp_get_max_threads()},
       {"prompt_len", prompt_len},
       {"decode_tokens", decode_tokens},
+      {"exact_linear", exact_linear},
       {"weight_bytes", weight_bytes},
+      {"step_weight_bytes", step_weight_bytes},
       {"kv_bytes_per_token", kv_bytes_per_token},
       {"triad_bandwidth_gbs", best_bandwidth / 1e9},
       {"prefill_tokens_per_s", best_prefill},

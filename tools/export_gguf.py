@@ -7,7 +7,8 @@ interleaved-RoPE order. RoPE scaling as the converter writes it: linear and yarn
 <arch>.rope.scaling.* keys, llama3 as the rope_freqs.weight tensor of per-frequency divisors;
 dynamic NTK scaling has no GGUF form and is refused. Linear weights are quantized to Q8_0 or
 Q4_0 with llama.cpp's own `gguf.quants` (rows whose width is not a multiple of 32 stay F32);
-embeddings and norms stay F32. The model's tokenizer.json is embedded under llama.cpp's
+embeddings and norms stay F32. --type f16 / bf16 write every matrix (the embedding and head
+too) in 16 bits and the norms in F32, as llama.cpp's converter does with --outtype f16/bf16. The model's tokenizer.json is embedded under llama.cpp's
 tokenizer.ggml.* keys (byte-level BPE as model "gpt2", the pre-tokenizer named by its split
 regex; SentencePiece-style BPE with byte fallback, as Llama 2's and Mistral's, as model
 "llama" with scores and token types), and tokenizer_config.json's chat template as
@@ -28,7 +29,7 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-TYPES = {"f32": None, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+TYPES = {"f32": None, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "f16": Q.F16, "bf16": Q.BF16}
 
 
 def permute(w, n_head):
@@ -433,7 +434,9 @@ def main():
 
     def add(name, t, linear=False):
         t = to_f32(t)
-        if linear and qtype is not None and t.shape[-1] % 32 == 0:
+        if qtype in (Q.F16, Q.BF16) and t.ndim == 2:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        elif linear and qtype in (Q.Q8_0, Q.Q4_0) and t.shape[-1] % 32 == 0:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, t)

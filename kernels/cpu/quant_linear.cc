@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/ggml_blocks.h"
+#include "kernels/cpu/q8_activations.h"
 #include "kernels/cpu/vec.h"
 #include "model/dtype.h"
 
@@ -67,7 +68,87 @@ void DequantRowPortable(const QuantMatrix& m, const uint8_t* row, float* out) {
   }
 }
 
+void Float16RowPortable(WeightDType dtype, const uint8_t* src, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, src + 2 * i, sizeof(h));
+    out[i] = dtype == WeightDType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
+  }
+}
+
 #if defined(__x86_64__)
+// Eight 16-bit weights as fp32: F16 through F16C, BF16 as the top half of an fp32.
+template <bool kBf16>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 Load8Float16(const uint8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kBf16) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void Float16RowAvx2(WeightDType dtype,
+                                                               const uint8_t* src, int64_t n,
+                                                               float* out) {
+  int64_t i = 0;
+  if (dtype == WeightDType::kF16) {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Load8Float16<false>(src + 2 * i));
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, Load8Float16<true>(src + 2 * i));
+  }
+  Float16RowPortable(dtype, src + 2 * i, n - i, out + i);
+}
+
+// One row of 16-bit weights dotted with T (<= 4) fp32 inputs, widened in registers: the
+// decode step reads 2 bytes per weight instead of 4.
+template <int T, bool kBf16>
+__attribute__((target("avx2,fma,f16c"))) void DotRow16Avx2(const uint8_t* row, int64_t k,
+                                                            const float* x, float* y) {
+  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per token
+  __m256 acc[T][A];
+  for (int t = 0; t < T; ++t) {
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+  }
+  int64_t c = 0;
+  for (; c + 8 * A <= k; c += 8 * A) {
+    for (int a = 0; a < A; ++a) {
+      const __m256 w = Load8Float16<kBf16>(row + 2 * (c + 8 * a));
+      for (int t = 0; t < T; ++t) {
+        acc[t][a] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * k + c + 8 * a), acc[t][a]);
+      }
+    }
+  }
+  for (; c + 8 <= k; c += 8) {
+    const __m256 w = Load8Float16<kBf16>(row + 2 * c);
+    for (int t = 0; t < T; ++t) acc[t][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * k + c), acc[t][0]);
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 sum = acc[t][0];
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    float tail = 0.f;
+    for (int64_t j = c; j < k; ++j) {
+      uint16_t h;
+      std::memcpy(&h, row + 2 * j, sizeof(h));
+      tail += (kBf16 ? model::BF16ToF32(h) : model::F16ToF32(h)) * x[t * k + j];
+    }
+    y[t] = _mm_cvtss_f32(v) + tail;
+  }
+}
+
+template <bool kBf16>
+void DotRow16(const uint8_t* row, int64_t k, const float* x, int64_t tokens, float* y) {
+  switch (tokens) {
+    case 1: return DotRow16Avx2<1, kBf16>(row, k, x, y);
+    case 2: return DotRow16Avx2<2, kBf16>(row, k, x, y);
+    case 3: return DotRow16Avx2<3, kBf16>(row, k, x, y);
+    default: return DotRow16Avx2<4, kBf16>(row, k, x, y);
+  }
+}
+
 // The 32 weights of one block as fp32 (scale and offset applied), in four vectors of 8.
 __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType dtype,
                                                                       const uint8_t* block,
@@ -149,6 +230,8 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, c
 }
 
 void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t tokens, float* y) {
+  if (m.dtype == WeightDType::kF16) return DotRow16<false>(row, m.cols, x, tokens, y);
+  if (m.dtype == WeightDType::kBF16) return DotRow16<true>(row, m.cols, x, tokens, y);
   if (DotGgmlRow(m.dtype, row, m.cols, x, m.cols, tokens, y)) return;  // ggml_blocks.h's
   switch (tokens) {
     case 1: return DotRowAvx2<1>(m, row, x, y);
@@ -194,6 +277,8 @@ std::string_view WeightDTypeName(WeightDType dtype) {
     case WeightDType::kQ4_K: return "q4_k";
     case WeightDType::kQ5_K: return "q5_k";
     case WeightDType::kQ6_K: return "q6_k";
+    case WeightDType::kF16: return "fp16";
+    case WeightDType::kBF16: return "bf16";
   }
   return "?";
 }
@@ -203,13 +288,17 @@ absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name) {
   if (name == "q8_0") return WeightDType::kQ8_0;
   if (name == "q4_0") return WeightDType::kQ4_0;
   if (name == "q4_1") return WeightDType::kQ4_1;
-  return absl::InvalidArgumentError(absl::StrCat("weight dtype '", std::string(name),
-                                                 "': expected fp32, q8_0, q4_0 or q4_1"));
+  if (name == "fp16" || name == "f16") return WeightDType::kF16;
+  if (name == "bf16") return WeightDType::kBF16;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "weight dtype '", std::string(name), "': expected fp32, fp16, bf16, q8_0, q4_0 or q4_1"));
 }
 
 int64_t QuantMatrix::BlockElements(WeightDType dtype) {
   switch (dtype) {
     case WeightDType::kF32: return 0;
+    case WeightDType::kF16:
+    case WeightDType::kBF16: return 1;
     case WeightDType::kQ2_K:
     case WeightDType::kQ3_K:
     case WeightDType::kQ4_K:
@@ -234,6 +323,8 @@ int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
     case WeightDType::kQ4_K: return model::GgmlBlockBytes(model::GgmlType::kQ4_K);
     case WeightDType::kQ5_K: return model::GgmlBlockBytes(model::GgmlType::kQ5_K);
     case WeightDType::kQ6_K: return model::GgmlBlockBytes(model::GgmlType::kQ6_K);
+    case WeightDType::kF16:
+    case WeightDType::kBF16: return 2;
   }
   return 0;
 }
@@ -241,10 +332,23 @@ int64_t QuantMatrix::BlockBytes(WeightDType dtype) {
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t cols,
                                            WeightDType dtype) {
   if (dtype != WeightDType::kQ8_0 && dtype != WeightDType::kQ4_0 && dtype != WeightDType::kQ4_1 &&
-      dtype != WeightDType::kQ4_Z) {
+      dtype != WeightDType::kQ4_Z && !IsFloat16(dtype)) {
     return absl::InvalidArgumentError(absl::StrCat("QuantizeMatrix: cannot write ",
                                                    std::string(WeightDTypeName(dtype)),
-                                                   " (q8_0, q4_0, q4_1, q4_z only)"));
+                                                   " (q8_0, q4_0, q4_1, q4_z, fp16, bf16 only)"));
+  }
+  if (IsFloat16(dtype)) {
+    if (cols <= 0 || rows < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("QuantizeMatrix: ", rows, " x ", cols));
+    }
+    QuantMatrix m{.dtype = dtype, .rows = rows, .cols = cols};
+    m.data.resize(static_cast<size_t>(rows * cols * 2));
+#pragma omp parallel for schedule(static) if (rows * cols > (1 << 16))
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const uint16_t h = dtype == WeightDType::kF16 ? model::F32ToF16(w[i]) : model::F32ToBF16(w[i]);
+      std::memcpy(m.data.data() + 2 * i, &h, sizeof(h));
+    }
+    return m;
   }
   if (cols <= 0 || cols % kQuantBlock != 0 || rows < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -318,6 +422,13 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
 void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
   static const DequantFn dequant = BestDequant();
   const uint8_t* src = m.data.data() + row * m.RowBytes();
+  if (IsFloat16(m.dtype)) {
+#if defined(__x86_64__)
+    static const bool avx2 = HaveAvx2();
+    if (avx2) return Float16RowAvx2(m.dtype, src, m.cols, out);
+#endif
+    return Float16RowPortable(m.dtype, src, m.cols, out);
+  }
   if (DecodeGgmlBlocks(m.dtype, src, m.cols / QuantMatrix::BlockElements(m.dtype), out)) return;
   dequant(m, src, out);
 }
@@ -374,6 +485,26 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
       for (int64_t j = 0; j < k; ++j) g[j] = x[w.input_perm[j]];
     }
     input = gathered.data();
+  }
+  if (m <= kSmallBatchTokens && p.precision == LinearPrecision::kFast && HasInt8Dot(w.dtype)) {
+    // Decode on 8-bit inputs: quantized once here, each weight row read once as stored.
+    static_assert(kSmallBatchTokens <= kInt8DotMaxTokens);
+    thread_local Q8Activations calling_threads;
+    // The team reads the calling thread's copy (a thread_local named inside the region would be
+    // each thread's own).
+    const Q8Activations& activations = calling_threads;
+    QuantizeActivations(input, m, k, &calling_threads);
+#pragma omp parallel for schedule(static) if (n * k > 32768)
+    for (int64_t j = 0; j < n; ++j) {
+      float dots[kSmallBatchTokens];
+      Int8DotRow(w.dtype, w.data.data() + j * w.RowBytes(), activations, 0, m, dots);
+      const float b = p.bias ? p.bias[j] : 0.f;
+      for (int64_t t = 0; t < m; ++t) {
+        float* y = p.output + t * ldo + j;
+        *y = p.accumulate ? *y + dots[t] + b : dots[t] + b;
+      }
+    }
+    return absl::OkStatus();
   }
   if (m <= kSmallBatchTokens) {
     // Decode: each row is read once (quantized) and dotted with every token, dequantized in
@@ -447,16 +578,22 @@ std::optional<WeightDType> WeightDTypeOfGgml(model::GgmlType type) {
   }
 }
 
+std::optional<WeightDType> HeldDTypeOfGgml(model::GgmlType type) {
+  if (type == model::GgmlType::kF16) return WeightDType::kF16;
+  if (type == model::GgmlType::kBF16) return WeightDType::kBF16;
+  return WeightDTypeOfGgml(type);
+}
+
 namespace {
 
 // The shape checks QuantMatrixFromGguf and GgufTensorToF32 share: the dtype, and rows of ne[0]
 // in whole blocks with the bytes they need.
 absl::StatusOr<WeightDType> CheckBlockTensor(const model::GgufTensor& t) {
-  const std::optional<WeightDType> dtype = WeightDTypeOfGgml(t.type);
+  const std::optional<WeightDType> dtype = HeldDTypeOfGgml(t.type);
   if (!dtype) {
     return absl::InvalidArgumentError(absl::StrCat("GGUF tensor '", t.name, "' (",
                                                    model::GgmlTypeName(t.type),
-                                                   ") is not in a block format"));
+                                                   ") is not in blocks or 16-bit floats"));
   }
   const int64_t be = QuantMatrix::BlockElements(*dtype);
   if (t.ne.empty() || t.ne[0] % be != 0) {

@@ -25,17 +25,24 @@ namespace kvgrid::kernels::cpu {
 enum class WeightDType : uint8_t {
   kF32, kQ8_0, kQ4_0, kQ4_1, kQ4_Z,
   kQ5_0, kQ5_1, kIQ4_NL, kQ2_K, kQ3_K, kQ4_K, kQ5_K, kQ6_K,  // read from GGUF files only
+  // 16-bit floats held as such (a "block" of one value, 2 bytes), widened in registers.
+  kF16, kBF16,
 };
-std::string_view WeightDTypeName(WeightDType dtype);  // "q8_0", "q4_k", ...
-// "fp32"/"f32", "q8_0", "q4_0", "q4_1": what QuantizeMatrix writes (Q4_Z only comes from
-// checkpoints, the others from GGUF files).
+std::string_view WeightDTypeName(WeightDType dtype);  // "q8_0", "q4_k", "fp16", ...
+// "fp32"/"f32", "fp16"/"f16", "bf16", "q8_0", "q4_0", "q4_1": what QuantizeMatrix writes (Q4_Z
+// only comes from checkpoints, the others from GGUF files).
 // Errors: INVALID_ARGUMENT listing the choices.
 absl::StatusOr<WeightDType> ParseWeightDType(std::string_view name);
 
 inline constexpr int64_t kQuantBlock = 32;   // weights per block (Q8_0 .. IQ4_NL)
 inline constexpr int64_t kSuperBlock = 256;  // weights per K-quant super-block (Q2_K .. Q6_K)
 
-// A [rows, cols] matrix in blocks of one quantized dtype, rows contiguous;
+// F16 or BF16: 16-bit floats rather than blocks.
+[[nodiscard]] inline bool IsFloat16(WeightDType dtype) {
+  return dtype == WeightDType::kF16 || dtype == WeightDType::kBF16;
+}
+
+// A [rows, cols] matrix in blocks of one quantized dtype (or in 16-bit floats), rows contiguous;
 // cols % BlockElements(dtype) == 0.
 //
 // `input_perm`, when not empty, says the columns are stored in a different order than the
@@ -49,10 +56,10 @@ struct QuantMatrix {
   std::vector<uint8_t> data = {};          // [rows, cols / BlockElements(dtype)] blocks
   std::vector<int32_t> input_perm = {};  // [cols] or empty (identity)
 
-  // Weights per block: 32, or 256 for the K-quants (0 for fp32).
+  // Weights per block: 32, 256 for the K-quants, 1 for F16/BF16 (0 for fp32).
   [[nodiscard]] static int64_t BlockElements(WeightDType dtype);
   // Bytes per block: 34 (Q8_0), 18 (Q4_0, IQ4_NL), 20 (Q4_1, Q4_Z), 22 (Q5_0), 24 (Q5_1),
-  // 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K); 0 for fp32.
+  // 84 (Q2_K), 110 (Q3_K), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K), 2 (F16, BF16); 0 for fp32.
   [[nodiscard]] static int64_t BlockBytes(WeightDType dtype);
   [[nodiscard]] int64_t RowBytes() const {
     return cols / BlockElements(dtype) * BlockBytes(dtype);
@@ -65,7 +72,9 @@ struct QuantMatrix {
 // / -8 (error <= half a step, one step for values near the opposite extreme, which clamp at
 // +7); Q4_1 maps [min, max] onto 0..15 (error <= half a step of (max - min) / 15); Q4_Z
 // likewise with an integer zero point (error <= one step when min rounds).
-// Errors: INVALID_ARGUMENT when cols is not a multiple of 32 or dtype is not one of these four.
+// F16 and BF16 round each weight to nearest even (any cols).
+// Errors: INVALID_ARGUMENT when cols is not a multiple of 32 (block formats) or dtype is not one
+// of these six.
 absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* weight, int64_t rows, int64_t cols,
                                            WeightDType dtype);
 
@@ -76,11 +85,14 @@ void DequantizeRow(const QuantMatrix& m, int64_t row, float* out);
 // undone): for tests, and for fusing matrices that cannot stay quantized together.
 std::vector<float> DequantizeMatrix(const QuantMatrix& m);
 
-// The WeightDType holding GGUF type `type` as is, or nullopt for F32/F16/BF16.
+// The block-format WeightDType holding GGUF type `type` as is, or nullopt for F32/F16/BF16.
 std::optional<WeightDType> WeightDTypeOfGgml(model::GgmlType type);
+// The WeightDType a GGUF matrix of `type` is held in: its blocks, or kF16/kBF16 for F16/BF16;
+// nullopt for F32 (held as fp32 vectors).
+std::optional<WeightDType> HeldDTypeOfGgml(model::GgmlType type);
 
-// A GGUF block-format tensor as a QuantMatrix of rows of ne[0] (ggml's block layouts are
-// these). Errors: INVALID_ARGUMENT naming the tensor and its type for F32/F16/BF16, rows
+// A GGUF block-format, F16 or BF16 tensor as a QuantMatrix of rows of ne[0] (ggml's block
+// layouts are these). Errors: INVALID_ARGUMENT naming the tensor and its type for F32, rows
 // (ne[0]) that are not whole blocks (ggml requires them), or data of the wrong size.
 absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& tensor);
 
@@ -88,6 +100,14 @@ absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& tensor)
 // dequantized (bit for bit ggml's dequantize_row_*). Errors: INVALID_ARGUMENT naming the
 // tensor as QuantMatrixFromGguf.
 absl::Status GgufTensorToF32(const model::GgufTensor& tensor, std::vector<float>* out);
+
+// How QuantLinear multiplies at decode sizes (up to kSmallBatchTokens tokens). kFast quantizes
+// the input rows to 8 bits once per call and runs integer dot products where the weight's
+// format has them (kernels/cpu/q8_activations.h: Q8_0, Q4_0, Q4_1, Q4_Z on AVX2), as llama.cpp
+// does; kExact multiplies the fp32 inputs with the weights decoded in registers: the reference
+// the CUDA kernels are checked against, and the baseline of the int8 path's quality checks.
+// Other formats, and larger batches (SGEMM on decoded tiles), are computed alike by both.
+enum class LinearPrecision : uint8_t { kFast, kExact };
 
 struct QuantLinearParams {
   const float* input = nullptr;        // [num_tokens, weight->cols]
@@ -100,6 +120,7 @@ struct QuantLinearParams {
   // Floats from one token's output row to the next: 0 means weight->rows; larger writes a
   // column slice of a wider output (a fused projection held as parts of different dtypes).
   int64_t output_stride = 0;
+  LinearPrecision precision = LinearPrecision::kFast;
 
   [[nodiscard]] int64_t OutputStride() const {
     return output_stride == 0 && weight ? weight->rows : output_stride;
@@ -108,8 +129,9 @@ struct QuantLinearParams {
   absl::Status Validate() const;
 };
 
-// output = input x dequant(weight)^T (+ bias). Up to a few tokens each row is dequantized into
-// a per-thread buffer and dotted with every token; above, tiles of rows go through SGEMM.
+// output = input x dequant(weight)^T (+ bias). Up to a few tokens each row is read once and
+// dotted with every token (in integers on 8-bit inputs under kFast, see LinearPrecision; else
+// decoded in registers or into a per-thread buffer); above, tiles of rows go through SGEMM.
 // Parallel over rows. A weight with input_perm first gathers the inputs into its order.
 absl::Status QuantLinear(const QuantLinearParams& params);
 

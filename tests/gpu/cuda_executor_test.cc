@@ -35,6 +35,7 @@ TEST_P(CudaExecutorSwapTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
   // The CPU engine runs the exact attention kernels the device is compared with.
   (*cpu_model)->SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
+  (*cpu_model)->SetLinearPrecision(kernels::cpu::LinearPrecision::kExact);
   auto gpu_model =
       CudaLlamaModel::FromWeights((*cpu_model)->config(), (*cpu_model)->weights(),
                                   model::DType::kF32);

@@ -73,6 +73,8 @@ void Compare(const model::ModelConfig& config, LlamaModel& cpu_model, model::DTy
   SCOPED_TRACE(what);
   // The device kernels decode int8 K/V to fp32: compare with the CPU doing the same.
   cpu_model.SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
+  // And the quantized linear layers take fp32 inputs, as the device kernels do.
+  cpu_model.SetLinearPrecision(kernels::cpu::LinearPrecision::kExact);
   const KvGeometry g = cpu_model.KvGeometryFor(16, kv, kv);
   const int64_t budget = 256 * g.BytesPerBlock();
   auto cpu_pool = KvPool::Create(g, budget);

@@ -106,7 +106,8 @@ TEST(QuantLinearCudaTest, GgufFormatsMatchCpuQuantLinear) {
       for (float& v : prev) v = normal(rng);
       std::vector<float> ref = prev;
       ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &m, .bias = bias.data(),
-                                    .output = ref.data(), .num_tokens = t, .accumulate = true})
+                                    .output = ref.data(), .num_tokens = t, .accumulate = true,
+                                    .precision = cpu::LinearPrecision::kExact})
                       .ok());
       DeviceBuffer<float> dx(x), dbias(bias), dout(prev);
       const absl::Status s = cuda::LaunchQuantLinear(
@@ -153,11 +154,13 @@ TEST(QuantLinearCudaTest, OutputStrideWritesAColumnSlice) {
     for (float& v : bias) v = normal(rng);
     std::vector<float> want(t * n);
     ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &a, .bias = bias.data(),
-                                  .output = want.data(), .num_tokens = t, .output_stride = n})
+                                  .output = want.data(), .num_tokens = t, .output_stride = n,
+                                  .precision = cpu::LinearPrecision::kExact})
                     .ok());
     ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &b, .bias = bias.data() + rows_a,
                                   .output = want.data() + rows_a, .num_tokens = t,
-                                  .output_stride = n})
+                                  .output_stride = n,
+                                  .precision = cpu::LinearPrecision::kExact})
                     .ok());
     DeviceBuffer<float> dx(x), dbias(bias), dout(std::vector<float>(t * n, 0.f));
     for (auto [w, f, r0, rows] :
@@ -229,7 +232,8 @@ TEST(QuantLinearCudaTest, EmbeddingLookupDecodesTheCpuRows) {
 }
 
 // Tolerance. Both sides multiply the same dequantized weights (the device decodes each weight
-// with the CPU's arithmetic) by the same inputs in fp32; only the order of the sums differs
+// with the CPU's arithmetic) by the same inputs in fp32 (the CPU's kExact precision: the device
+// has no 8-bit input path); only the order of the sums differs
 // (OpenBLAS / AVX2 lanes on the CPU, lanes, warps and tiles on the device). Each ordering is
 // within about 2^-24 * sqrt(K) * S of the exact sum for random data, S = sum_k |w_k x_k|
 // (plus the bias and the previous output when accumulating); 1e-5 * S + 1e-6 is a generous
@@ -273,7 +277,8 @@ TEST(QuantLinearCudaTest, MatchesCpuQuantLinear) {
             ASSERT_TRUE(cpu::QuantLinear({.input = x.data(), .weight = &*m,
                                           .bias = use_bias ? bias.data() : nullptr,
                                           .output = ref.data(), .num_tokens = t,
-                                          .accumulate = accumulate})
+                                          .accumulate = accumulate,
+                                          .precision = cpu::LinearPrecision::kExact})
                             .ok());
             DeviceBuffer<float> dx(x), dbias(bias), dout(prev);
             const absl::Status s = cuda::LaunchQuantLinear(

@@ -33,9 +33,9 @@ def ggufs(tmp_path_factory):
     return out
 
 
-def perplexity(kvgrid_exe, model, *flags):
+def perplexity(kvgrid_exe, model, *flags, max_tokens=MAX_TOKENS):
     r = subprocess.run([str(kvgrid_exe), "perplexity", "--model", str(model), "--text-file",
-                        str(HELDOUT), "--max-tokens", MAX_TOKENS, "--json", *flags],
+                        str(HELDOUT), "--max-tokens", max_tokens, "--json", *flags],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["perplexity"]
@@ -89,3 +89,57 @@ def test_gguf_missing_a_tensor_is_refused(kvgrid_exe, ggufs, tmp_path):
                         "--prompt", "x", "--max-new-tokens", "2"], capture_output=True, text=True)
     assert r.returncode != 0
     assert "blk.2.ffn_up.weight" in r.stderr, r.stderr
+
+
+def logits(kvgrid_exe, model, *flags):
+    r = subprocess.run([str(kvgrid_exe), "logits", "--model", str(model), "--prompt-ids",
+                        "1,5,9,30,2,7", "--decode-ids", "11,3", *flags],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("t", ["f16", "bf16"])
+def test_gguf_sixteen_bit_weights_held_as_stored(kvgrid_exe, ggufs, tmp_path, t):
+    """An F16/BF16 file (every matrix in 16 bits, the embedding and head included, norms F32, as
+    llama.cpp's converter writes --outtype f16/bf16) is held in 16 bits: the weights kvgrid holds
+    and `kvgrid plan` counts are the file's tensor bytes, and its logits are the F32 file's up to
+    the 16-bit rounding of the weights."""
+    import gguf
+    path = tmp_path / f"kjv-tiny-{t}.gguf"
+    subprocess.run([sys.executable, str(SOURCE_DIR / "tools" / "export_gguf.py"), "--model",
+                    str(MODEL), "--out", str(path), "--type", t], check=True)
+    reader = gguf.GGUFReader(str(path))
+    want_type = gguf.GGMLQuantizationType.F16 if t == "f16" else gguf.GGMLQuantizationType.BF16
+    types = {x.name: x.tensor_type for x in reader.tensors}
+    assert types["token_embd.weight"] == want_type and types["blk.0.ffn_down.weight"] == want_type
+    assert types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+    file_bytes = sum(int(x.n_bytes) for x in reader.tensors)
+
+    got = logits(kvgrid_exe, path)
+    want = logits(kvgrid_exe, ggufs["f32"])
+    assert got["weight_bytes"] == file_bytes
+    assert got["weight_bytes"] < 0.55 * want["weight_bytes"]
+    plan = subprocess.run([str(kvgrid_exe), "plan", "--model", str(path), "--memory", "256MiB",
+                           "--context", "512", "--json"], capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout.splitlines()[0])["weight_bytes"] == file_bytes
+
+    import numpy as np
+    g, w = np.array(got["logits"]), np.array(want["logits"])
+    err = np.abs(g - w).max()
+    print(f"{t}: max |logit - f32| {err:.3g} of {np.abs(w).max():.3g}")
+    assert err <= (1e-2 if t == "f16" else 5e-2) * np.abs(w).max()
+    assert int(g.argmax()) == int(w.argmax())
+
+
+def test_int8_activations_keep_perplexity(kvgrid_exe, ggufs):
+    """Decode-sized steps (--chunk 1) run Q8_0/Q4_0 layers on 8-bit inputs with integer dot
+    products; held-out perplexity stays within 0.1% of the same weights on fp32 inputs."""
+    for t in ("q8_0", "q4_0"):
+        flags = ("--chunk", "1")  # one forward pass per token: a decode step's sizes
+        fast = perplexity(kvgrid_exe, ggufs[t], *flags, max_tokens="800")
+        exact = perplexity(kvgrid_exe, ggufs[t], *flags, "--exact-linear", max_tokens="800")
+        print(f"{t}: perplexity on 8-bit inputs {fast:.5f}, on fp32 inputs {exact:.5f}")
+        assert fast != exact  # the 8-bit path ran
+        assert fast == pytest.approx(exact, rel=1e-3)

@@ -23,12 +23,15 @@ constexpr char kHelp[] =
     "usage: kvgrid logits [--model DIR|FILE.gguf] --prompt-ids 1,2,3 [--decode-ids 4,5]\n"
     "                     [--kv-cache-dtype fp32|fp16|bf16|int8|int4|fp8_e4m3|auto]\n"
     "                     [--block-size 16] [--prefill-chunk N] [--exact-attention]\n"
+    "                     [--exact-linear]\n"
     "                     (--k-cache-dtype / --v-cache-dtype choose separately)\n"
     "prints {\"logits\": [...], \"num_tokens\": N, \"weight_bytes\": B} for the last\n"
     "position (B: the model's weights as held)\n"
     "--prefill-chunk N prefills the prompt N tokens at a time (default: all at once); with a\n"
     "sliding-window model, blocks that fall out of the window are freed as it goes\n"
-    "--exact-attention: fp32 math on decoded int8 K/V instead of the fast integer kernels\n";
+    "--exact-attention: fp32 math on decoded int8 K/V instead of the fast integer kernels\n"
+    "--exact-linear: fp32 inputs to Q8_0/Q4_0/Q4_1 weights instead of 8-bit ones and\n"
+    "integer dot products\n";
 
 absl::Status Logits(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
@@ -38,6 +41,7 @@ absl::Status Logits(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(auto chunk_flag, args.GetInt("prefill-chunk"));
   KVGRID_ASSIGN_OR_RETURN(const bool exact_attention, args.GetBool("exact-attention", false));
+  KVGRID_ASSIGN_OR_RETURN(const bool exact_linear, args.GetBool("exact-linear", false));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (chunk_flag && *chunk_flag < 1) {
     return absl::InvalidArgumentError(
@@ -52,6 +56,7 @@ absl::Status Logits(Args& args) {
                                                      : worker::LlamaModel::Load(dir));
   kv_dtypes.ApplyTo(model->config(), &options);
   if (exact_attention) model->SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
+  if (exact_linear) model->SetLinearPrecision(kernels::cpu::LinearPrecision::kExact);
   const std::vector<int32_t> extra = decode.value_or(std::vector<int32_t>{});
   const int64_t total = static_cast<int64_t>(prompt->size() + extra.size());
   if (total > model->config().max_position_embeddings) {

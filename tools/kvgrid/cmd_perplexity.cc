@@ -29,7 +29,9 @@ constexpr char kHelp[] =
     "  --window N      tokens per window (default min(512, max_position_embeddings))\n"
     "  --chunk N       tokens per forward pass inside a window (default 128)\n"
     "  --max-tokens N  evaluate only the first N tokens of the file\n"
-    "  --weight-dtype W    fp32 (default), q8_0 or q4_0 (layers quantized at load)\n"
+    "  --weight-dtype W    fp32 (default), fp16, bf16, q8_0 or q4_0 (weights so from load)\n"
+    "  --exact-linear      fp32 inputs to Q8_0/Q4_0/Q4_1 weights in decode-sized steps\n"
+    "                  (--chunk 4 or less) instead of 8-bit ones and integer dot products\n"
     "  --kv-cache-dtype D  fp32 (default), fp16, bf16, int8, int4, fp8_e4m3, or auto (the\n"
     "                  model's dtype); --k-cache-dtype / --v-cache-dtype choose separately\n";
 
@@ -43,6 +45,7 @@ absl::Status Perplexity(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const kernels::cpu::WeightDType weight_dtype, WeightDTypeFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const bool exact_linear, args.GetBool("exact-linear", false));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   if (!text_file) return absl::InvalidArgumentError("--text-file: required");
 
@@ -62,6 +65,7 @@ absl::Status Perplexity(Args& args) {
     tokens.resize(*max_tokens);
   }
   worker::LlamaModel& model = *loaded.model;
+  if (exact_linear) model.SetLinearPrecision(kernels::cpu::LinearPrecision::kExact);
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0 || tokens[i] >= model.config().vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(

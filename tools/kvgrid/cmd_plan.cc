@@ -39,7 +39,8 @@ constexpr char kHelp[] =
     "32 (34/18/20 bytes) and the head in Q8_0, as --weight-dtype quantizes at load; the rest\n"
     "at torch_dtype. A .gguf model: its tensors as kvgrid holds them, blocks of any type it may\n"
     "hold (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) at their size as stored (mixed\n"
-    "q/k/v or gate/up types and the embedding too), F32/F16/BF16 tensors as fp32\n"
+    "q/k/v or gate/up types and the embedding too), F16/BF16 matrices in 16 bits, F32\n"
+    "tensors and every norm or bias as fp32\n"
     "(--weight-dtype must be auto). --tp T: --memory is each card's of a tensor-parallel\n"
     "group of T (as kvgrid-worker\n"
     "--tensor-parallel-size shards: heads, KV heads and MLP columns split, KV heads replicated\n"
@@ -51,16 +52,18 @@ constexpr char kHelp[] =
     "slide (Qwen2 with max_window_layers) free nothing and are planned as full attention.\n"
     "--json: one JSON object per dtype per line.\n";
 
-// A GGUF file's weights as LlamaModel::LoadGguf holds them: tensors in blocks at their size as
-// stored (every one: mixed-type layers are held as parts, the embedding in its blocks), the
-// F32/F16/BF16 ones as fp32.
+// A GGUF file's weights as LlamaModel::LoadGguf holds them: matrices in blocks or F16/BF16 at
+// their size as stored (every one: mixed-type layers are held as parts, the embedding in its
+// blocks), F32 tensors and vectors as fp32.
 worker::WeightFootprint GgufFootprint(const model::GgufFile& file) {
   worker::WeightFootprint f{.dtype = "gguf"};
   for (const auto& [name, tensor] : file.tensors()) {
     f.params += tensor.NumElements();
-    f.bytes += kernels::cpu::WeightDTypeOfGgml(tensor.type)
-                   ? static_cast<int64_t>(tensor.data.size())
-                   : tensor.NumElements() * static_cast<int64_t>(sizeof(float));
+    // As LoadGguf holds them: matrices in their blocks or 16-bit floats as stored; F32
+    // tensors, and vectors (norms, biases) of any type, as fp32.
+    const bool as_stored = tensor.ne.size() >= 2 && kernels::cpu::HeldDTypeOfGgml(tensor.type);
+    f.bytes += as_stored ? static_cast<int64_t>(tensor.data.size())
+                         : tensor.NumElements() * static_cast<int64_t>(sizeof(float));
   }
   return f;
 }

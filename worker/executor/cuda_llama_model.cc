@@ -282,7 +282,15 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     Linear l;
     l.out = out;
     l.in = in;
-    if (!q.empty()) {
+    if (!q.empty() && cpu::IsFloat16(q.dtype)) {
+      // 16-bit floats held by the CPU model: the card's dense weights, in its dense dtype.
+      KVGRID_RETURN_IF_ERROR(CheckQuantized(q, out, in, "layer"));
+      if (!q.input_perm.empty()) {
+        return absl::InvalidArgumentError("CudaLlamaModel: a 16-bit layer with an input_perm");
+      }
+      l.dtype = dense_dtype;
+      KVGRID_ASSIGN_OR_RETURN(l.storage, dense(cpu::DequantizeMatrix(q)));
+    } else if (!q.empty()) {
       KVGRID_RETURN_IF_ERROR(CheckQuantized(q, out, in, "layer"));
       l.quantized = true;
       l.format = q.dtype;
@@ -312,7 +320,10 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
     }
     return l;
   };
-  if (!w.embed_q.empty()) {  // kept in its blocks; the lookup decodes the rows it reads
+  if (!w.embed_q.empty() && cpu::IsFloat16(w.embed_q.dtype)) {  // a dense table on the card
+    KVGRID_RETURN_IF_ERROR(CheckQuantized(w.embed_q, d.vocab_local, hidden, "embed_tokens"));
+    KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(cpu::DequantizeMatrix(w.embed_q)));
+  } else if (!w.embed_q.empty()) {  // kept in its blocks; the lookup decodes the rows it reads
     KVGRID_RETURN_IF_ERROR(CheckQuantized(w.embed_q, d.vocab_local, hidden, "embed_tokens"));
     if (!w.embed_q.input_perm.empty()) {
       return absl::InvalidArgumentError("CudaLlamaModel: embed_tokens with an input_perm");

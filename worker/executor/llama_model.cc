@@ -474,7 +474,7 @@ int64_t UnpermutedRow(int64_t row, int64_t head_dim) {
 }
 
 // A linear weight [rows, cols] (GGUF ne {cols, rows}), rows reordered with `source_row` when
-// given; quantized blocks are kept as they are, other types become fp32.
+// given; quantized blocks and 16-bit floats are kept as they are, F32 is read as fp32.
 absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64_t rows,
                         int64_t cols, int64_t permute_head_dim, std::vector<float>* fp32,
                         cpu::QuantMatrix* quant) {
@@ -486,7 +486,8 @@ absl::Status GgufLinear(const model::GgufFile& f, const std::string& name, int64
   const auto src_row = [&](int64_t r) {
     return permute_head_dim > 0 ? UnpermutedRow(r, permute_head_dim) : r;
   };
-  if (cpu::WeightDTypeOfGgml(t->type)) {  // any block format; rows must be whole blocks
+  // Any block format (rows must be whole blocks), or F16/BF16: held as stored.
+  if (cpu::HeldDTypeOfGgml(t->type)) {
     KVGRID_ASSIGN_OR_RETURN(cpu::QuantMatrix stored, cpu::QuantMatrixFromGguf(*t));
     if (permute_head_dim == 0) {
       *quant = std::move(stored);
@@ -537,9 +538,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::LoadGguf(const std::file
   const int64_t permute = arch == "llama" ? hd : 0;
   LlamaWeights w;
   {
-    // The embedding stays in its blocks: only the rows looked up are ever decoded.
+    // The embedding stays in its blocks (or 16-bit floats): only the rows looked up are ever
+    // decoded.
     KVGRID_ASSIGN_OR_RETURN(const model::GgufTensor* t, f.Find("token_embd.weight"));
-    if (cpu::WeightDTypeOfGgml(t->type)) {
+    if (cpu::HeldDTypeOfGgml(t->type)) {
       if (t->ne != std::vector<int64_t>{d.hidden, d.vocab}) {
         return absl::InvalidArgumentError("GGUF tensor 'token_embd.weight' has the wrong shape");
       }
@@ -732,11 +734,22 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   const ShardDims d = ShardDimsOf(config_, tp_);
   auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
                           cpu::QuantMatrix* out) -> absl::Status {
-    if (w.empty() || cols % cpu::kQuantBlock != 0) return absl::OkStatus();  // stays fp32
+    if (w.empty() && cpu::IsFloat16(out->dtype) && !out->empty() && out->dtype != dtype) {
+      w = cpu::DequantizeMatrix(*out);  // a GGUF's F16/BF16 matrix, requantized as asked
+    }
+    if (w.empty()) return absl::OkStatus();
+    // Block formats need whole blocks of inputs; such a matrix stays fp32.
+    if (!cpu::IsFloat16(dtype) && cols % cpu::kQuantBlock != 0) return absl::OkStatus();
     KVGRID_ASSIGN_OR_RETURN(*out, cpu::QuantizeMatrix(w.data(), rows, cols, dtype));
     std::vector<float>().swap(w);
     return absl::OkStatus();
   };
+  if (cpu::IsFloat16(dtype)) {
+    // 16-bit everywhere: the embedding table too (the lookup widens the rows it reads, and a
+    // tied head multiplies the same 16-bit rows), and an untied head.
+    KVGRID_RETURN_IF_ERROR(quantize(w_.embed, d.vocab_local, d.hidden, &w_.embed_q));
+    KVGRID_RETURN_IF_ERROR(quantize(w_.lm_head, d.vocab_local, d.hidden, &w_.lm_head_q));
+  }
   // A tied head over an embedding in blocks (GGUF) already runs on those blocks.
   const bool head_on_blocks = w_.lm_head.empty() && !w_.embed_q.empty();
   if (w_.lm_head_q.empty() && !head_on_blocks && d.hidden % cpu::kQuantBlock == 0) {
@@ -963,7 +976,8 @@ absl::Status LlamaModel::AnyLinear(const float* input, const std::vector<float>&
                                    int64_t out_features, bool accumulate) {
   if (!quantized.empty()) {
     return cpu::QuantLinear({.input = input, .weight = &quantized, .bias = bias,
-                             .output = output, .num_tokens = n, .accumulate = accumulate});
+                             .output = output, .num_tokens = n, .accumulate = accumulate,
+                             .precision = linear_precision_});
   }
   return cpu::Linear({.input = input, .weight = weight.data(), .bias = bias, .output = output,
                       .num_tokens = n, .in_features = in_features,
@@ -985,7 +999,8 @@ absl::Status LlamaModel::FusedLinear(const float* input, const std::vector<float
                                              .bias = bias ? bias + row : nullptr,
                                              .output = output + row,
                                              .num_tokens = n,
-                                             .output_stride = out_features}));
+                                             .output_stride = out_features,
+                                             .precision = linear_precision_}));
     row += part.rows;
   }
   return absl::OkStatus();

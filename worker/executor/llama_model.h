@@ -78,8 +78,9 @@ struct LayerWeights {
   std::vector<float> post_norm;   // [hidden]
   std::vector<float> gate_up;     // [2 * intermediate, hidden]: gate rows then up rows
   std::vector<float> down;        // [hidden, intermediate]
-  // After QuantizeWeights: the same matrices in Q8_0/Q4_0 (their fp32 vectors then empty); a
-  // matrix whose input width is not a multiple of 32 stays fp32.
+  // After QuantizeWeights: the same matrices in Q8_0/Q4_0 or 16-bit floats (their fp32 vectors
+  // then empty); a matrix whose input width is not a multiple of 32 stays fp32 in a block
+  // dtype. A GGUF's F16/BF16 matrices are held here as stored.
   kernels::cpu::QuantMatrix qkv_q, o_q, gate_up_q, down_q;
   // A fused projection whose parts are quantized differently (a GGUF layer with q/k in Q4_K and
   // v in Q6_K, or gate and up of different types): each part in its own blocks, covering the
@@ -90,7 +91,8 @@ struct LayerWeights {
 
 struct LlamaWeights {
   std::vector<float> embed;       // [vocab, hidden] (a rank's slice of the vocabulary)
-  // The embedding in the blocks a GGUF file stores it in (Q8_0, Q4_K, Q6_K...): `embed` is then
+  // The embedding in the blocks a GGUF file stores it in (Q8_0, Q4_K, Q6_K..., or F16/BF16; or
+  // 16-bit after QuantizeWeights(fp16/bf16)): `embed` is then
   // empty, the lookup decodes only the rows it reads, and a tied head multiplies these blocks.
   kernels::cpu::QuantMatrix embed_q;  // [vocab, hidden] or empty
   std::vector<LayerWeights> layers;
@@ -143,8 +145,8 @@ class LlamaModel {
                                                           const LoadProgressFn& progress = {});
 
   // Reads a GGUF file from llama.cpp (architecture llama, mistral, qwen2 or qwen3 with its
-  // attn_q_norm/attn_k_norm): the config from its metadata, F32/F16/BF16 tensors converted to
-  // fp32, every block-format tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) kept in
+  // attn_q_norm/attn_k_norm): the config from its metadata, F32 tensors (and 16-bit norms and
+  // biases) as fp32, F16/BF16 matrices held in 16 bits, every block-format tensor (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K..Q6_K) kept in
   // its blocks as stored and used directly by the quantized kernels: the linear weights; q/k/v
   // and gate/up stacked into one matrix when their types agree, else held as parts of their
   // own types (LayerWeights::qkv_parts, as Q4_K_M files mix Q4_K and Q6_K); the embedding
@@ -190,7 +192,9 @@ class LlamaModel {
 
   // Quantizes the layers' linear weights (q/k/v, o, gate/up, down) to Q8_0 or Q4_0 by
   // round-to-nearest, in place, and the head to Q8_0 (as llama.cpp keeps the output layer at
-  // higher precision than 4 bits); the embedding lookup and norms stay fp32. fp32 is a no-op.
+  // higher precision than 4 bits); the embedding lookup and norms stay fp32. fp16/bf16 round
+  // the layers, the embedding (embed_q) and an untied head to 16-bit floats (norms stay fp32).
+  // A GGUF's F16/BF16 matrices are requantized to a block dtype asked for. fp32 is a no-op.
   absl::Status QuantizeWeights(kernels::cpu::WeightDType dtype);
   // How attention reads int8 K/V (kernels/cpu/attention.h): kFast (the default) may round
   // queries and softmax weights to int8 for integer dot products; kExact keeps fp32 math on
@@ -198,6 +202,13 @@ class LlamaModel {
   // Forward.
   void SetAttentionPrecision(kernels::cpu::KvKernelPrecision precision) {
     attention_precision_ = precision;
+  }
+  // How the quantized linear layers multiply at decode sizes (kernels/cpu/quant_linear.h):
+  // kFast (the default) runs 8-bit inputs through integer dot products for Q8_0/Q4_0/Q4_1/Q4_Z
+  // weights; kExact keeps fp32 inputs (the reference the CUDA backend is compared with). Not
+  // thread-safe with Forward.
+  void SetLinearPrecision(kernels::cpu::LinearPrecision precision) {
+    linear_precision_ = precision;
   }
   // The KV geometry this rank needs: its own KV heads (dtypes and block size left to the
   // caller).
@@ -234,6 +245,7 @@ class LlamaModel {
 
   model::ModelConfig config_;
   kernels::cpu::KvKernelPrecision attention_precision_ = kernels::cpu::KvKernelPrecision::kFast;
+  kernels::cpu::LinearPrecision linear_precision_ = kernels::cpu::LinearPrecision::kFast;
   TensorParallel tp_;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]

@@ -125,7 +125,8 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
   for (auto [dtype, permuted] :
        {std::pair{WeightDType::kQ8_0, false}, std::pair{WeightDType::kQ4_0, false},
         std::pair{WeightDType::kQ4_1, false}, std::pair{WeightDType::kQ4_Z, false},
-        std::pair{WeightDType::kQ4_Z, true}}) {
+        std::pair{WeightDType::kQ4_Z, true}, std::pair{WeightDType::kF16, false},
+        std::pair{WeightDType::kBF16, false}}) {
     auto q = QuantizeMatrix(w.data(), n, k, dtype);
     ASSERT_TRUE(q.ok());
     if (permuted) q->input_perm = perm;
@@ -138,8 +139,10 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
                             .output = want.data(), .num_tokens = m, .in_features = k,
                             .out_features = n, .accumulate = accumulate})
                         .ok());
+        // kExact: fp32 inputs (the 8-bit ones of kFast are q8_activations_test's).
         ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &*q, .bias = bias.data(),
-                                 .output = got.data(), .num_tokens = m, .accumulate = accumulate})
+                                 .output = got.data(), .num_tokens = m, .accumulate = accumulate,
+                                 .precision = LinearPrecision::kExact})
                         .ok());
         for (int64_t i = 0; i < m * n; ++i) {
           ASSERT_NEAR(got[i], want[i], 1e-4f * (1.f + std::fabs(want[i])))
@@ -149,6 +152,43 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
       }
     }
   }
+}
+
+// F16/BF16 matrices: each weight the nearest 16-bit float (rows decoded to exactly
+// model::F16ToF32/BF16ToF32 of the stored bits), at any width (here not a multiple of the
+// 8-wide vectors), and QuantLinear equal to the product with the decoded matrix at decode and
+// prefill sizes.
+TEST(QuantLinearTest, SixteenBitWeightsAtAnyWidth) {
+  const int64_t n = 13, k = 45;
+  const std::vector<float> w = Random(n * k, 31);
+  for (WeightDType dtype : {WeightDType::kF16, WeightDType::kBF16}) {
+    auto q = QuantizeMatrix(w.data(), n, k, dtype);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_EQ(QuantMatrix::BlockElements(dtype), 1);
+    EXPECT_EQ(q->RowBytes(), 2 * k);
+    const std::vector<float> dq = DequantizeMatrix(*q);
+    for (int64_t i = 0; i < n * k; ++i) {
+      const uint16_t h = dtype == WeightDType::kF16 ? model::F32ToF16(w[i]) : model::F32ToBF16(w[i]);
+      const float want = dtype == WeightDType::kF16 ? model::F16ToF32(h) : model::BF16ToF32(h);
+      ASSERT_EQ(dq[i], want) << WeightDTypeName(dtype) << " element " << i;
+    }
+    for (int64_t m : {1, 2, 3, 4, 6}) {
+      const std::vector<float> x = Random(m * k, 40 + m);
+      std::vector<float> want(m * n), got(m * n);
+      ASSERT_TRUE(Linear({.input = x.data(), .weight = dq.data(), .output = want.data(),
+                          .num_tokens = m, .in_features = k, .out_features = n})
+                      .ok());
+      ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &*q, .output = got.data(),
+                               .num_tokens = m})
+                      .ok());
+      for (int64_t i = 0; i < m * n; ++i) {
+        ASSERT_NEAR(got[i], want[i], 1e-5f * (1.f + std::fabs(want[i])))
+            << WeightDTypeName(dtype) << " m=" << m << " i=" << i;
+      }
+    }
+  }
+  EXPECT_EQ(*ParseWeightDType("fp16"), WeightDType::kF16);
+  EXPECT_EQ(*ParseWeightDType("bf16"), WeightDType::kBF16);
 }
 
 // Random bytes with each fp16 field replaced by a finite value of moderate size: any such block
