@@ -100,8 +100,8 @@ __attribute__((target("avx2,fma"))) void QuantizeBlockAvx2(const float* x, int8_
   *scaled_sum = d * static_cast<float>(_mm_cvtsi128_si32(s4));
 }
 
-// The 32 weights of one block as int8 in element order: Q8_0 as stored, Q4_0 as q - 8, Q4_1
-// and Q4_Z as the unsigned nibbles 0..15.
+// The 32 weights of one block in element order: Q8_0's int8 as stored, the Q4 formats' unsigned
+// nibbles 0..15 (Q4_0's q - 8 is its nibble plus an offset of -8 d, as Q4_1's d q + m).
 template <WeightDType D>
 __attribute__((target("avx2,fma,f16c"))) inline __m256i LoadBlockAvx2(const uint8_t* block) {
   if constexpr (D == WeightDType::kQ8_0) {
@@ -112,24 +112,37 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256i LoadBlockAvx2(const uint
     const __m128i mask = _mm_set1_epi8(0x0F);
     const __m128i lo = _mm_and_si128(packed, mask);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    const __m256i w = _mm256_set_m128i(hi, lo);
-    if constexpr (D == WeightDType::kQ4_0) return _mm256_sub_epi8(w, _mm256_set1_epi8(8));
-    return w;
+    return _mm256_set_m128i(hi, lo);
   }
 }
 
-// One row against T tokens. Signed weights (Q8_0, Q4_0) go through vpmaddubsw as |w| times
-// sign(w) x; its int16 pair sums cannot saturate (2 * 128 * 127 < 32767). The unsigned nibbles
-// of Q4_1/Q4_Z multiply the activations directly, and their offset adds m d_x sum(q_x).
-template <WeightDType D, int T>
+// Sums of four adjacent products of unsigned bytes u and signed bytes s, in 8 int32 lanes.
+// AVX-512 VNNI's vpdpbusd does it in one instruction (written as assembly so that this
+// function, and the AVX2 kernels it is inlined into, need no AVX-512 target: it runs only where
+// the CPU has VNNI); AVX2 takes vpmaddubsw, whose int16 pair sums cannot saturate here
+// (2 * 128 * 127 < 32767), and vpmaddwd.
+template <bool kVnni>
+__attribute__((target("avx2,fma,f16c"))) inline __m256i DotBytes(__m256i u, __m256i s) {
+  if constexpr (kVnni) {
+    __m256i acc = _mm256_setzero_si256();
+    asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+x"(acc) : [u] "x"(u), [s] "x"(s));
+    return acc;
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+}
+
+// One row against T tokens. Q8_0's signed weights multiply as |w| times sign(w) x; the Q4
+// formats' unsigned nibbles multiply the activations directly, and their offset m (-8 d for
+// Q4_0) adds m d_x sum(q_x).
+template <WeightDType D, int T, bool kVnni>
 __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const uint8_t* row,
                                                          const Q8Activations& a, int64_t first,
                                                          float* y) {
-  constexpr bool kSigned = D == WeightDType::kQ8_0 || D == WeightDType::kQ4_0;
+  constexpr bool kSigned = D == WeightDType::kQ8_0;
   constexpr int A = T == 1 ? 2 : 1;  // accumulators per token, to hide the FMA latency
   const int64_t blocks = a.cols / kQuantBlock;
   const int64_t bb = QuantMatrix::BlockBytes(D);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[T][A];
   float offset[T];
   const int8_t* xq[T];
@@ -149,19 +162,19 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const uint8_t* row,
     __m256i wa;
     if constexpr (kSigned) wa = _mm256_sign_epi8(w, w);
     float m = 0.f;
+    if constexpr (D == WeightDType::kQ4_0) m = -8.f * dw;
     if constexpr (D == WeightDType::kQ4_1) m = F16AtF16c(block + 2);
     if constexpr (D == WeightDType::kQ4_Z) m = -dw * F16AtF16c(block + 2);
     for (int t = 0; t < T; ++t) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[t] + b * 32));
-      __m256i p16;
+      __m256i p32;
       if constexpr (kSigned) {
-        p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x, w));
+        p32 = DotBytes<kVnni>(wa, _mm256_sign_epi8(x, w));
       } else {
-        p16 = _mm256_maddubs_epi16(w, x);
+        p32 = DotBytes<kVnni>(w, x);
       }
-      const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
       __m256& c = acc[t][b % A];
-      c = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[t][b]), c);
+      c = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(dw * xd[t][b]), c);
       if constexpr (!kSigned) offset[t] += m * xs[t][b];
     }
   }
@@ -174,13 +187,23 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const uint8_t* row,
 
 using DotFn = void (*)(const uint8_t*, const Q8Activations&, int64_t, float*);
 
-template <WeightDType D>
+template <WeightDType D, bool kVnni>
 DotFn DotFor(int64_t count) {
   switch (count) {
-    case 1: return DotRowAvx2<D, 1>;
-    case 2: return DotRowAvx2<D, 2>;
-    case 3: return DotRowAvx2<D, 3>;
-    default: return DotRowAvx2<D, 4>;
+    case 1: return DotRowAvx2<D, 1, kVnni>;
+    case 2: return DotRowAvx2<D, 2, kVnni>;
+    case 3: return DotRowAvx2<D, 3, kVnni>;
+    default: return DotRowAvx2<D, 4, kVnni>;
+  }
+}
+
+template <bool kVnni>
+DotFn DotFor(WeightDType dtype, int64_t count) {
+  switch (dtype) {
+    case WeightDType::kQ8_0: return DotFor<WeightDType::kQ8_0, kVnni>(count);
+    case WeightDType::kQ4_0: return DotFor<WeightDType::kQ4_0, kVnni>(count);
+    case WeightDType::kQ4_1: return DotFor<WeightDType::kQ4_1, kVnni>(count);
+    default: return DotFor<WeightDType::kQ4_Z, kVnni>(count);
   }
 }
 #endif  // __x86_64__
@@ -213,24 +236,36 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
   }
 }
 
-bool HasInt8Dot(WeightDType dtype) {
+Int8DotIsa BestInt8DotIsa() {
 #if defined(__x86_64__)
-  static const bool avx2 = HaveAvx2();
-  return avx2 && IsInt8DotFormat(dtype);
+  static const Int8DotIsa best =
+      !HaveAvx2() ? Int8DotIsa::kPortable
+      : __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
+          ? Int8DotIsa::kAvx512Vnni
+          : Int8DotIsa::kAvx2;
+  return best;
 #else
-  return false;
+  return Int8DotIsa::kPortable;
 #endif
+}
+
+bool HasInt8Dot(WeightDType dtype) {
+  return BestInt8DotIsa() != Int8DotIsa::kPortable && IsInt8DotFormat(dtype);
 }
 
 void Int8DotRow(WeightDType dtype, const uint8_t* row, const Q8Activations& a, int64_t first,
                 int64_t count, float* y) {
+  Int8DotRowOn(BestInt8DotIsa(), dtype, row, a, first, count, y);
+}
+
+void Int8DotRowOn(Int8DotIsa isa, WeightDType dtype, const uint8_t* row, const Q8Activations& a,
+                  int64_t first, int64_t count, float* y) {
 #if defined(__x86_64__)
-  switch (dtype) {
-    case WeightDType::kQ8_0: return DotFor<WeightDType::kQ8_0>(count)(row, a, first, y);
-    case WeightDType::kQ4_0: return DotFor<WeightDType::kQ4_0>(count)(row, a, first, y);
-    case WeightDType::kQ4_1: return DotFor<WeightDType::kQ4_1>(count)(row, a, first, y);
-    case WeightDType::kQ4_Z: return DotFor<WeightDType::kQ4_Z>(count)(row, a, first, y);
-    default: break;
+  if (IsInt8DotFormat(dtype) && isa == Int8DotIsa::kAvx512Vnni) {
+    return DotFor<true>(dtype, count)(row, a, first, y);
+  }
+  if (IsInt8DotFormat(dtype) && isa == Int8DotIsa::kAvx2) {
+    return DotFor<false>(dtype, count)(row, a, first, y);
   }
 #endif
   Int8DotRowPortable(dtype, row, a, first, count, y);
@@ -248,16 +283,15 @@ void Int8DotRowPortable(WeightDType dtype, const uint8_t* row, const Q8Activatio
       const uint8_t* block = row + b * bb;
       const int8_t* x = xq + b * kQuantBlock;
       int32_t s = 0;
+      const float dw = F16At(block);
       if (dtype == WeightDType::kQ8_0) {
         for (int i = 0; i < 32; ++i) s += static_cast<int8_t>(block[2 + i]) * x[i];
       } else {
-        const uint8_t* nib = block + (has_offset ? 4 : 2);
-        const int zero = has_offset ? 0 : 8;
-        for (int i = 0; i < 16; ++i) {
-          s += ((nib[i] & 0x0F) - zero) * x[i] + ((nib[i] >> 4) - zero) * x[i + 16];
-        }
+        const uint8_t* nib = block + (dtype == WeightDType::kQ4_0 ? 2 : 4);
+        for (int i = 0; i < 16; ++i) s += (nib[i] & 0x0F) * x[i] + (nib[i] >> 4) * x[i + 16];
       }
-      acc += static_cast<float>(s) * (F16At(block) * a.scale[t * blocks + b]);
+      acc += static_cast<float>(s) * (dw * a.scale[t * blocks + b]);
+      if (dtype == WeightDType::kQ4_0) acc += -8.f * dw * a.scaled_sum[t * blocks + b];
       if (has_offset) acc += BlockOffset(dtype, block) * a.scaled_sum[t * blocks + b];
     }
     y[t - first] = acc;

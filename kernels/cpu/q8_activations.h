@@ -2,7 +2,7 @@
 // decode runs them: a matrix's input rows are quantized once per call (blocks of 32 along a
 // row, one fp32 scale each: d = max|x| / 127, q = round(x / d)), then every weight block is
 // multiplied with the matching activation block in integers (AVX2 vpmaddubsw + vpmaddwd, or
-// AVX-512 VNNI's vpdpbusd where the CPU has it) and scaled once by d_w d_x. The weight row is
+// AVX-512 VNNI's vpdpbusd where the CPU has it, chosen at run time) and scaled once by d_w d_x. The weight row is
 // read once, as stored, and never widened to fp32.
 //
 // Error against fp32 activations: each activation moves by at most half its block's step, so
@@ -37,6 +37,10 @@ struct Q8Activations {
 // either way (round half to even).
 void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activations* out);
 
+// The instruction sets the dot products come in; the best the CPU has is chosen at run time.
+enum class Int8DotIsa : uint8_t { kPortable, kAvx2, kAvx512Vnni };
+[[nodiscard]] Int8DotIsa BestInt8DotIsa();
+
 // Whether Int8DotRow computes `dtype` on this CPU: Q8_0, Q4_0, Q4_1 and Q4_Z with AVX2.
 [[nodiscard]] bool HasInt8Dot(WeightDType dtype);
 
@@ -46,6 +50,10 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
 // Requires HasInt8Dot(dtype). The sums' order is the kernel's own.
 void Int8DotRow(WeightDType dtype, const uint8_t* row, const Q8Activations& a, int64_t first,
                 int64_t count, float* y);
+
+// Int8DotRow on instruction set `isa`, which the CPU must have (tests compare them).
+void Int8DotRowOn(Int8DotIsa isa, WeightDType dtype, const uint8_t* row, const Q8Activations& a,
+                  int64_t first, int64_t count, float* y);
 
 // The same in plain C++, whatever the CPU (for tests comparing the two; integer sums are
 // exact, so only the order of the fp32 sums differs).

@@ -6,6 +6,7 @@
 #include "kernels/cpu/q8_activations.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -68,6 +69,12 @@ TEST(Q8ActivationsTest, SimdDotEqualsPortable) {
   const std::vector<float> x = Random(4 * cols, 8, 2.f);
   Q8Activations a;
   QuantizeActivations(x.data(), 4, cols, &a);
+  // Every instruction set this CPU has.
+  std::vector<Int8DotIsa> isas;
+  if (BestInt8DotIsa() != Int8DotIsa::kPortable) isas.push_back(Int8DotIsa::kAvx2);
+  if (BestInt8DotIsa() == Int8DotIsa::kAvx512Vnni) isas.push_back(Int8DotIsa::kAvx512Vnni);
+  std::printf("int8 dot products on %zu instruction set(s) beside the portable one\n",
+              isas.size());
   for (WeightDType dtype : kFormats) {
     QuantMatrix m{.dtype = dtype, .rows = rows, .cols = cols};
     m.data.resize(static_cast<size_t>(rows * m.RowBytes()));
@@ -86,11 +93,13 @@ TEST(Q8ActivationsTest, SimdDotEqualsPortable) {
           float want[kInt8DotMaxTokens], got[kInt8DotMaxTokens];
           const uint8_t* row = m.data.data() + r * m.RowBytes();
           Int8DotRowPortable(dtype, row, a, first, count, want);
-          Int8DotRow(dtype, row, a, first, count, got);
-          for (int64_t t = 0; t < count; ++t) {
-            ASSERT_NEAR(got[t], want[t], 1e-5f * (1.f + std::fabs(want[t])))
-                << WeightDTypeName(dtype) << " count " << count << " first " << first
-                << " row " << r << " token " << t;
+          for (Int8DotIsa isa : isas) {
+            Int8DotRowOn(isa, dtype, row, a, first, count, got);
+            for (int64_t t = 0; t < count; ++t) {
+              ASSERT_NEAR(got[t], want[t], 1e-5f * (1.f + std::fabs(want[t])))
+                  << WeightDTypeName(dtype) << " isa " << static_cast<int>(isa) << " count "
+                  << count << " first " << first << " row " << r << " token " << t;
+            }
           }
         }
       }
