@@ -23,6 +23,8 @@ def test_batch_equals_single_runs(tmp_path):
     lines = kvgrid("run", "--prompts-file", f, "--max-new-tokens", 24, "--temperature", 0,
                    "--max-num-batched-tokens", 16, "--json").splitlines()
     results = [json.loads(line) for line in lines]
+    # After the prompts' lines, one line with the batch's timings (test_cli_timings.py).
+    assert "timings" in results.pop()
     assert [r["index"] for r in results] == list(range(len(PROMPTS)))
     for prompt, r in zip(PROMPTS, results):
         assert r["prompt"] == prompt
@@ -39,6 +41,8 @@ def test_refused_prompt_is_reported_and_others_run(tmp_path):
     results = [json.loads(line) for line in
                kvgrid("run", "--prompts-file", f, "--max-new-tokens", 5, "--temperature", 0,
                       "--json").splitlines()]
+    summary = results.pop()
+    assert summary["prompts"] == 2 and summary["errors"] == 1
     assert len(results) == 3
     assert "error" in results[1] and "context window" in results[1]["error"]
     assert results[0]["tokens"] == 5 and results[2]["tokens"] == 5

@@ -2,12 +2,14 @@
 #include <chrono>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/gemm.h"
 #include "model/status_macros.h"
 #include "model/special_tokens.h"
 #include "nlohmann/json.hpp"
@@ -27,7 +29,8 @@ constexpr char kHelp[] =
     "  --prompt TEXT               prompt text, tokenized with the model's tokenizer\n"
     "  --prompt-ids IDS            prompt as comma-separated token ids\n"
     "  --prompts-file F            offline batch: one prompt per line, all through one engine;\n"
-    "                              prints each result (one JSON object per line with --json)\n"
+    "                              prints each result (one JSON object per line with --json,\n"
+    "                              then one line {\"timings\": ...} for the whole batch)\n"
     "  --add-bos                   prepend the tokenizer's BOS token to a text prompt\n"
     "  --max-new-tokens N          default: generation_config.json, else 64\n"
     "  --temperature T             0 = greedy (default: generation_config.json, else 1)\n"
@@ -54,7 +57,45 @@ constexpr char kHelp[] =
     "  --watermark F               share of the KV pool kept free when admitting new\n"
     "                              requests while others run (default 0.01)\n"
     "  --enable-prefix-caching B   share cached prompt blocks (default true)\n"
-    "  --json                      print one JSON object at the end instead of streaming\n";
+    "  --threads N                 CPU threads for the kernels (default: every core, or\n"
+    "                              $OMP_NUM_THREADS)\n"
+    "  --json                      print one JSON object at the end instead of streaming,\n"
+    "                              with \"timings\": load_ms, prompt_tokens, prefill_ms (until\n"
+    "                              the first token), generated_tokens, decode_tokens (those\n"
+    "                              after the first), decode_ms and the rates of both phases\n";
+
+using Clock = std::chrono::steady_clock;
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// What a run measured, split where the first token appears: prefill is everything up to it
+// (the prompt's forward pass and the first sampling), decode everything after. Each token is
+// counted in exactly one phase, so the rates divide what a phase produced by its own time.
+struct PhaseTimings {
+  double load_ms = 0;         // loading the weights and creating the engine (KV pool)
+  int64_t prompt_tokens = 0;
+  int64_t cached_prompt_tokens = 0;  // of those, found in the prefix cache (not computed)
+  double prefill_ms = 0;
+  int64_t generated_tokens = 0;
+  int64_t decode_tokens = 0;  // generated after the prefill phase ended
+  double decode_ms = 0;
+
+  nlohmann::json ToJson() const {
+    const auto rate = [](int64_t tokens, double ms) { return ms > 0 ? 1e3 * tokens / ms : 0.0; };
+    return {{"load_ms", load_ms},
+            {"prompt_tokens", prompt_tokens},
+            {"cached_prompt_tokens", cached_prompt_tokens},
+            {"prefill_ms", prefill_ms},
+            {"generated_tokens", generated_tokens},
+            {"decode_tokens", decode_tokens},
+            {"decode_ms", decode_ms},
+            {"total_ms", prefill_ms + decode_ms},
+            {"prefill_tokens_per_s", rate(prompt_tokens, prefill_ms)},
+            {"decode_tokens_per_s", rate(decode_tokens, decode_ms)}};
+  }
+};
 
 struct RunResult {
   std::vector<int32_t> prompt_ids;
@@ -68,7 +109,7 @@ struct RunResult {
 absl::Status RunBatch(
     const std::string& path, const worker::GenerationRequest& base,
     const std::function<absl::StatusOr<std::vector<int32_t>>(const std::string&)>& encode,
-    worker::Engine& engine, bool json) {
+    worker::Engine& engine, bool json, double load_ms) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("--prompts-file: cannot open ", path));
   struct Item {
@@ -85,7 +126,7 @@ absl::Status RunBatch(
   if (items.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--prompts-file: ", path, " has no prompts"));
   }
-  const auto start = std::chrono::steady_clock::now();
+  const Clock::time_point start = Clock::now();
   absl::flat_hash_map<std::string, size_t> by_id;
   for (size_t i = 0; i < items.size(); ++i) {
     worker::GenerationRequest r = base;
@@ -100,21 +141,46 @@ absl::Status RunBatch(
     }
     by_id[absl::StrCat("prompt-", i)] = i;
   }
-  int64_t generated = 0;
+  // The batch's prefill phase ends with the step in which the last admitted prompt got its
+  // first token; the tokens of that step and the ones before (other sequences' early decodes
+  // included) belong to it, the later steps' tokens to the decode phase.
+  PhaseTimings timings;
+  timings.load_ms = load_ms;
+  int64_t generated = 0, prefill_phase_tokens = 0;
+  size_t started = 0;
+  Clock::time_point prefill_end = start;
+  bool prefill_done = by_id.empty();
   while (engine.HasWork()) {
     KVGRID_ASSIGN_OR_RETURN(std::vector<worker::TokenOutput> outputs, engine.Step());
     for (const worker::TokenOutput& out : outputs) {
       Item& item = items[by_id.at(out.request_id)];
+      if (item.result.token_ids.empty()) ++started;
       item.result.token_ids.push_back(out.token_id);
       ++generated;
       item.result.text += out.text;
       if (out.finish != worker::FinishReason::kNone) {
         item.result.finish_reason = std::string(worker::FinishReasonName(out.finish));
+        timings.cached_prompt_tokens += out.usage.cached_prompt_tokens;
+      }
+    }
+    if (!prefill_done) {
+      prefill_phase_tokens = generated;
+      if (started == by_id.size()) {
+        prefill_done = true;
+        prefill_end = Clock::now();
       }
     }
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const Clock::time_point end = Clock::now();
+  if (!prefill_done) prefill_end = end;
+  const double seconds = Ms(start, end) / 1e3;
+  for (const auto& [id, i] : by_id) {
+    timings.prompt_tokens += static_cast<int64_t>(items[i].result.prompt_ids.size());
+  }
+  timings.prefill_ms = Ms(start, prefill_end);
+  timings.generated_tokens = generated;
+  timings.decode_tokens = generated - prefill_phase_tokens;
+  timings.decode_ms = Ms(prefill_end, end);
   for (size_t i = 0; i < items.size(); ++i) {
     const Item& item = items[i];
     if (json) {
@@ -137,6 +203,12 @@ absl::Status RunBatch(
                   item.result.finish_reason.c_str());
     }
   }
+  if (json) {
+    const nlohmann::json summary = {{"prompts", by_id.size()},
+                                    {"errors", items.size() - by_id.size()},
+                                    {"timings", timings.ToJson()}};
+    std::printf("%s\n", summary.dump().c_str());
+  }
   std::fflush(stdout);
   const worker::EngineStats stats = engine.Stats();
   std::fprintf(stderr,
@@ -155,6 +227,7 @@ absl::Status Run(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto prompt_ids_flag, args.GetIntList("prompt-ids"));
   KVGRID_ASSIGN_OR_RETURN(bool add_bos, args.GetBool("add-bos", false));
   KVGRID_ASSIGN_OR_RETURN(bool json, args.GetBool("json", false));
+  KVGRID_ASSIGN_OR_RETURN(const std::optional<int64_t> threads, args.GetInt("threads"));
   KVGRID_ASSIGN_OR_RETURN(const SamplingFlags f, ReadSamplingFlags(args));
   KVGRID_ASSIGN_OR_RETURN(worker::EngineOptions options, EngineOptionsFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const KvDTypeFlags kv_dtypes, KvDTypesFromArgs(args));
@@ -164,7 +237,15 @@ absl::Status Run(Args& args) {
     return absl::InvalidArgumentError(
         "give exactly one of --prompt, --prompt-ids and --prompts-file");
   }
+  if (threads) {
+    if (*threads < 1 || *threads > 1024) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--threads: must be in [1, 1024], got ", *threads));
+    }
+    kernels::cpu::SetNumThreads(static_cast<int>(*threads));
+  }
 
+  const Clock::time_point load_start = Clock::now();
   KVGRID_ASSIGN_OR_RETURN(LoadedModel loaded, LoadModelDir(dir, {}, weight_dtype));
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   const model::GenerationConfig& gen = loaded.generation;
@@ -227,21 +308,30 @@ absl::Status Run(Args& args) {
   options.tokenizer = loaded.tokenizer.get();  // text and stop strings come from the engine
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<worker::Engine> engine,
                           worker::Engine::Create(std::move(loaded.model), options));
+  const double load_ms = Ms(load_start, Clock::now());
   if (prompts_file) {
-    return RunBatch(*prompts_file, request, encode, *engine, json);
+    return RunBatch(*prompts_file, request, encode, *engine, json, load_ms);
   }
 
   RunResult result;
   result.prompt_ids = request.prompt;
-  KVGRID_RETURN_IF_ERROR(engine->AddRequest(std::move(request)));
+  PhaseTimings timings;
+  timings.load_ms = load_ms;
+  timings.prompt_tokens = static_cast<int64_t>(request.prompt.size());
 
   const bool has_text = loaded.tokenizer != nullptr;
-  const auto start = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point first_token;
+  const Clock::time_point start = Clock::now();
+  KVGRID_RETURN_IF_ERROR(engine->AddRequest(std::move(request)));
+  std::optional<Clock::time_point> first_token;
+  int64_t first_step_tokens = 0;
   while (engine->HasWork()) {
     KVGRID_ASSIGN_OR_RETURN(std::vector<worker::TokenOutput> outputs, engine->Step());
+    // The first token is stamped once its step returns, before any of its text is written.
+    if (!first_token && !outputs.empty()) {
+      first_token = Clock::now();
+      first_step_tokens = static_cast<int64_t>(outputs.size());
+    }
     for (const worker::TokenOutput& out : outputs) {
-      if (result.token_ids.empty()) first_token = std::chrono::steady_clock::now();
       result.token_ids.push_back(out.token_id);
       result.text += out.text;
       if (!json && !out.text.empty()) {
@@ -250,12 +340,18 @@ absl::Status Run(Args& args) {
       }
       if (out.finish != worker::FinishReason::kNone) {
         result.finish_reason = std::string(worker::FinishReasonName(out.finish));
+        timings.cached_prompt_tokens = out.usage.cached_prompt_tokens;
       }
     }
   }
-  const auto end = std::chrono::steady_clock::now();
-  const double total_s = std::chrono::duration<double>(end - start).count();
-  const double decode_s = std::chrono::duration<double>(end - first_token).count();
+  const Clock::time_point end = Clock::now();
+  const Clock::time_point prefill_end = first_token.value_or(end);
+  timings.prefill_ms = Ms(start, prefill_end);
+  timings.generated_tokens = static_cast<int64_t>(result.token_ids.size());
+  timings.decode_tokens = timings.generated_tokens - first_step_tokens;
+  timings.decode_ms = Ms(prefill_end, end);
+  const double total_s = Ms(start, end) / 1e3;
+  const double decode_s = timings.decode_ms / 1e3;
 
   if (json) {
     nlohmann::json j;
@@ -263,6 +359,7 @@ absl::Status Run(Args& args) {
     j["token_ids"] = result.token_ids;
     j["text"] = result.text;
     j["finish_reason"] = result.finish_reason;
+    j["timings"] = timings.ToJson();
     std::printf("%s\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else {
     if (!has_text) {
