@@ -22,6 +22,7 @@
 #include "auth/bearer_auth.h"
 #include "auth/tls.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/openmp_wait.h"
 #include "metrics/http_endpoint.h"
 #include "model/model_config.h"
 #include "model/special_tokens.h"
@@ -524,5 +525,6 @@ absl::Status Serve(Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  kvgrid::kernels::cpu::ChooseOpenMpWaitPolicy(argv);  // may start the program again
   return kvgrid::cli::ServiceMain(argc, argv, "worker", kHelp, Serve);
 }

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "kernels/cpu/openmp_wait.h"
 #include "tools/kvgrid/args.h"
 #include "tools/kvgrid/commands.h"
 
@@ -28,6 +29,10 @@ constexpr char kUsage[] =
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A local cluster's workers share the machine's cores (kernels/cpu/openmp_wait.h).
+  if (argc >= 2 && !std::strcmp(argv[1], "serve")) {
+    kvgrid::kernels::cpu::ChooseOpenMpWaitPolicy(argv);  // may start the program again
+  }
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
       !std::strcmp(argv[1], "help")) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
