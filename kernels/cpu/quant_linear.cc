@@ -486,18 +486,21 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
     }
     input = gathered.data();
   }
-  if (m <= kSmallBatchTokens && p.precision == LinearPrecision::kFast && HasInt8Dot(w.dtype)) {
-    // Decode on 8-bit inputs: quantized once here, each weight row read once as stored.
-    static_assert(kSmallBatchTokens <= kInt8DotMaxTokens);
+  if (m <= kInt8BatchTokens && p.precision == LinearPrecision::kFast && HasInt8Dot(w.dtype)) {
+    // Decode (batched up to kInt8BatchTokens) on 8-bit inputs: quantized once here, each weight
+    // row read once as stored and multiplied with up to kInt8DotMaxTokens tokens at a time.
     thread_local Q8Activations calling_threads;
     // The team reads the calling thread's copy (a thread_local named inside the region would be
     // each thread's own).
     const Q8Activations& activations = calling_threads;
     QuantizeActivations(input, m, k, &calling_threads);
-#pragma omp parallel for schedule(static) if (n * k > 32768)
+#pragma omp parallel for schedule(static) if (n * k * m > 32768)
     for (int64_t j = 0; j < n; ++j) {
-      float dots[kSmallBatchTokens];
-      Int8DotRow(w.dtype, w.data.data() + j * w.RowBytes(), activations, 0, m, dots);
+      float dots[kInt8BatchTokens];
+      const uint8_t* row = w.data.data() + j * w.RowBytes();
+      for (int64_t t0 = 0; t0 < m; t0 += kInt8DotMaxTokens) {
+        Int8DotRow(w.dtype, row, activations, t0, std::min(kInt8DotMaxTokens, m - t0), dots + t0);
+      }
       const float b = p.bias ? p.bias[j] : 0.f;
       for (int64_t t = 0; t < m; ++t) {
         float* y = p.output + t * ldo + j;

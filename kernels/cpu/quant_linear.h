@@ -101,13 +101,19 @@ absl::StatusOr<QuantMatrix> QuantMatrixFromGguf(const model::GgufTensor& tensor)
 // tensor as QuantMatrixFromGguf.
 absl::Status GgufTensorToF32(const model::GgufTensor& tensor, std::vector<float>* out);
 
-// How QuantLinear multiplies at decode sizes (up to kSmallBatchTokens tokens). kFast quantizes
+// How QuantLinear multiplies at decode sizes (up to kInt8BatchTokens tokens). kFast quantizes
 // the input rows to 8 bits once per call and runs integer dot products where the weight's
 // format has them (kernels/cpu/q8_activations.h: Q8_0, Q4_0, Q4_1, Q4_Z on AVX2), as llama.cpp
 // does; kExact multiplies the fp32 inputs with the weights decoded in registers: the reference
 // the CUDA kernels are checked against, and the baseline of the int8 path's quality checks.
 // Other formats, and larger batches (SGEMM on decoded tiles), are computed alike by both.
 enum class LinearPrecision : uint8_t { kFast, kExact };
+
+// Up to this many tokens kFast runs the integer dot products; above, tiles of decoded rows go
+// through SGEMM. At 8 and 16 tokens the integer path measured slower than SGEMM on a 896-wide
+// matrix and faster on a 4864-wide one (bench/quant_linear_bench), so batched decode stays on
+// SGEMM until the integer kernels share work across rows.
+inline constexpr int64_t kInt8BatchTokens = 4;
 
 struct QuantLinearParams {
   const float* input = nullptr;        // [num_tokens, weight->cols]
