@@ -77,6 +77,17 @@ void Float16RowPortable(WeightDType dtype, const uint8_t* src, int64_t n, float*
 }
 
 #if defined(__x86_64__)
+// The sum of every lane of A accumulators.
+template <int A>
+__attribute__((target("avx2,fma,f16c"))) inline float SumOfAccumulators(const __m256* acc) {
+  __m256 sum = acc[0];
+  for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[a]);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  return _mm_cvtss_f32(v);
+}
+
 // Eight 16-bit weights as fp32: F16 through F16C, BF16 as the top half of an fp32.
 template <bool kBf16>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 Load8Float16(const uint8_t* p) {
@@ -124,18 +135,13 @@ __attribute__((target("avx2,fma,f16c"))) void DotRow16Avx2(const uint8_t* row, i
     for (int t = 0; t < T; ++t) acc[t][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * k + c), acc[t][0]);
   }
   for (int t = 0; t < T; ++t) {
-    __m256 sum = acc[t][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
     float tail = 0.f;
     for (int64_t j = c; j < k; ++j) {
       uint16_t h;
       std::memcpy(&h, row + 2 * j, sizeof(h));
       tail += (kBf16 ? model::BF16ToF32(h) : model::F16ToF32(h)) * x[t * k + j];
     }
-    y[t] = _mm_cvtss_f32(v) + tail;
+    y[t] = SumOfAccumulators<A>(acc[t]) + tail;
   }
 }
 
@@ -219,14 +225,7 @@ __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, c
       }
     }
   }
-  for (int t = 0; t < T; ++t) {
-    __m256 sum = acc[t][0];
-    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    y[t] = _mm_cvtss_f32(v);
-  }
+  for (int t = 0; t < T; ++t) y[t] = SumOfAccumulators<A>(acc[t]);
 }
 
 void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t tokens, float* y) {
