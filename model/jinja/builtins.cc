@@ -750,7 +750,7 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
       case 's':
       case 'r':
       case 'a': {
-        piece = conv == 's' ? arg->Str() : arg->Repr();
+        piece = conv == 's' ? in.Str(*arg) : in.Repr(*arg);
         if (has_precision) {
           const std::u32string cps = DecodeUtf8(piece);
           if (static_cast<size_t>(prec) < cps.size()) piece = EncodeUtf8(std::u32string_view(cps).substr(0, static_cast<size_t>(prec)));
@@ -907,8 +907,8 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
   } else if (v.is_number()) {
     char buf[512];
     if (type == '\0' && !has_precision) {
-      body = v.is_bool() ? absl::StrCat(v.as_int()) : v.Str();
-      if (v.is_bool() && spec.empty()) body = v.Str();
+      body = v.is_bool() ? absl::StrCat(v.as_int()) : in.Str(v);
+      if (v.is_bool() && spec.empty()) body = in.Str(v);
     } else if (type == 'd') {
       if (v.is_float()) in.Fail("ValueError: Unknown format code 'd' for object of type 'float'");
       body = absl::StrCat(v.as_int());
@@ -955,7 +955,7 @@ std::string FormatSpec(Interp& in, const Value& v, const std::string& spec) {
     if (sign == " " && !body.empty() && body[0] != '-') body = " " + body;
     if (align == '\0') align = '>';
   } else {
-    body = v.Str();
+    body = in.Str(v);
     if (align == '\0') align = '<';
   }
   const int64_t w = width.empty() ? 0 : std::atoll(width.c_str());
@@ -1045,9 +1045,9 @@ std::string StrFormat(Interp& in, const std::string& fmt, CallArgs& args) {
         p = q + 1;
       }
     }
-    if (conversion == 'r' || conversion == 'a') v = Value(v.Repr());
-    if (conversion == 's') v = Value(v.Str());
-    out += spec.empty() ? v.Str() : FormatSpec(in, v, spec);
+    if (conversion == 'r' || conversion == 'a') v = Value(in.Repr(v));
+    if (conversion == 's') v = Value(in.Str(v));
+    out += spec.empty() ? in.Str(v) : FormatSpec(in, v, spec);
     in.CheckSize(out.size());
   }
   return out;
@@ -1243,7 +1243,7 @@ using FilterFn = std::function<Value(Interp&, const Value&, CallArgs&)>;
 
 const Value kUndef = Value::Undefined();
 
-std::string SoftStr(const Value& v) { return v.Str(); }
+std::string SoftStr(Interp& in, const Value& v) { return in.Str(v); }
 
 const absl::flat_hash_map<std::string, FilterFn>& Filters();
 
@@ -1262,9 +1262,9 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
       {"trim", [](Interp& in, const Value& v, CallArgs& a) {
          const Value* chars = a.Get(0, "chars");
          a.CheckAllUsed(in, "trim", 1);
-         std::string s = SoftStr(v);
+         std::string s = SoftStr(in, v);
          if (chars != nullptr && !chars->is_none()) {
-           const std::string c = chars->Str();
+           const std::string c = in.Str(*chars);
            return Value(Strip(s, &c, true, true));
          }
          return Value(Strip(s, nullptr, true, true));
@@ -1303,33 +1303,33 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          a.CheckAllUsed(in, "join", 2);
          std::string out;
          bool first = true;
-         const std::string sep = d.Str();
+         const std::string sep = in.Str(d);
          for (const Value& item : in.Iterate(v)) {
            if (!first) out += sep;
            first = false;
-           out += (attribute.is_none() ? item : GetPath(in, item, attribute)).Str();
+           out += in.Str(attribute.is_none() ? item : GetPath(in, item, attribute));
            in.CheckSize(out.size());
          }
          return Value(std::move(out));
        }},
-      {"upper", [](Interp&, const Value& v, CallArgs&) { return Value(PyUpper(SoftStr(v))); }},
-      {"lower", [](Interp&, const Value& v, CallArgs&) { return Value(PyLower(SoftStr(v))); }},
-      {"capitalize", [](Interp&, const Value& v, CallArgs&) { return Value(Capitalize(SoftStr(v))); }},
-      {"title", [](Interp&, const Value& v, CallArgs&) { return Value(FilterTitle(SoftStr(v))); }},
+      {"upper", [](Interp& in, const Value& v, CallArgs&) { return Value(PyUpper(SoftStr(in, v))); }},
+      {"lower", [](Interp& in, const Value& v, CallArgs&) { return Value(PyLower(SoftStr(in, v))); }},
+      {"capitalize", [](Interp& in, const Value& v, CallArgs&) { return Value(Capitalize(SoftStr(in, v))); }},
+      {"title", [](Interp& in, const Value& v, CallArgs&) { return Value(FilterTitle(SoftStr(in, v))); }},
       {"replace", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& old = Arg(a, 0, "old", kUndef);
          const Value& repl = Arg(a, 1, "new", kUndef);
          const int64_t count = IntArg(in, a, 2, "count", -1);
          a.CheckAllUsed(in, "replace", 3);
          if (old.is_undefined() || repl.is_undefined()) TypeError(in, "replace() needs old and new");
-         return Value(Replace(in, SoftStr(v), old.Str(), repl.Str(), count));
+         return Value(Replace(in, SoftStr(in, v), in.Str(old), in.Str(repl), count));
        }},
-      {"string", [](Interp&, const Value& v, CallArgs&) { return v.is_markup() ? v : Value(v.Str()); }},
-      {"safe", [](Interp&, const Value& v, CallArgs&) { return v.is_markup() ? v : Value::Markup(v.Str()); }},
-      {"escape", [](Interp&, const Value& v, CallArgs&) {
-         return v.is_markup() ? v : Value::Markup(HtmlEscape(v.Str()));
+      {"string", [](Interp& in, const Value& v, CallArgs&) { return v.is_markup() ? v : Value(in.Str(v)); }},
+      {"safe", [](Interp& in, const Value& v, CallArgs&) { return v.is_markup() ? v : Value::Markup(in.Str(v)); }},
+      {"escape", [](Interp& in, const Value& v, CallArgs&) {
+         return v.is_markup() ? v : Value::Markup(HtmlEscape(in.Str(v)));
        }},
-      {"forceescape", [](Interp&, const Value& v, CallArgs&) { return Value::Markup(HtmlEscape(v.Str())); }},
+      {"forceescape", [](Interp& in, const Value& v, CallArgs&) { return Value::Markup(HtmlEscape(in.Str(v))); }},
       {"int", [](Interp& in, const Value& v, CallArgs& a) {
          const Value& d = Arg(a, 0, "default", Value(int64_t{0}));
          const int64_t base = IntArg(in, a, 1, "base", 10);
@@ -1467,7 +1467,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          if (!width.is_string()) in.CheckSize(static_cast<size_t>(std::max<int64_t>(0, width.as_int())));
          const std::string ind = width.is_string() ? width.as_string()
                                                    : std::string(static_cast<size_t>(std::max<int64_t>(0, width.as_int())), ' ');
-         std::string s = v.Str() + "\n";
+         std::string s = in.Str(v) + "\n";
          const List lines = SplitLines(s, false);
          std::string rv;
          if (blank) {
@@ -1576,11 +1576,11 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          }
          return Gen(std::move(out));
        }},
-      {"wordcount", [](Interp&, const Value& v, CallArgs&) {
+      {"wordcount", [](Interp& in, const Value& v, CallArgs&) {
          // Words as jinja2's \w+ finds them.
          int64_t n = 0;
          bool in_word = false;
-         for (char32_t c : DecodeUtf8(v.Str())) {
+         for (char32_t c : DecodeUtf8(in.Str(v))) {
            const bool w = IsPyAlnum(c) || c == '_';
            if (w && !in_word) ++n;
            in_word = w;
@@ -1591,7 +1591,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const int64_t width = IntArg(in, a, 0, "width", 80);
          a.CheckAllUsed(in, "center", 1);
          in.CheckSize(static_cast<size_t>(std::max<int64_t>(0, width)));
-         return Value(Pad(in, v.Str(), width, '^', " "));
+         return Value(Pad(in, in.Str(v), width, '^', " "));
        }},
       {"truncate", [](Interp& in, const Value& v, CallArgs& a) {
          const int64_t length = IntArg(in, a, 0, "length", 255);
@@ -1612,7 +1612,7 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
            if (n <= length + leeway) return v;
            TypeError(in, absl::StrCat("truncate of a long ", v.TypeName(), " is not supported"));
          }
-         const std::u32string s = DecodeUtf8(v.Str());
+         const std::u32string s = DecodeUtf8(in.Str(v));
          const int64_t endlen = CodePointCount(end);
          if (length < endlen) in.Fail("AssertionError: expected length >= len(end)");
          if (leeway < 0) in.Fail("AssertionError: expected leeway >= 0");
@@ -1630,9 +1630,9 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          if (!a.keywords.empty()) {
            Dict d;
            for (auto& [k, x] : a.keywords) d.emplace_back(Value(k), x);
-           return Value(PercentFormat(in, v.Str(), Value(std::move(d))));
+           return Value(PercentFormat(in, in.Str(v), Value(std::move(d))));
          }
-         return Value(PercentFormat(in, v.Str(), Value::Tuple(a.positional)));
+         return Value(PercentFormat(in, in.Str(v), Value::Tuple(a.positional)));
        }},
       {"attr", [](Interp& in, const Value& v, CallArgs& a) {
          const std::string name = StrArg(in, a, 0, "name", "");
@@ -1642,8 +1642,8 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          if (HasMethod(v, name)) return in.GetAttr(v, name);
          return Value::Undefined(name);
        }},
-      {"striptags", [](Interp&, const Value& v, CallArgs&) {
-         std::string s = v.Str(), out;
+      {"striptags", [](Interp& in, const Value& v, CallArgs&) {
+         std::string s = in.Str(v), out;
          bool tag = false;
          for (char c : s) {
            if (c == '<') tag = true;
@@ -1687,10 +1687,10 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          const bool hyphens = BoolArg(a, 3, "break_on_hyphens", true);
          a.CheckAllUsed(in, "wordwrap", 4);
          if (width <= 0) in.Fail(absl::StrCat("ValueError: invalid width ", width, " (must be > 0)"));
-         const std::string sep = wrap.is_none() ? "\n" : wrap.Str();
+         const std::string sep = wrap.is_none() ? "\n" : in.Str(wrap);
          std::string out;
          bool first_paragraph = true;
-         for (const Value& line : SplitLines(v.Str(), false)) {
+         for (const Value& line : SplitLines(in.Str(v), false)) {
            if (!first_paragraph) out += sep;
            first_paragraph = false;
            bool first = true;
@@ -1754,10 +1754,10 @@ const absl::flat_hash_map<std::string, FilterFn>& Filters() {
          }
          return Value("");
        }},
-      {"pprint", [](Interp&, const Value& v, CallArgs&) { return Value(v.Repr()); }},
-      {"urlencode", [](Interp&, const Value& v, CallArgs&) {
+      {"pprint", [](Interp& in, const Value& v, CallArgs&) { return Value(in.Repr(v)); }},
+      {"urlencode", [](Interp& in, const Value& v, CallArgs&) {
          std::string out;
-         for (unsigned char c : v.Str()) {
+         for (unsigned char c : in.Str(v)) {
            if (std::isalnum(c) || c == '_' || c == '.' || c == '-' || c == '~' || c == '/') {
              out.push_back(static_cast<char>(c));
            } else {
@@ -1901,7 +1901,7 @@ Value StrMethod(Interp& in, const std::string& s, const std::string& name, CallA
   if (name == "format_map") {
     if (a.positional.size() != 1 || !a.positional[0].is_dict()) TypeError(in, "format_map takes a mapping");
     CallArgs kw;
-    for (const auto& [k, v] : a.positional[0].as_dict()) kw.keywords.emplace_back(k.Str(), v);
+    for (const auto& [k, v] : a.positional[0].as_dict()) kw.keywords.emplace_back(in.Str(k), v);
     return Value(StrFormat(in, s, kw));
   }
   if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
@@ -2201,11 +2201,11 @@ const Value* BuiltinGlobal(const std::string& name) {
          }
          for (auto& [k, v] : a.keywords) b.Set(k, v);
          Value d = std::move(b).Build();
-         return Value::Namespace(d.as_dict());
+         return in.NewNamespace(d.as_dict());
        })},
       {"raise_exception", MakeFunction("raise_exception", [](Interp& in, CallArgs& a) -> Value {
          const Value* m = a.Get(0, "message");
-         in.Fail(absl::StrCat("raise_exception: ", m != nullptr ? m->Str() : std::string()));
+         in.Fail(absl::StrCat("raise_exception: ", m != nullptr ? in.Str(*m) : std::string()));
        })},
       {"strftime_now", MakeFunction("strftime_now", [](Interp& in, CallArgs& a) {
          const Value* f = a.Get(0, "format");
@@ -2242,8 +2242,8 @@ const Value* BuiltinGlobal(const std::string& name) {
          // A namespace whose `current` the methods keep up to date.
          auto items = std::make_shared<List>(a.positional);
          auto pos = std::make_shared<size_t>(0);
-         Value ns = Value::Namespace(Dict{{Value("items"), Value(*items)},
-                                          {Value("current"), (*items)[0]}});
+         Value ns = in.NewNamespace(Dict{{Value("items"), Value(*items)},
+                                         {Value("current"), (*items)[0]}});
          Dict* state = &ns.mutable_namespace();
          const auto set_current = [state, items, pos]() {
            for (auto& [k, v] : *state) {

@@ -122,6 +122,30 @@ void CallArgs::CheckAllUsed(Interp& in, std::string_view fn, size_t max_position
   }
 }
 
+Interp::~Interp() {
+  // Every namespace and memory is still held here, so emptying one frees none of the others.
+  for (const Value& ns : namespaces_) {
+    Dict attributes;
+    attributes.swap(ns.mutable_namespace());
+  }
+  for (const auto& memory : changed_memories_) {
+    std::optional<List> seen;
+    seen.swap(*memory);
+  }
+}
+
+Value Interp::NewNamespace(Dict initial) {
+  Value ns = Value::Namespace(std::move(initial));
+  namespaces_.push_back(ns);
+  return ns;
+}
+
+std::shared_ptr<std::optional<List>> Interp::NewChangedMemory() {
+  auto memory = std::make_shared<std::optional<List>>();
+  changed_memories_.push_back(memory);
+  return memory;
+}
+
 void Interp::CheckDepth(const Value& v) const {
   if (v.depth() > kMaxValueDepth) {
     Fail(absl::StrCat("the template nested lists or dicts deeper than ", kMaxValueDepth));
@@ -139,8 +163,8 @@ void Interp::FailUndefined(const Value& v) const {
 Value BinaryOp(Interp& in, std::string_view op, const Value& a, const Value& b) {
   const absl::string_view op_name(op.data(), op.size());
   if (op == "~") {
-    std::string s = a.Str();
-    s += b.Str();
+    std::string s = in.Str(a);
+    s += in.Str(b);
     in.CheckSize(s.size());
     return Value(std::move(s));
   }
@@ -592,6 +616,15 @@ std::vector<int64_t> SliceIndices(Interp& in, int64_t len, const Value& start, c
 }  // namespace
 
 Value Interp::Eval(const Expr& e) {
+  Value v = EvalUnbounded(e);
+  if (v.nodes() > limits_.max_output_bytes) {
+    pos_ = e.pos;
+    Fail("the template built a list or dict larger than its size limit");
+  }
+  return v;
+}
+
+Value Interp::EvalUnbounded(const Expr& e) {
   DepthGuard guard(*this, &eval_depth_, kMaxEvalDepth, "expressions");
   Step();
   pos_ = e.pos;
@@ -899,7 +932,7 @@ void Interp::ExecFor(const Node& n, const Value& iterable, int depth) {
     return args.positional[static_cast<size_t>(*index_holder) % args.positional.size()];
   };
   const Value cycle_value = Value::Function(cycle);
-  auto last_seen = std::make_shared<std::optional<List>>();
+  auto last_seen = NewChangedMemory();
   auto changed = std::make_shared<Callable>();
   changed->name = "changed";
   changed->fn = [last_seen](Interp&, CallArgs& args) -> Value {
@@ -994,7 +1027,7 @@ Interp::Flow Interp::ExecNode(const Node& n) {
         CheckSize(out_->size() + v.as_string().size());
         out_->append(v.as_string());
       } else {
-        const std::string s = v.Str();
+        const std::string s = Str(v);
         CheckSize(out_->size() + s.size());
         out_->append(s);
       }
@@ -1029,11 +1062,19 @@ Interp::Flow Interp::ExecNode(const Node& n) {
       auto c = std::make_shared<Callable>();
       c->name = "caller";
       const Node* node = &n;
+      // The caller sees the call site's variables while the call block runs. A macro may keep
+      // it (`{% set ns.c = caller %}`) past the block, whose scope is then gone: called later,
+      // it sees the template's top-level variables.
       Scope* site = scope_;
-      c->fn = [node, site](Interp& in, CallArgs& args) -> Value {
+      auto site_alive = std::make_shared<bool>(true);
+      struct SiteEnds {
+        std::shared_ptr<bool> alive;
+        ~SiteEnds() { *alive = false; }
+      } site_ends{site_alive};
+      c->fn = [node, site, site_alive](Interp& in, CallArgs& args) -> Value {
         DepthGuard guard(in, &in.call_depth_, in.limits_.max_depth, "macro calls");
         Scope scope;
-        scope.parent = site;
+        scope.parent = *site_alive ? site : &in.root_;
         for (size_t i = 0; i < node->params.size(); ++i) {
           const Param& p = node->params[i];
           const Value* v = args.Get(i, p.name);
@@ -1057,7 +1098,7 @@ Interp::Flow Interp::ExecNode(const Node& n) {
       args.keywords.emplace_back("caller", Value::Function(std::move(c)));
       pos_ = call.pos;
       const Value r = CallValue(f, args);
-      const std::string s = r.Str();
+      const std::string s = Str(r);
       CheckSize(out_->size() + s.size());
       out_->append(s);
       return Flow::kNormal;
@@ -1065,7 +1106,7 @@ Interp::Flow Interp::ExecNode(const Node& n) {
     case NodeKind::kFilterBlock: {
       Value v = Render(n.body);
       for (const auto& f : n.filters) v = EvalFilter(*f, &v);
-      const std::string s = v.Str();
+      const std::string s = Str(v);
       CheckSize(out_->size() + s.size());
       out_->append(s);
       return Flow::kNormal;

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -48,10 +50,14 @@ class Interp {
  public:
   Interp(const RenderLimits& limits, const Value& globals, std::string* out)
       : limits_(limits), globals_(globals), out_(out) {}
+  ~Interp();
+  Interp(const Interp&) = delete;
+  Interp& operator=(const Interp&) = delete;
 
   // Renders `body` at the top level. Throws RenderError.
   void Run(const Body& body);
 
+  // Throws when the value holds more elements (Value::nodes) than the size limit.
   Value Eval(const Expr& e);
   // Calls `callee` (a macro, built-in or method) with `args`.
   Value CallValue(const Value& callee, CallArgs& args);
@@ -66,6 +72,17 @@ class Interp {
       Fail("the template built a string or list larger than its size limit");
     }
   }
+  // str(v) and repr(v), within the size limit (throwing beyond it).
+  std::string Str(const Value& v) {
+    std::string s = v.Str(limits_.max_output_bytes);
+    CheckSize(s.size());
+    return s;
+  }
+  std::string Repr(const Value& v) {
+    std::string s = v.Repr(limits_.max_output_bytes);
+    CheckSize(s.size());
+    return s;
+  }
   [[noreturn]] void Fail(std::string message) const { throw RenderError{pos_, std::move(message)}; }
   // Throws when `v` nests lists and dicts deeper than the interpreter allows.
   void CheckDepth(const Value& v) const;
@@ -78,6 +95,14 @@ class Interp {
 
   // The values of an iterable (list, tuple, dict keys, string characters, undefined: none).
   List Iterate(const Value& v);
+
+  // A namespace, and the memory of a loop's changed(): the only values that change after they
+  // are built, so the only way a value comes to hold itself (`{% set ns.me = [ns] %}`,
+  // `loop.changed(loop)`). The interpreter keeps each until the render ends and then empties
+  // it, so that no reference cycle outlives the render and no chain of them is freed
+  // recursively while it runs.
+  Value NewNamespace(Dict initial);
+  std::shared_ptr<std::optional<List>> NewChangedMemory();
 
   [[nodiscard]] const RenderLimits& limits() const { return limits_; }
   Pos pos_;  // of the node being evaluated, for errors
@@ -95,6 +120,7 @@ class Interp {
   void Assign(const Target& t, const Value& v);
   void SetVar(const std::string& name, Value v);
   Value Lookup(const std::string& name);
+  Value EvalUnbounded(const Expr& e);
   Value EvalCall(const Expr& e);
   Value EvalFilter(const Expr& e, const Value* operand);
   bool EvalTest(const Expr& e);
@@ -110,6 +136,8 @@ class Interp {
   int64_t steps_ = 0;
   int call_depth_ = 0;
   int eval_depth_ = 0;
+  std::vector<Value> namespaces_;
+  std::vector<std::shared_ptr<std::optional<List>>> changed_memories_;
 };
 
 // Python's operators. Throw RenderError (TypeError, ZeroDivisionError, ...) through `in`.

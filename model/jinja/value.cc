@@ -27,17 +27,36 @@ Value::Value(std::string_view s) : kind_(Kind::kString) {
   ptr_ = std::make_shared<const std::string>(s);
 }
 
+namespace {
+
+// `sum` + `more`, saturating at the most a node count holds.
+uint32_t AddNodes(uint64_t sum, uint32_t more) {
+  return static_cast<uint32_t>(std::min<uint64_t>(sum + more, UINT32_MAX));
+}
+
+}  // namespace
+
 Value::Value(List list) : kind_(Kind::kList) {
   int32_t d = 0;
-  for (const Value& v : list) d = std::max(d, v.depth_);
+  uint32_t n = 1;
+  for (const Value& v : list) {
+    d = std::max(d, v.depth_);
+    n = AddNodes(n, v.nodes_);
+  }
   depth_ = d + 1;
+  nodes_ = n;
   ptr_ = std::make_shared<const List>(std::move(list));
 }
 
 Value::Value(Dict dict) : kind_(Kind::kDict) {
   int32_t d = 0;
-  for (const auto& [k, v] : dict) d = std::max({d, k.depth_, v.depth_});
+  uint32_t n = 1;
+  for (const auto& [k, v] : dict) {
+    d = std::max({d, k.depth_, v.depth_});
+    n = AddNodes(AddNodes(n, k.nodes_), v.nodes_);
+  }
   depth_ = d + 1;
+  nodes_ = n;
   ptr_ = std::make_shared<Dict>(std::move(dict));
 }
 
@@ -62,6 +81,8 @@ Value Value::Markup(std::string s) {
 Value Value::Namespace(Dict initial) {
   Value v(std::move(initial));
   v.kind_ = Kind::kNamespace;
+  v.depth_ = 0;
+  v.nodes_ = 1;
   return v;
 }
 
@@ -71,8 +92,13 @@ Value Value::Iterator(IteratorState::Type type, List items, std::string repr) {
   auto state = std::make_shared<IteratorState>();
   state->type = type;
   int32_t d = 0;
-  for (const Value& e : items) d = std::max(d, e.depth_);
+  uint32_t n = 1;
+  for (const Value& e : items) {
+    d = std::max(d, e.depth_);
+    n = AddNodes(n, e.nodes_);
+  }
   v.depth_ = d + 1;
+  v.nodes_ = n;
   state->items = std::move(items);
   state->repr = std::move(repr);
   v.ptr_ = std::move(state);
@@ -161,100 +187,133 @@ void AppendPyStringRepr(std::string_view s, std::string* out) {
   out->push_back(quote);
 }
 
-void AppendRepr(const Value& v, std::string* out, int depth);
+// Python's repr (str at the top for a string), stopping once the text is longer than
+// `max_bytes`. A list, dict or namespace met again inside itself prints as Python's recursion
+// guard prints it: "[...]", "(...)", "{...}".
+class ReprWriter {
+ public:
+  // Deeper than Python's recursion limit lets jinja2 print (lists are bounded shallower; only
+  // namespaces holding namespaces reach it), written as "...".
+  static constexpr size_t kMaxReprDepth = 1000;
 
-void AppendStr(const Value& v, std::string* out, int depth) {
-  switch (v.kind()) {
-    case Value::Kind::kUndefined:
-      return;
-    case Value::Kind::kString:
-      out->append(v.as_string());
-      return;
-    default:
-      AppendRepr(v, out, depth);
-  }
-}
+  ReprWriter(std::string* out, int64_t max_bytes) : out_(out), max_bytes_(max_bytes) {}
 
-void AppendRepr(const Value& v, std::string* out, int depth) {
-  if (depth > 200) {
-    out->append("...");
-    return;
+  void WriteStr(const Value& v) {
+    if (v.is_undefined()) return;
+    if (v.is_string()) {
+      out_->append(v.as_string());
+      return;
+    }
+    Write(v);
   }
-  switch (v.kind()) {
-    case Value::Kind::kUndefined:
-      out->append("Undefined");
+
+  void Write(const Value& v) {
+    if (static_cast<int64_t>(out_->size()) > max_bytes_) return;
+    if (path_.size() > kMaxReprDepth) {
+      out_->append("...");
       return;
-    case Value::Kind::kNone:
-      out->append("None");
-      return;
-    case Value::Kind::kBool:
-      out->append(v.as_bool() ? "True" : "False");
-      return;
-    case Value::Kind::kInt:
-      absl::StrAppend(out, v.as_int());
-      return;
-    case Value::Kind::kFloat:
-      out->append(FloatRepr(v.as_float()));
-      return;
-    case Value::Kind::kString:
-      AppendPyStringRepr(v.as_string(), out);
-      return;
-    case Value::Kind::kList: {
-      if (v.is_group()) {
-        out->append("_GroupTuple(grouper=");
-        AppendRepr(v.as_list()[0], out, depth + 1);
-        out->append(", list=");
-        AppendRepr(v.as_list()[1], out, depth + 1);
-        out->push_back(')');
+    }
+    switch (v.kind()) {
+      case Value::Kind::kUndefined:
+        out_->append("Undefined");
+        return;
+      case Value::Kind::kNone:
+        out_->append("None");
+        return;
+      case Value::Kind::kBool:
+        out_->append(v.as_bool() ? "True" : "False");
+        return;
+      case Value::Kind::kInt:
+        absl::StrAppend(out_, v.as_int());
+        return;
+      case Value::Kind::kFloat:
+        out_->append(FloatRepr(v.as_float()));
+        return;
+      case Value::Kind::kString:
+        AppendPyStringRepr(v.as_string(), out_);
+        return;
+      case Value::Kind::kList: {
+        const char open = v.is_tuple() ? '(' : '[';
+        const char close = v.is_tuple() ? ')' : ']';
+        if (OnPath(v)) {
+          out_->push_back(open);
+          out_->append("...");
+          out_->push_back(close);
+          return;
+        }
+        path_.push_back(&v);
+        if (v.is_group()) {
+          out_->append("_GroupTuple(grouper=");
+          Write(v.as_list()[0]);
+          out_->append(", list=");
+          Write(v.as_list()[1]);
+          out_->push_back(')');
+        } else {
+          out_->push_back(open);
+          const List& l = v.as_list();
+          for (size_t i = 0; i < l.size(); ++i) {
+            if (i > 0) out_->append(", ");
+            Write(l[i]);
+          }
+          if (v.is_tuple() && l.size() == 1) out_->push_back(',');
+          out_->push_back(close);
+        }
+        path_.pop_back();
         return;
       }
-      out->push_back(v.is_tuple() ? '(' : '[');
-      const List& l = v.as_list();
-      for (size_t i = 0; i < l.size(); ++i) {
-        if (i > 0) out->append(", ");
-        AppendRepr(l[i], out, depth + 1);
+      case Value::Kind::kNamespace:
+      case Value::Kind::kDict: {
+        if (v.is_namespace()) out_->append("<Namespace ");
+        if (OnPath(v)) {
+          out_->append("{...}");
+        } else {
+          path_.push_back(&v);
+          out_->push_back('{');
+          bool first = true;
+          for (const auto& [k, e] : v.as_dict()) {
+            if (!first) out_->append(", ");
+            first = false;
+            Write(k);
+            out_->append(": ");
+            Write(e);
+          }
+          out_->push_back('}');
+          path_.pop_back();
+        }
+        if (v.is_namespace()) out_->push_back('>');
+        return;
       }
-      if (v.is_tuple() && l.size() == 1) out->push_back(',');
-      out->push_back(v.is_tuple() ? ')' : ']');
-      return;
-    }
-    case Value::Kind::kNamespace:
-    case Value::Kind::kDict: {
-      if (v.is_namespace()) out->append("<Namespace ");
-      out->push_back('{');
-      bool first = true;
-      for (const auto& [k, e] : v.as_dict()) {
-        if (!first) out->append(", ");
-        first = false;
-        AppendRepr(k, out, depth + 1);
-        out->append(": ");
-        AppendRepr(e, out, depth + 1);
+      case Value::Kind::kCallable:
+        out_->append("<function>");
+        return;
+      case Value::Kind::kIterator: {
+        const IteratorState& it = v.as_iterator();
+        const char* view = nullptr;
+        switch (it.type) {
+          case IteratorState::Type::kGenerator: out_->append("<generator object>"); return;
+          case IteratorState::Type::kReverseIterator: out_->append("<list_reverseiterator object>"); return;
+          case IteratorState::Type::kRange: out_->append(it.repr); return;
+          case IteratorState::Type::kDictKeys: view = "dict_keys("; break;
+          case IteratorState::Type::kDictValues: view = "dict_values("; break;
+          case IteratorState::Type::kDictItems: view = "dict_items("; break;
+        }
+        out_->append(view);
+        Write(Value(it.items));
+        out_->push_back(')');
+        return;
       }
-      out->push_back('}');
-      if (v.is_namespace()) out->push_back('>');
-      return;
-    }
-    case Value::Kind::kCallable:
-      out->append("<function>");
-      return;
-    case Value::Kind::kIterator: {
-      const IteratorState& it = v.as_iterator();
-      const char* view = nullptr;
-      switch (it.type) {
-        case IteratorState::Type::kGenerator: out->append("<generator object>"); return;
-        case IteratorState::Type::kReverseIterator: out->append("<list_reverseiterator object>"); return;
-        case IteratorState::Type::kRange: out->append(it.repr); return;
-        case IteratorState::Type::kDictKeys: view = "dict_keys("; break;
-        case IteratorState::Type::kDictValues: view = "dict_values("; break;
-        case IteratorState::Type::kDictItems: view = "dict_items("; break;
-      }
-      out->append(view);
-      AppendRepr(Value(it.items), out, depth + 1);
-      out->push_back(')');
-      return;
     }
   }
-}
+
+ private:
+  [[nodiscard]] bool OnPath(const Value& v) const {
+    return std::any_of(path_.begin(), path_.end(), [&](const Value* p) { return p->SameObject(v); });
+  }
+
+  std::string* out_;
+  int64_t max_bytes_;
+  std::vector<const Value*> path_;  // the lists, dicts and namespaces being written
+};
 
 }  // namespace
 
@@ -359,17 +418,17 @@ const Value* Value::Find(std::string_view key) const {
   return nullptr;
 }
 
-std::string Value::Str() const {
+std::string Value::Str(int64_t max_bytes) const {
   if (kind_ == Kind::kString) return as_string();
   std::string out;
-  AppendStr(*this, &out, 0);
+  ReprWriter(&out, max_bytes).WriteStr(*this);
   return out;
 }
 
-std::string Value::Repr() const {
+std::string Value::Repr(int64_t max_bytes) const {
   if (kind_ == Kind::kUndefined) return "";
   std::string out;
-  AppendRepr(*this, &out, 0);
+  ReprWriter(&out, max_bytes).Write(*this);
   return out;
 }
 

@@ -96,6 +96,12 @@ class Value {
   // Levels of lists and dicts in this value (0 for a scalar), which the interpreter bounds so
   // that printing, comparing and serializing never recurse without limit.
   [[nodiscard]] int depth() const { return depth_; }
+  // The values printing, comparing or serializing this one visits: 1 for a scalar, a namespace
+  // or a function; a list or dict adds its elements' (keys' and values') counts, a value it
+  // holds twice counted twice (saturating at 2^32 - 1). The interpreter bounds it, so that a
+  // small value sharing its parts (`[x, x]`, doubled again and again) cannot stand for an
+  // exponential amount of work.
+  [[nodiscard]] int64_t nodes() const { return nodes_; }
 
   [[nodiscard]] bool as_bool() const { return int_ != 0; }
   [[nodiscard]] int64_t as_int() const { return int_; }  // bools are 0/1
@@ -106,7 +112,9 @@ class Value {
   [[nodiscard]] const List& as_list() const { return *static_cast<const List*>(ptr_.get()); }
   // Dicts and namespaces.
   [[nodiscard]] const Dict& as_dict() const { return *static_cast<const Dict*>(ptr_.get()); }
-  // A namespace's attributes, which `{% set ns.x = ... %}` assigns.
+  // A namespace's attributes, which `{% set ns.x = ... %}` assigns. As in jinja2, == and
+  // tojson never look inside a namespace and repr guards against meeting one inside itself,
+  // so its attributes may come to hold the namespace without making those walks endless.
   [[nodiscard]] Dict& mutable_namespace() const {
     return *static_cast<Dict*>(const_cast<void*>(ptr_.get()));
   }
@@ -133,10 +141,14 @@ class Value {
   }
 
   // str(x) in Python: None -> "None", True -> "True", 1.0 -> "1.0", lists and dicts as their
-  // repr ("['a', 1]"), undefined -> "".
-  [[nodiscard]] std::string Str() const;
-  // repr(x) in Python.
-  [[nodiscard]] std::string Repr() const;
+  // repr ("['a', 1]"), undefined -> "". A list, dict or namespace inside itself prints as
+  // "[...]", "(...)" or "{...}". Writing stops once the text is longer than `max_bytes`, so
+  // that no value costs more to print than the limit its caller then enforces (values that
+  // share their parts, or hold one long string many times, would otherwise expand without
+  // bound).
+  [[nodiscard]] std::string Str(int64_t max_bytes = INT64_MAX) const;
+  // repr(x) in Python, with Str's guards.
+  [[nodiscard]] std::string Repr(int64_t max_bytes = INT64_MAX) const;
   // The name Python gives the type, for error messages ("str", "int", "dict", ...).
   [[nodiscard]] const char* TypeName() const;
 
@@ -145,6 +157,7 @@ class Value {
   bool tuple_ = false;  // a tuple (lists), Markup (strings)
   bool group_ = false;  // a groupby tuple
   int32_t depth_ = 0;
+  uint32_t nodes_ = 1;
   union {
     int64_t int_ = 0;
     double float_;

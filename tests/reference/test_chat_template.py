@@ -448,6 +448,16 @@ RUNAWAY = {
     "format_huge": "{{ '%9999999999s' % 'x' }}",
     "join_doubling": "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
                      "{% set ns.s = [ns.s, ns.s] | join %}{% endfor %}{{ ns.s | length }}",
+    # Small values that share their parts, standing for exponentially large ones.
+    "shared_list_doubling": "{% set ns = namespace(l=[0]) %}{% for i in range(64) %}"
+                            "{% set ns.l = [ns.l, ns.l] %}{% endfor %}{{ ns.l }}",
+    "shared_list_doubling_in_macro_args": "{% macro m(x, n) %}{% if n %}{{ m([x, x], n - 1) }}"
+                                          "{% else %}{{ x == x }}{% endif %}{% endmacro %}"
+                                          "{{ m([1], 100) }}",
+    "shared_namespace_doubling": "{% set ns = namespace(a=1) %}{% for i in range(64) %}"
+                                 "{% set n = namespace() %}{% set n.a = (ns.a, ns.a) %}"
+                                 "{% set ns.a = n %}{% endfor %}{{ ns.a }}",
+    "long_string_many_times": "{% set s = 'x' * 1000000 %}{{ [s] * 1000 }}",
 }
 
 
@@ -477,6 +487,12 @@ DEEP = {
     "deep_not": ("{{ " + "not " * 100001 + "true }}", "False"),
     "deep_minus": ("{{ " + "-" * 100001 + "1 }}", "-1"),
     "long_chain": ("{{ 1" + " + 1" * 200000 + " }}", "200001"),
+    # Each namespace holds the next: freeing the first must not recurse down the chain.
+    "namespace_chain": ("{% set root = namespace(next=none) %}{% set ns = namespace(cur=root) %}"
+                        "{% for j in range(3) %}{% for i in range(100000) %}"
+                        "{% set n = namespace(next=none) %}{% set c = ns.cur %}"
+                        "{% set c.next = n %}{% set ns.cur = n %}{% endfor %}{% endfor %}done",
+                        "done"),
     "deep_macro_nesting": ("{% macro m(n) %}{% if n > 0 %}({{ m(n - 1) }}){% endif %}{% endmacro %}"
                            "{{ m(5000) }}", "(" * 5000 + ")" * 5000),
 }
