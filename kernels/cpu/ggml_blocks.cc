@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -398,11 +399,7 @@ __attribute__((target("avx2,fma,f16c"))) void DotAvx2(const uint8_t* row, int64_
     DecodeOneAvx2<D>(row + i * bb, sink);
   }
   for (int t = 0; t < T; ++t) {
-    const __m256 sum = _mm256_add_ps(acc[0][t], acc[1][t]);
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    y[t] = _mm_cvtss_f32(v);
+    y[t] = HorizontalSum(_mm256_add_ps(acc[0][t], acc[1][t]));
   }
 }
 
@@ -424,10 +421,7 @@ using DecodeFn = void (*)(const uint8_t*, int64_t, float*);
 template <WeightDType D>
 DecodeFn Best() {
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c")) {
-    return DecodeAvx2<D>;
-  }
+  if (HaveAvx2Fma()) return DecodeAvx2<D>;
 #endif
   return DecodePortable<D>;
 }
@@ -453,9 +447,7 @@ bool IsGgmlBlockFormat(WeightDType dtype) {
 bool DotGgmlRow(WeightDType dtype, const uint8_t* row, int64_t cols, const float* x,
                 int64_t x_stride, int64_t tokens, float* y) {
 #if defined(__x86_64__)
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                           __builtin_cpu_supports("f16c");
-  if (!avx2 || tokens < 1 || tokens > 4) return false;
+  if (!HaveAvx2Fma() || tokens < 1 || tokens > 4) return false;
   DotFn fn = nullptr;
   switch (dtype) {
     case WeightDType::kQ5_0: fn = DotFor<WeightDType::kQ5_0>(tokens); break;

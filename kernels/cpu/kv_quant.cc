@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/kv_int8_vnni.h"
 #include "kernels/cpu/vec.h"
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -257,12 +258,6 @@ KVGRID_AVX2 inline float RowScale(const uint8_t* m) {
   }
 }
 
-KVGRID_AVX2 inline float HSum(__m256 a) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 // res[h * res_stride] = scale * sum_{i < n8} q[h * q_stride + i] * Load8 values, for H query
 // heads.
@@ -312,7 +307,7 @@ KVGRID_AVX2 inline void DotHeads(const uint8_t* v, const uint8_t* m, int64_t n8,
     _mm_store_ps(out, sums);
     for (int h = 0; h < 4; ++h) res[h * res_stride] = out[h];
   } else {
-    for (int h = 0; h < H; ++h) res[h * res_stride] = HSum(_mm256_add_ps(a0[h], a1[h])) * scale;
+    for (int h = 0; h < H; ++h) res[h * res_stride] = HorizontalSum(_mm256_add_ps(a0[h], a1[h])) * scale;
   }
 }
 

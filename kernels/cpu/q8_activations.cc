@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -50,22 +51,10 @@ void QuantizeBlockPortable(const float* x, int8_t* q, float* scale, float* scale
 }
 
 #if defined(__x86_64__)
-bool HaveAvx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
-
 __attribute__((target("f16c"))) inline float F16AtF16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, sizeof(h));
   return _cvtsh_ss(h);
-}
-
-__attribute__((target("avx2,fma"))) float HorizontalSum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
 }
 
 __attribute__((target("avx2,fma"))) void QuantizeBlockAvx2(const float* x, int8_t* q,
@@ -218,7 +207,7 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
   out->scale.resize(static_cast<size_t>(tokens * blocks));
   out->scaled_sum.resize(static_cast<size_t>(tokens * blocks));
 #if defined(__x86_64__)
-  static const bool avx2 = HaveAvx2();
+  static const bool avx2 = HaveAvx2Fma();
 #else
   constexpr bool avx2 = false;
 #endif
@@ -239,7 +228,7 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
 Int8DotIsa BestInt8DotIsa() {
 #if defined(__x86_64__)
   static const Int8DotIsa best =
-      !HaveAvx2() ? Int8DotIsa::kPortable
+      !HaveAvx2Fma() ? Int8DotIsa::kPortable
       : __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")
           ? Int8DotIsa::kAvx512Vnni
           : Int8DotIsa::kAvx2;

@@ -12,6 +12,7 @@
 #include "kernels/cpu/ggml_blocks.h"
 #include "kernels/cpu/q8_activations.h"
 #include "kernels/cpu/vec.h"
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -82,10 +83,7 @@ template <int A>
 __attribute__((target("avx2,fma,f16c"))) inline float SumOfAccumulators(const __m256* acc) {
   __m256 sum = acc[0];
   for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[a]);
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-  return _mm_cvtss_f32(v);
+  return HorizontalSum(sum);
 }
 
 // Eight 16-bit weights as fp32: F16 through F16C, BF16 as the top half of an fp32.
@@ -241,20 +239,11 @@ void DotRow(const QuantMatrix& m, const uint8_t* row, const float* x, int64_t to
 }
 #endif
 
-bool HaveAvx2() {
-#if defined(__x86_64__)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-#else
-  return false;
-#endif
-}
-
 using DequantFn = void (*)(const QuantMatrix&, const uint8_t*, float*);
 
 DequantFn BestDequant() {
 #if defined(__x86_64__)
-  if (HaveAvx2()) return DequantRowAvx2;
+  if (HaveAvx2Fma()) return DequantRowAvx2;
 #endif
   return DequantRowPortable;
 }
@@ -423,7 +412,7 @@ void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
   const uint8_t* src = m.data.data() + row * m.RowBytes();
   if (IsFloat16(m.dtype)) {
 #if defined(__x86_64__)
-    static const bool avx2 = HaveAvx2();
+    static const bool avx2 = HaveAvx2Fma();
     if (avx2) return Float16RowAvx2(m.dtype, src, m.cols, out);
 #endif
     return Float16RowPortable(m.dtype, src, m.cols, out);
@@ -511,7 +500,7 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
   if (m <= kSmallBatchTokens) {
     // Decode: each row is read once (quantized) and dotted with every token, dequantized in
     // registers (AVX2) or into an L1-resident row (portable).
-    static const bool avx2 = HaveAvx2();
+    static const bool avx2 = HaveAvx2Fma();
     const VecOps& vec = Vec();
 #pragma omp parallel if (n * k > 32768)
     {

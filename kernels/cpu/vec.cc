@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -61,13 +62,7 @@ KVGRID_AVX2 float DotAvx2(const float* a, const float* b, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
   }
-  __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
-  __m128 lo = _mm256_castps256_ps128(acc);
-  __m128 hi = _mm256_extractf128_ps(acc, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  float s = _mm_cvtss_f32(lo);
+  float s = HorizontalSum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -140,16 +135,7 @@ KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
         _mm256_set1_epi32(static_cast<int>(n - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     acc = _mm256_add_ps(acc, _mm256_and_ps(e, mask));
   }
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
-
-bool HasAvx2() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+  return HorizontalSum(acc);
 }
 #endif
 
@@ -162,7 +148,7 @@ const VecOps& PortableVec() { return kPortable; }
 
 const VecOps& Vec() {
 #if defined(__x86_64__)
-  static const VecOps ops = HasAvx2() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
+  static const VecOps ops = HaveAvx2Fma() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
                                                ExpSumAvx2, "avx2"}
                                       : kPortable;
   return ops;
