@@ -40,6 +40,10 @@ absl::Status PagedAttentionParams::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("PagedAttentionParams.window: must be >= 0, got ", window));
   }
+  if (cp_size < 1 || cp_rank < 0 || cp_rank >= cp_size) {
+    return absl::InvalidArgumentError(absl::StrCat("PagedAttentionParams.cp_rank: ", cp_rank,
+                                                   " is not a rank of cp_size ", cp_size));
+  }
   for (auto [meta, dtype, name] : {std::tuple{k_meta, k_dtype, "k_meta"},
                                    std::tuple{v_meta, v_dtype, "v_meta"}}) {
     if (KvRowLayoutFor(dtype, head_dim).meta_bytes > 0 && !meta) {
@@ -73,6 +77,7 @@ absl::Status PagedAttentionParams::Validate() const {
     // The first query sees the lowest keys; blocks before its window may be holes.
     const int64_t first_key = WindowStart(seq_lens[s] - q_len + 1, window);
     for (int64_t b = first_key / block_size; b < blocks; ++b) {
+      if (b % cp_size != cp_rank) continue;  // another rank's block
       const int32_t id = block_tables[s * max_blocks_per_seq + b];
       if (id < 0 || id >= num_blocks) {
         return absl::InvalidArgumentError(absl::StrCat("PagedAttentionParams.block_tables[", s,
@@ -114,6 +119,12 @@ inline void Prefetch(const std::byte* p, int64_t bytes) {
 struct WorkItem {
   int64_t t, g_begin, g_end, begin, end, part;
 };
+
+// log(sum_j exp(scale * s_j)) from the highest score and sum_j exp(scale * (s_j - max)); -inf
+// when nothing was attended.
+inline float LogSumExp(float scale, float max, float sum) {
+  return sum > 0.f ? scale * max + std::log(sum) : -std::numeric_limits<float>::infinity();
+}
 
 }  // namespace
 
@@ -194,6 +205,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
   {
     std::vector<float> scores;  // [heads of the item, len]
     std::vector<float> sums;    // [heads of the item]
+    std::vector<float> maxes;   // [heads of the item]: the highest score
     std::vector<std::byte> prepared_buffer;  // the item's queries as kk.prepare_query left them
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < work; ++it) {
@@ -216,6 +228,8 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       };
       // Positions [j, next_block(j)) lie in one block.
       auto next_block = [bs](int64_t j) { return (j / bs + 1) * bs; };
+      // Whether position j's block is this rank's (always, without context parallelism).
+      auto local = [&](int64_t j) { return (j / bs) % p.cp_size == p.cp_rank; };
       auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
                           int64_t j) {
         if (j >= end) return;
@@ -237,8 +251,16 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         if (!kk.prepare_query(q, hd, heads, prepared)) prepared = nullptr;
       }
       for (int64_t j = begin; j < end; j = next_block(j)) {
-        prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
         const int64_t rows = std::min(next_block(j), end) - j;
+        if (!local(j)) {
+          // Another rank's positions take no weight.
+          for (int64_t h = 0; h < heads; ++h) {
+            std::fill_n(scores.data() + h * len + (j - begin), rows,
+                        -std::numeric_limits<float>::infinity());
+          }
+          continue;
+        }
+        prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
           const std::byte* values = k_values + row * kl.value_bytes;
@@ -254,18 +276,40 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       }
       // Unnormalized softmax weights; the output is divided by their sum at the end.
       sums.resize(heads);
-      float* max_out = w.part >= 0 ? part_max.data() + w.part * nh : nullptr;
+      maxes.resize(heads);
       for (int64_t h = 0; h < heads; ++h) {
         float* sc = scores.data() + h * len;
         float max = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < len; ++j) max = std::max(max, sc[j]);
+        maxes[h] = max;
+        if (max == -std::numeric_limits<float>::infinity()) {  // no position of this rank
+          std::fill_n(sc, len, 0.f);
+          sums[h] = 0.f;
+          continue;
+        }
         sums[h] = vec.exp_sum(sc, len, p.scale, p.scale * max);
-        if (max_out) max_out[h] = max;
+        if (p.cp_size > 1) {
+          // exp_sum flushes the other ranks' -inf to tiny values: make them exactly 0 and sum
+          // this rank's weights alone.
+          float sum = 0.f;
+          for (int64_t j = begin; j < end; j = next_block(j)) {
+            const int64_t rows = std::min(next_block(j), end) - j;
+            float* row = sc + (j - begin);
+            if (!local(j)) {
+              std::fill_n(row, rows, 0.f);
+            } else {
+              for (int64_t r = 0; r < rows; ++r) sum += row[r];
+            }
+          }
+          sums[h] = sum;
+        }
       }
+      if (w.part >= 0) std::copy(maxes.begin(), maxes.end(), part_max.data() + w.part * nh);
       float* out = w.part >= 0 ? part_out.data() + w.part * nh * hd
                                : p.output + (t * nh + g0 * group) * hd;
       std::memset(out, 0, sizeof(float) * heads * hd);
       for (int64_t j = begin; j < end; j = next_block(j)) {
+        if (!local(j)) continue;
         prefetch(v_values, v_meta, vl, j + kPrefetchBlocks * bs);
         const int64_t rows = std::min(next_block(j), end) - j;
         for (int64_t g = 0; g < ng; ++g) {
@@ -281,8 +325,12 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         continue;
       }
       for (int64_t h = 0; h < heads; ++h) {
-        const float inv = 1.f / sums[h];
+        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
         for (int64_t i = 0; i < hd; ++i) out[h * hd + i] *= inv;
+      }
+      if (p.lse != nullptr) {
+        float* lse = p.lse + t * nh + g0 * group;
+        for (int64_t h = 0; h < heads; ++h) lse[h] = LogSumExp(p.scale, maxes[h], sums[h]);
       }
     }
 
@@ -299,6 +347,10 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       }
       float* o = p.output + (sp.t * nh + h) * hd;
       std::fill(o, o + hd, 0.f);
+      if (max == -std::numeric_limits<float>::infinity()) {  // no chunk held this rank's blocks
+        if (p.lse != nullptr) p.lse[sp.t * nh + h] = max;
+        continue;
+      }
       float sum = 0.f;
       for (int64_t c = 0; c < sp.parts; ++c) {
         const int64_t k = (sp.first_part + c) * nh + h;
@@ -309,9 +361,38 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       }
       const float inv = 1.f / sum;
       for (int64_t d = 0; d < hd; ++d) o[d] *= inv;
+      if (p.lse != nullptr) p.lse[sp.t * nh + h] = LogSumExp(p.scale, max, sum);
     }
   }
   return absl::OkStatus();
+}
+
+void MergeAttentionPartials(const float* outputs, const float* lses, int64_t parts,
+                            int64_t rows, int64_t head_dim, float* out, float* lse_out) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) if (rows * parts * head_dim > 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = kNone;
+    for (int64_t c = 0; c < parts; ++c) top = std::max(top, lses[c * rows + r]);
+    float* o = out + r * head_dim;
+    std::fill_n(o, head_dim, 0.f);
+    if (top == kNone) {
+      if (lse_out != nullptr) lse_out[r] = kNone;
+      continue;
+    }
+    float total = 0.f;
+    for (int64_t c = 0; c < parts; ++c) {
+      const float l = lses[c * rows + r];
+      if (l == kNone) continue;
+      const float a = std::exp(l - top);
+      total += a;
+      const float* po = outputs + (c * rows + r) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += a * po[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+    if (lse_out != nullptr) lse_out[r] = top + std::log(total);
+  }
 }
 
 }  // namespace kvgrid::kernels::cpu

@@ -52,13 +52,23 @@ struct PagedAttentionParams {
   // weights to int8 (kernels/cpu/kv_int8_vnni.h); kExact keeps fp32 arithmetic on the
   // decoded rows.
   KvKernelPrecision precision = KvKernelPrecision::kFast;
+  // Context parallelism: block i of every sequence lives on rank i % cp_size, and this call
+  // is rank cp_rank's share. It attends over the positions of its own blocks only (the
+  // table's entries for the other ranks' blocks are never read and may be -1) and normalizes
+  // each head's output over them; MergeAttentionPartials then combines the ranks' outputs,
+  // through their log-sum-exp, into exactly what one call over every block computes.
+  int64_t cp_size = 1;
+  int64_t cp_rank = 0;
+  // [num_tokens, num_heads], or null: log(sum_j exp(scale * q.k_j)) over the positions this
+  // call attended, -inf for a head that attended none (its output is then 0).
+  float* lse = nullptr;
 
   // INVALID_ARGUMENT naming the field: null pointers (a meta plane is required exactly when
   // its dtype has metadata), an odd head_dim, heads not divisible by kv heads,
   // query_start not a prefix sum ending at num_tokens, a sequence with more queries than
-  // context or more context than its block table, a negative window, a block id outside the
-  // arena among the blocks the queries read (those from the window of the sequence's first
-  // query on).
+  // context or more context than its block table, a negative window, cp_rank outside
+  // [0, cp_size), a block id outside the arena among the blocks the queries read (this
+  // rank's, from the window of the sequence's first query on).
   absl::Status Validate() const;
 };
 
@@ -68,6 +78,14 @@ struct PagedAttentionParams {
 // row read, block by block. Softmax in fp32 with the maximum subtracted (per chunk, then
 // rescaled to the overall maximum when merging). Errors: those of Validate().
 absl::Status PagedAttention(const PagedAttentionParams& params);
+
+// Exact attention from `parts` results over disjoint sets of a context's positions (the
+// context-parallel ranks' PagedAttention outputs and lse): for each of `rows` (token, head)
+// rows, out = sum_c exp(lse_c - L) out_c with L = log(sum_c exp(lse_c)). `outputs` is
+// [parts, rows, head_dim], `lses` [parts, rows]; `lse_out` ([rows]) may be null. A row no part
+// attended (every lse_c = -inf) gets 0 and L = -inf.
+void MergeAttentionPartials(const float* outputs, const float* lses, int64_t parts,
+                            int64_t rows, int64_t head_dim, float* out, float* lse_out);
 
 }  // namespace kvgrid::kernels::cpu
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -33,6 +34,9 @@ struct Case {
   // the window of each sequence's first query are made holes (-1), as the block manager
   // leaves them: the kernel must not read them.
   int64_t window = 0;
+  // Context-parallel ranks (1: one call). With more, each rank's call sees a table whose other
+  // ranks' entries are -1, and MergeAttentionPartials combines their outputs.
+  int64_t cp_size = 1;
 };
 
 // Dense reference: K/V per sequence as [ctx, kv_heads, head_dim] in fp64.
@@ -124,8 +128,9 @@ void RunCase(const Case& c, uint64_t seed) {
   std::vector<float> q(num_tokens * c.heads * c.head_dim);
   for (float& x : q) x = normal(rng);
   std::vector<float> out(q.size(), -1.f);
+  std::vector<float> lse(num_tokens * c.heads, -1.f);
   const float scale = 1.f / std::sqrt(static_cast<float>(c.head_dim));
-  ASSERT_TRUE(PagedAttention({.query = q.data(),
+  PagedAttentionParams params{.query = q.data(),
                               .output = out.data(),
                               .k_cache = k_cache.data(),
                               .v_cache = v_cache.data(),
@@ -146,8 +151,30 @@ void RunCase(const Case& c, uint64_t seed) {
                               .head_dim = c.head_dim,
                               .scale = scale,
                               .window = c.window,
-                              .precision = c.precision})
-                  .ok());
+                              .precision = c.precision,
+                              .lse = lse.data()};
+  if (c.cp_size == 1) {
+    ASSERT_TRUE(PagedAttention(params).ok());
+  } else {
+    const int64_t rows = num_tokens * c.heads;
+    std::vector<float> part_out(c.cp_size * rows * c.head_dim, -1.f);
+    std::vector<float> part_lse(c.cp_size * rows, -1.f);
+    for (int64_t r = 0; r < c.cp_size; ++r) {
+      std::vector<int32_t> rank_tables = tables;
+      for (size_t i = 0; i < rank_tables.size(); ++i) {
+        if (static_cast<int64_t>(i % max_blocks) % c.cp_size != r) rank_tables[i] = -1;
+      }
+      PagedAttentionParams rank = params;
+      rank.block_tables = rank_tables.data();
+      rank.cp_size = c.cp_size;
+      rank.cp_rank = r;
+      rank.output = part_out.data() + r * rows * c.head_dim;
+      rank.lse = part_lse.data() + r * rows;
+      ASSERT_TRUE(PagedAttention(rank).ok()) << "rank " << r;
+    }
+    MergeAttentionPartials(part_out.data(), part_lse.data(), c.cp_size, rows, c.head_dim,
+                           out.data(), lse.data());
+  }
 
   const int64_t group = c.heads / c.kv_heads;
   double max_err = 0;
@@ -172,6 +199,7 @@ void RunCase(const Case& c, uint64_t seed) {
         }
         double sum = 0;
         for (int64_t j = lo; j <= pos; ++j) sum += (w[j] = std::exp(w[j] - max));
+        max_err = std::max(max_err, std::abs(max + std::log(sum) - lse[t * c.heads + h]));
         for (int64_t d = 0; d < c.head_dim; ++d) {
           double acc = 0;
           for (int64_t j = lo; j <= pos; ++j) {
@@ -184,7 +212,7 @@ void RunCase(const Case& c, uint64_t seed) {
     }
   }
   EXPECT_LT(max_err, c.tolerance) << "seed " << seed << " K " << KvDTypeName(k_dtype) << " V "
-                           << KvDTypeName(v_dtype);
+                           << KvDTypeName(v_dtype) << " cp " << c.cp_size;
 }
 
 TEST(PagedAttentionTest, DecodeBatchMatchesDenseReference) {
@@ -311,6 +339,67 @@ TEST(PagedAttentionTest, RandomShapes) {
              kDTypes[rng() % 6]},
             100 + trial);
   }
+}
+
+// Context parallelism: 2 to 4 ranks, each attending over its own blocks (block i on rank
+// i % C), merged through their log-sum-exp, against the one dense reference: decode (whose
+// long contexts the kernel splits into chunks, some holding no block of a rank), prefill,
+// chunked prefill, sliding windows, GQA and every K and V dtype.
+TEST(PagedAttentionTest, ContextParallelRanksMergeToFullAttention) {
+  std::mt19937_64 rng(11);
+  constexpr KvDType kDTypes[] = {KvDType::kF32,  KvDType::kF16,  KvDType::kBF16,
+                                 KvDType::kInt8, KvDType::kInt4, KvDType::kFp8E4m3};
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t kv_heads = 1 + rng() % 3;
+    const int64_t heads = kv_heads * (1 + rng() % 4);
+    const int64_t head_dim = 2 * (1 + rng() % 40);
+    const int64_t block_size = int64_t{4} << (rng() % 3);
+    const int64_t num_seqs = 1 + rng() % 4;
+    std::vector<int32_t> ctx, ql;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      // Some decode contexts long enough to be split into chunks.
+      ctx.push_back(trial % 3 == 0 ? 600 + rng() % 900 : 1 + rng() % 90);
+      ql.push_back(rng() % 2 ? 1 : 1 + rng() % ctx.back());
+    }
+    Case c{heads, kv_heads, head_dim, block_size, ctx, ql, kDTypes[rng() % 6],
+           kDTypes[rng() % 6]};
+    c.window = trial % 4 == 1 ? 1 + rng() % 40 : 0;
+    c.cp_size = 2 + trial % 3;
+    RunCase(c, 300 + trial);
+  }
+  // kFast int8 rounds each rank's queries and weights on its own: close, not exact.
+  RunCase({.heads = 8, .kv_heads = 2, .head_dim = 64, .block_size = 16, .ctx_lens = {700, 33},
+           .q_lens = {1, 5}, .dtype = KvDType::kInt8,
+           .precision = KvKernelPrecision::kFast, .tolerance = 3e-2, .cp_size = 3},
+          400);
+}
+
+TEST(PagedAttentionTest, MergeOfRowsNoRankAttendedIsZero) {
+  const float none = -std::numeric_limits<float>::infinity();
+  // Two rows of head_dim 2 from two parts: row 0 attended by part 1 only, row 1 by neither.
+  const std::vector<float> outputs = {9, 9, 9, 9, /*part 1*/ 1, 2, 7, 7};
+  const std::vector<float> lses = {none, none, 0.5f, none};
+  std::vector<float> out(4, -1.f), lse(2, -1.f);
+  MergeAttentionPartials(outputs.data(), lses.data(), 2, 2, 2, out.data(), lse.data());
+  EXPECT_EQ(out, (std::vector<float>{1, 2, 0, 0}));
+  EXPECT_EQ(lse[0], 0.5f);
+  EXPECT_EQ(lse[1], none);
+}
+
+TEST(PagedAttentionTest, RejectsRankOutsideTheGroup) {
+  std::vector<float> q(4), out(4);
+  std::vector<float> k(4), v(4);
+  const int32_t table = 0, len = 1, starts[] = {0, 1};
+  PagedAttentionParams p{.query = q.data(), .output = out.data(), .k_cache = k.data(),
+                         .v_cache = v.data(), .k_dtype = KvDType::kF32,
+                         .v_dtype = KvDType::kF32, .block_tables = &table, .seq_lens = &len,
+                         .query_start = starts, .num_seqs = 1, .num_tokens = 1,
+                         .max_blocks_per_seq = 1, .num_blocks = 1, .num_heads = 1,
+                         .num_kv_heads = 1, .block_size = 1, .head_dim = 4, .scale = 0.5f,
+                         .cp_size = 2, .cp_rank = 2};
+  const absl::Status s = PagedAttention(p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("cp_rank"), std::string::npos) << s;
 }
 
 // The softmax exponentials, fast and portable, against std::exp over the range softmax uses.
