@@ -150,6 +150,9 @@ void Interp::CheckDepth(const Value& v) const {
   if (v.depth() > kMaxValueDepth) {
     Fail(absl::StrCat("the template nested lists or dicts deeper than ", kMaxValueDepth));
   }
+  if (v.nodes() > limits_.max_output_bytes) {
+    Fail("the template built a list or dict larger than its size limit");
+  }
 }
 
 void Interp::FailUndefined(const Value& v) const {
@@ -615,16 +618,15 @@ std::vector<int64_t> SliceIndices(Interp& in, int64_t len, const Value& start, c
 
 }  // namespace
 
-Value Interp::Eval(const Expr& e) {
-  Value v = EvalUnbounded(e);
-  if (v.nodes() > limits_.max_output_bytes) {
+Value Interp::Bounded(Value v, const Expr& e) {
+  if (v.nodes() > limits_.max_output_bytes) [[unlikely]] {
     pos_ = e.pos;
-    Fail("the template built a list or dict larger than its size limit");
+    CheckDepth(v);
   }
   return v;
 }
 
-Value Interp::EvalUnbounded(const Expr& e) {
+Value Interp::Eval(const Expr& e) {
   DepthGuard guard(*this, &eval_depth_, kMaxEvalDepth, "expressions");
   Step();
   pos_ = e.pos;
@@ -711,9 +713,9 @@ Value Interp::EvalUnbounded(const Expr& e) {
       TypeError(*this, absl::StrCat(Quoted(obj.TypeName()), " object is not subscriptable"));
     }
     case ExprKind::kCall:
-      return EvalCall(e);
+      return Bounded(EvalCall(e), e);
     case ExprKind::kFilter:
-      return EvalFilter(e, nullptr);
+      return Bounded(EvalFilter(e, nullptr), e);
     case ExprKind::kTest:
       return Value(EvalTest(e));
     case ExprKind::kNot:
@@ -736,7 +738,7 @@ Value Interp::EvalUnbounded(const Expr& e) {
       const Value a = Eval(*e.items[0]);
       const Value b = Eval(*e.items[1]);
       pos_ = e.pos;
-      return BinaryOp(*this, e.name, a, b);
+      return Bounded(BinaryOp(*this, e.name, a, b), e);
     }
     case ExprKind::kAnd: {
       Value a = Eval(*e.items[0]);

@@ -57,7 +57,8 @@ class Interp {
   // Renders `body` at the top level. Throws RenderError.
   void Run(const Body& body);
 
-  // Throws when the value holds more elements (Value::nodes) than the size limit.
+  // Lists and dicts it builds (literals, and what calls, filters and operators return) are
+  // bounded by CheckDepth, so no value the template can name stands for unbounded work.
   Value Eval(const Expr& e);
   // Calls `callee` (a macro, built-in or method) with `args`.
   Value CallValue(const Value& callee, CallArgs& args);
@@ -84,7 +85,8 @@ class Interp {
     return s;
   }
   [[noreturn]] void Fail(std::string message) const { throw RenderError{pos_, std::move(message)}; }
-  // Throws when `v` nests lists and dicts deeper than the interpreter allows.
+  // Throws when `v` nests lists and dicts deeper than the interpreter allows, or holds more
+  // elements (Value::nodes) than the size limit.
   void CheckDepth(const Value& v) const;
   // UndefinedError for using an undefined value.
   [[noreturn]] void FailUndefined(const Value& v) const;
@@ -120,7 +122,7 @@ class Interp {
   void Assign(const Target& t, const Value& v);
   void SetVar(const std::string& name, Value v);
   Value Lookup(const std::string& name);
-  Value EvalUnbounded(const Expr& e);
+  Value Bounded(Value v, const Expr& e);  // CheckDepth at e
   Value EvalCall(const Expr& e);
   Value EvalFilter(const Expr& e, const Value* operand);
   bool EvalTest(const Expr& e);

@@ -29,34 +29,34 @@ Value::Value(std::string_view s) : kind_(Kind::kString) {
 
 namespace {
 
-// `sum` + `more`, saturating at the most a node count holds.
-uint32_t AddNodes(uint64_t sum, uint32_t more) {
-  return static_cast<uint32_t>(std::min<uint64_t>(sum + more, UINT32_MAX));
+// A node count summed in 64 bits (no list or dict holds 2^32 elements), saturated to the field.
+uint32_t SaturatedNodes(uint64_t n) {
+  return static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
 }
 
 }  // namespace
 
 Value::Value(List list) : kind_(Kind::kList) {
   int32_t d = 0;
-  uint32_t n = 1;
+  uint64_t n = 1;
   for (const Value& v : list) {
     d = std::max(d, v.depth_);
-    n = AddNodes(n, v.nodes_);
+    n += v.nodes_;
   }
   depth_ = d + 1;
-  nodes_ = n;
+  nodes_ = SaturatedNodes(n);
   ptr_ = std::make_shared<const List>(std::move(list));
 }
 
 Value::Value(Dict dict) : kind_(Kind::kDict) {
   int32_t d = 0;
-  uint32_t n = 1;
+  uint64_t n = 1;
   for (const auto& [k, v] : dict) {
     d = std::max({d, k.depth_, v.depth_});
-    n = AddNodes(AddNodes(n, k.nodes_), v.nodes_);
+    n += uint64_t{k.nodes_} + v.nodes_;
   }
   depth_ = d + 1;
-  nodes_ = n;
+  nodes_ = SaturatedNodes(n);
   ptr_ = std::make_shared<Dict>(std::move(dict));
 }
 
@@ -92,13 +92,13 @@ Value Value::Iterator(IteratorState::Type type, List items, std::string repr) {
   auto state = std::make_shared<IteratorState>();
   state->type = type;
   int32_t d = 0;
-  uint32_t n = 1;
+  uint64_t n = 1;
   for (const Value& e : items) {
     d = std::max(d, e.depth_);
-    n = AddNodes(n, e.nodes_);
+    n += e.nodes_;
   }
   v.depth_ = d + 1;
-  v.nodes_ = n;
+  v.nodes_ = SaturatedNodes(n);
   state->items = std::move(items);
   state->repr = std::move(repr);
   v.ptr_ = std::move(state);
