@@ -623,6 +623,18 @@ Value Interp::Bounded(Value v, const Expr& e) {
     pos_ = e.pos;
     CheckDepth(v);
   }
+  // What building the value cost: a loop that copies a long string (or list) each time
+  // through is bounded by the steps, not only by the size of one copy.
+  const size_t size = v.is_string() ? v.as_string().size() >> 10
+                      : v.is_list() ? v.as_list().size() >> 7
+                                    : 0;
+  if (size > 0) {
+    steps_ += static_cast<int64_t>(size);
+    if (steps_ > limits_.max_steps) {
+      pos_ = e.pos;
+      Fail("the template exceeded its step limit");
+    }
+  }
   return v;
 }
 

@@ -122,7 +122,8 @@ class Interp {
   void Assign(const Target& t, const Value& v);
   void SetVar(const std::string& name, Value v);
   Value Lookup(const std::string& name);
-  Value Bounded(Value v, const Expr& e);  // CheckDepth at e
+  // CheckDepth at e, and the steps building `v` took.
+  Value Bounded(Value v, const Expr& e);
   Value EvalCall(const Expr& e);
   Value EvalFilter(const Expr& e, const Value* operand);
   bool EvalTest(const Expr& e);

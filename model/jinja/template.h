@@ -28,8 +28,9 @@
 namespace kvgrid::model::jinja {
 
 struct RenderLimits {
-  // Evaluation steps (nodes evaluated, loop iterations, filter calls), so a loop over
-  // range(10**9) or endless macro recursion stops.
+  // Evaluation steps (nodes evaluated, loop iterations, filter calls, and one per KiB of
+  // string or 128 list elements a call, filter or operator returns), so a loop over
+  // range(10**9), endless macro recursion or a loop copying a long string stops.
   int64_t max_steps = 5'000'000;
   // Bytes of any string built, the output included.
   int64_t max_output_bytes = int64_t{16} << 20;

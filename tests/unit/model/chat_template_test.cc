@@ -80,6 +80,23 @@ TEST(JinjaTemplate, EndlessLoopsStopAtTheStepLimit) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+// Copying a long string each time through a loop costs steps by its size: 100000 copies of
+// 1 MB would otherwise take minutes within both limits.
+TEST(JinjaTemplate, LoopsCopyingLongStringsStopAtTheStepLimit) {
+  jinja::RenderLimits limits;
+  limits.max_steps = 100000;
+  auto r = RenderSource(
+      "{% set ns = namespace(s='x' * 1000000) %}{% for i in range(100000) %}"
+      "{% set ns.s = (ns.s ~ 'a')[:-1] %}{% endfor %}{{ ns.s | length }}",
+      "{}", limits);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("step limit"));
+  r = RenderSource("{% set l = [0] * 100000 %}{% for i in range(100000) %}{% set x = l + [] %}"
+                   "{% endfor %}", "{}", limits);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("step limit"));
+}
+
 TEST(JinjaTemplate, RecursionStopsAtTheDepthLimit) {
   auto r = RenderSource("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}");
   ASSERT_FALSE(r.ok());
