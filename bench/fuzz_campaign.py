@@ -11,7 +11,7 @@ A campaign also ends after --max-seconds (default: none), so a short one reports
 got.
 
 Usage: bench/fuzz_campaign.py [--json] [--runs 10000000] [--max-seconds S] [--targets a,b]
-                              [--jobs 2] [--nice 19]
+                              [--jobs 2] [--nice 19] [--timeout 30]
 """
 
 import argparse
@@ -30,7 +30,7 @@ TARGETS = ["safetensors_fuzz", "model_config_fuzz", "tokenizer_fuzz", "gguf_fuzz
            "openai_request_fuzz", "grpc_request_fuzz", "kserve_request_fuzz"]
 
 
-def campaign(target: str, runs: int, niceness: int, max_seconds: int) -> dict:
+def campaign(target: str, runs: int, niceness: int, max_seconds: int, timeout: int) -> dict:
     exe = BUILD / "bin" / target
     if not exe.is_file():
         raise SystemExit(f"{exe} is missing: run tools/ci-fuzz.sh (it builds build-fuzz/) first")
@@ -47,7 +47,8 @@ def campaign(target: str, runs: int, niceness: int, max_seconds: int) -> dict:
     with open(log, "wb") as out:
         rc = subprocess.run(
             ["nice", "-n", str(niceness), str(exe), f"-runs={runs}",
-             *([f"-max_total_time={max_seconds}"] if max_seconds > 0 else []), "-timeout=10",
+             *([f"-max_total_time={max_seconds}"] if max_seconds > 0 else []),
+             f"-timeout={timeout}",
              "-rss_limit_mb=2048", "-max_len=65536", "-print_final_stats=1",
              f"-artifact_prefix={artifacts}/", str(corpus)],
             stdout=out, stderr=subprocess.STDOUT).returncode
@@ -71,11 +72,15 @@ def main():
     ap.add_argument("--jobs", type=int, default=2, help="targets run at once")
     ap.add_argument("--nice", type=int, default=19)
     ap.add_argument("--max-seconds", type=int, default=0, help="per target; 0: no limit")
+    ap.add_argument("--timeout", type=int, default=30,
+                    help="seconds one input may run before it counts as a hang (wall time: at "
+                         "--nice 19 a busy machine can starve the fuzzer, so more than CI's 10)")
     args = ap.parse_args()
     targets = [t for t in args.targets.split(",") if t]
     results = []
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(campaign, t, args.runs, args.nice, args.max_seconds) for t in targets]
+        futures = [pool.submit(campaign, t, args.runs, args.nice, args.max_seconds,
+                               args.timeout) for t in targets]
         for f in futures:
             results.append(f.result())
             if not args.json:
