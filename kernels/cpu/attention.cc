@@ -123,7 +123,7 @@ struct WorkItem {
 // log(sum_j exp(scale * s_j)) from the highest score and sum_j exp(scale * (s_j - max)); -inf
 // when nothing was attended.
 inline float LogSumExp(float scale, float max, float sum) {
-  return sum > 0.f ? scale * max + std::log(sum) : -std::numeric_limits<float>::infinity();
+  return sum == 0.f ? -std::numeric_limits<float>::infinity() : scale * max + std::log(sum);
 }
 
 }  // namespace
@@ -232,7 +232,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       auto local = [&](int64_t j) { return (j / bs) % p.cp_size == p.cp_rank; };
       auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
                           int64_t j) {
-        if (j >= end) return;
+        if (j >= end || !local(j)) return;
         const int64_t row = first_row(j);
         // Rows past the context in a partial last block are still inside the block.
         const int64_t rows = ng == 1 ? std::min(next_block(j), end) - j : ng * bs - j % bs;
@@ -260,7 +260,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
           }
           continue;
         }
-        prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * bs);
+        prefetch(k_values, k_meta, kl, j + kPrefetchBlocks * p.cp_size * bs);
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
           const std::byte* values = k_values + row * kl.value_bytes;
@@ -282,7 +282,9 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         float max = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < len; ++j) max = std::max(max, sc[j]);
         maxes[h] = max;
-        if (max == -std::numeric_limits<float>::infinity()) {  // no position of this rank
+        if (p.cp_size > 1 && max == -std::numeric_limits<float>::infinity()) {
+          // No position of this rank (a NaN score keeps max at -inf too, and without context
+          // parallelism propagates as before).
           std::fill_n(sc, len, 0.f);
           sums[h] = 0.f;
           continue;
@@ -310,7 +312,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       std::memset(out, 0, sizeof(float) * heads * hd);
       for (int64_t j = begin; j < end; j = next_block(j)) {
         if (!local(j)) continue;
-        prefetch(v_values, v_meta, vl, j + kPrefetchBlocks * bs);
+        prefetch(v_values, v_meta, vl, j + kPrefetchBlocks * p.cp_size * bs);
         const int64_t rows = std::min(next_block(j), end) - j;
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t row = first_row(j) + g * bs;
@@ -325,7 +327,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         continue;
       }
       for (int64_t h = 0; h < heads; ++h) {
-        const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;
+        const float inv = sums[h] == 0.f ? 0.f : 1.f / sums[h];
         for (int64_t i = 0; i < hd; ++i) out[h * hd + i] *= inv;
       }
       if (p.lse != nullptr) {
@@ -347,7 +349,8 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       }
       float* o = p.output + (sp.t * nh + h) * hd;
       std::fill(o, o + hd, 0.f);
-      if (max == -std::numeric_limits<float>::infinity()) {  // no chunk held this rank's blocks
+      if (p.cp_size > 1 && max == -std::numeric_limits<float>::infinity()) {
+        // No chunk held this rank's blocks.
         if (p.lse != nullptr) p.lse[sp.t * nh + h] = max;
         continue;
       }
@@ -373,8 +376,18 @@ void MergeAttentionPartials(const float* outputs, const float* lses, int64_t par
 #pragma omp parallel for schedule(static) if (rows * parts * head_dim > 32768)
   for (int64_t r = 0; r < rows; ++r) {
     float top = kNone;
-    for (int64_t c = 0; c < parts; ++c) top = std::max(top, lses[c * rows + r]);
+    bool nan = false;
+    for (int64_t c = 0; c < parts; ++c) {
+      const float l = lses[c * rows + r];
+      nan |= std::isnan(l);
+      top = std::max(top, l);
+    }
     float* o = out + r * head_dim;
+    if (nan) {  // a part's NaN stays visible
+      std::fill_n(o, head_dim, std::numeric_limits<float>::quiet_NaN());
+      if (lse_out != nullptr) lse_out[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
     std::fill_n(o, head_dim, 0.f);
     if (top == kNone) {
       if (lse_out != nullptr) lse_out[r] = kNone;

@@ -82,8 +82,9 @@ absl::Status PagedAttention(const PagedAttentionParams& params);
 // Exact attention from `parts` results over disjoint sets of a context's positions (the
 // context-parallel ranks' PagedAttention outputs and lse): for each of `rows` (token, head)
 // rows, out = sum_c exp(lse_c - L) out_c with L = log(sum_c exp(lse_c)). `outputs` is
-// [parts, rows, head_dim], `lses` [parts, rows]; `lse_out` ([rows]) may be null. A row no part
-// attended (every lse_c = -inf) gets 0 and L = -inf.
+// [parts, rows, head_dim], `lses` [parts, rows]; `lse_out` ([rows]) may be null; `out` must not
+// overlap `outputs`. A row no part attended (every lse_c = -inf) gets 0 and L = -inf; a NaN
+// lse gives the row NaN.
 void MergeAttentionPartials(const float* outputs, const float* lses, int64_t parts,
                             int64_t rows, int64_t head_dim, float* out, float* lse_out);
 

@@ -2229,13 +2229,16 @@ const Value* BuiltinGlobal(const std::string& name) {
       {"joiner", MakeFunction("joiner", [](Interp&, CallArgs& a) {
          const Value sep = a.positional.empty() ? Value(", ") : a.positional[0];
          auto used = std::make_shared<bool>(false);
-         return MakeFunction("joiner", [sep, used](Interp&, CallArgs&) {
+         auto c = std::make_shared<Callable>();
+         c->name = "joiner";
+         c->fn = [sep, used](Interp&, CallArgs&) {
            if (!*used) {
              *used = true;
              return Value("");
            }
            return sep;
-         });
+         };
+         return Value::Function(std::move(c), sep);
        })},
       {"cycler", MakeFunction("cycler", [](Interp& in, CallArgs& a) {
          if (a.positional.empty()) TypeError(in, "cycler needs items");

@@ -340,7 +340,7 @@ Value Interp::GetAttr(const Value& obj, const std::string& name) {
           CallMethod(in, obj, name, args, &r);
           return r;
         };
-        return Value::Function(std::move(c));
+        return Value::Function(std::move(c), obj);
       }
       if (obj.is_dict()) {
         if (const Value* v = obj.Find(name)) return *v;
@@ -695,7 +695,7 @@ Value Interp::Eval(const Expr& e) {
         for (int64_t i : SliceIndices(*this, static_cast<int64_t>(l.size()), parts[0], parts[1], parts[2])) {
           out.push_back(l[static_cast<size_t>(i)]);
         }
-        return obj.is_tuple() ? Value::Tuple(std::move(out)) : Value(std::move(out));
+        return Bounded(obj.is_tuple() ? Value::Tuple(std::move(out)) : Value(std::move(out)), e);
       }
       if (obj.is_string()) {
         const std::string& s = obj.as_string();
@@ -710,7 +710,7 @@ Value Interp::Eval(const Expr& e) {
             AppendUtf8(cps[static_cast<size_t>(i)], &out);
           }
         }
-        return Value(std::move(out));
+        return Bounded(Value(std::move(out)), e);
       }
       if (obj.is_iterator() && obj.as_iterator().type == IteratorState::Type::kRange) {
         const List& l = obj.as_iterator().items;
@@ -718,7 +718,7 @@ Value Interp::Eval(const Expr& e) {
         for (int64_t i : SliceIndices(*this, static_cast<int64_t>(l.size()), parts[0], parts[1], parts[2])) {
           out.push_back(l[static_cast<size_t>(i)]);
         }
-        return Value(std::move(out));
+        return Bounded(Value(std::move(out)), e);
       }
       // Python's own error: jinja2 compiles a slice as a plain subscript.
       if (obj.is_dict()) TypeError(*this, "unhashable type: 'slice'");

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "model/jinja/unicode.h"
 #include "model/json_util.h"
@@ -112,6 +113,13 @@ Value Value::Function(std::shared_ptr<const Callable> callable) {
   return v;
 }
 
+Value Value::Function(std::shared_ptr<const Callable> callable, const Value& held) {
+  Value v = Function(std::move(callable));
+  v.depth_ = held.depth_ + 1;
+  v.nodes_ = SaturatedNodes(uint64_t{held.nodes_} + 1);
+  return v;
+}
+
 const std::string& Value::undefined_name() const {
   static const std::string* const kEmpty = new std::string;
   if (kind_ != Kind::kUndefined || ptr_ == nullptr) return *kEmpty;
@@ -208,7 +216,7 @@ class ReprWriter {
   }
 
   void Write(const Value& v) {
-    if (static_cast<int64_t>(out_->size()) > max_bytes_) return;
+    if (Full()) return;
     if (path_.size() > kMaxReprDepth) {
       out_->append("...");
       return;
@@ -241,7 +249,7 @@ class ReprWriter {
           out_->push_back(close);
           return;
         }
-        path_.push_back(&v);
+        Enter(v);
         if (v.is_group()) {
           out_->append("_GroupTuple(grouper=");
           Write(v.as_list()[0]);
@@ -251,14 +259,14 @@ class ReprWriter {
         } else {
           out_->push_back(open);
           const List& l = v.as_list();
-          for (size_t i = 0; i < l.size(); ++i) {
+          for (size_t i = 0; i < l.size() && !Full(); ++i) {
             if (i > 0) out_->append(", ");
             Write(l[i]);
           }
           if (v.is_tuple() && l.size() == 1) out_->push_back(',');
           out_->push_back(close);
         }
-        path_.pop_back();
+        Leave(v);
         return;
       }
       case Value::Kind::kNamespace:
@@ -267,10 +275,11 @@ class ReprWriter {
         if (OnPath(v)) {
           out_->append("{...}");
         } else {
-          path_.push_back(&v);
+          Enter(v);
           out_->push_back('{');
           bool first = true;
           for (const auto& [k, e] : v.as_dict()) {
+            if (Full()) break;
             if (!first) out_->append(", ");
             first = false;
             Write(k);
@@ -278,7 +287,7 @@ class ReprWriter {
             Write(e);
           }
           out_->push_back('}');
-          path_.pop_back();
+          Leave(v);
         }
         if (v.is_namespace()) out_->push_back('>');
         return;
@@ -306,13 +315,14 @@ class ReprWriter {
   }
 
  private:
-  [[nodiscard]] bool OnPath(const Value& v) const {
-    return std::any_of(path_.begin(), path_.end(), [&](const Value* p) { return p->SameObject(v); });
-  }
+  [[nodiscard]] bool Full() const { return static_cast<int64_t>(out_->size()) > max_bytes_; }
+  [[nodiscard]] bool OnPath(const Value& v) const { return path_.contains(v.identity()); }
+  void Enter(const Value& v) { path_.insert(v.identity()); }
+  void Leave(const Value& v) { path_.erase(v.identity()); }
 
   std::string* out_;
   int64_t max_bytes_;
-  std::vector<const Value*> path_;  // the lists, dicts and namespaces being written
+  absl::flat_hash_set<const void*> path_;  // the lists, dicts and namespaces being written
 };
 
 }  // namespace

@@ -64,6 +64,9 @@ class Value {
   static Value Markup(std::string s);
   static Value Namespace(Dict initial);
   static Value Function(std::shared_ptr<const Callable> callable);
+  // A function that keeps `held` (a bound method's object, joiner's separator): it counts
+  // as holding it in depth() and nodes(), so chains of them are bounded like nested lists.
+  static Value Function(std::shared_ptr<const Callable> callable, const Value& held);
   static Value Iterator(IteratorState::Type type, List items, std::string repr = {});
 
   // A dict or list from JSON text (objects keep their key order; integers that fit int64 stay
@@ -87,6 +90,8 @@ class Value {
   [[nodiscard]] bool SameObject(const Value& other) const {
     return kind_ == other.kind_ && ptr_ != nullptr && ptr_ == other.ptr_;
   }
+  // The shared object behind a string, list, dict, namespace or function (null otherwise).
+  [[nodiscard]] const void* identity() const { return ptr_.get(); }
 
   [[nodiscard]] bool is_tuple() const { return kind_ == Kind::kList && tuple_; }
   // groupby's (grouper, list) named tuples, which also answer .grouper and .list.

@@ -148,6 +148,17 @@ TEST(JinjaTemplate, ValuesHoldingThemselvesPrintAndAreFreed) {
                    "{{ c.next() is not none }}");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r, "True");
+  // Functions that keep a value (joiner's separator, a bound method's object) count as holding
+  // it, so a chain of them is refused like nested lists instead of overflowing the stack
+  // when it is freed.
+  r = RenderSource("{% set ns = namespace(j=none) %}{% for i in range(100000) %}"
+                   "{% set ns.j = joiner(ns.j) %}{% endfor %}done");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("deeper than"));
+  r = RenderSource("{% set ns = namespace(d={}) %}{% for i in range(100000) %}"
+                   "{% set ns.d = {'a': ns.d.get} %}{% endfor %}done");
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("deeper than"));
   // A render that fails after making the cycle frees it too.
   r = RenderSource("{% set ns = namespace() %}{% set ns.me = [ns] %}{{ missing.attr }}");
   EXPECT_FALSE(r.ok());
