@@ -56,12 +56,16 @@ def campaign(target: str, runs: int, niceness: int, max_seconds: int, timeout: i
     text = log.read_text(errors="replace")
     m = re.search(r"^stat::number_of_executed_units:\s*(\d+)", text, re.M)
     executed = int(m.group(1)) if m else 0
-    findings = sorted(p.name for p in artifacts.iterdir())
+    # libFuzzer also keeps inputs slower than -report_slow_units (10 s of wall time, which a
+    # starved nice-19 run reaches easily): listed, but only -timeout makes one a hang.
+    slow = sorted(p.name for p in artifacts.iterdir() if p.name.startswith("slow-unit-"))
+    findings = sorted(p.name for p in artifacts.iterdir() if not p.name.startswith("slow-unit-"))
     return {"target": target, "executions": executed, "reached": executed >= runs,
             "seconds": round(seconds, 1),
             "executions_per_s": round(executed / seconds) if seconds > 0 else 0,
             "corpus_before": before, "corpus_after": len(list(corpus.iterdir())),
-            "exit_code": rc, "finding": rc != 0 or bool(findings), "artifacts": findings}
+            "exit_code": rc, "finding": rc != 0 or bool(findings), "artifacts": findings,
+            "slow_units": slow}
 
 
 def main():
