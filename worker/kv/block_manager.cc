@@ -4,27 +4,47 @@
 
 #include "absl/base/internal/raw_logging.h"
 #include "absl/strings/str_cat.h"
+#include "model/status_macros.h"
 
 namespace kvgrid::worker {
 
 BlockManager::BlockManager(const Options& options)
-    : num_blocks_(options.num_blocks),
+    : layout_{.cp_size = options.cp_size,
+              .blocks_per_rank = options.num_blocks,
+              .swap_slots_per_rank = options.num_swap_slots},
+      num_blocks_(options.num_blocks * options.cp_size),
       block_size_(options.block_size),
       prefix_caching_(options.prefix_caching),
-      num_swap_slots_(options.num_swap_slots) {
-  ABSL_RAW_CHECK(num_blocks_ >= 1, "BlockManager needs at least one block");
+      num_swap_slots_(options.num_swap_slots * options.cp_size) {
+  ABSL_RAW_CHECK(options.num_blocks >= 1, "BlockManager needs at least one block");
+  ABSL_RAW_CHECK(options.cp_size >= 1 && options.cp_size <= 1024,
+                 "cp_size must be in [1, 1024]");
+  ABSL_RAW_CHECK(int64_t{options.num_blocks} * options.cp_size <= INT32_MAX / 32 &&
+                     int64_t{options.num_swap_slots} * options.cp_size <= INT32_MAX,
+                 "too many blocks for 32-bit ids");
   ABSL_RAW_CHECK(block_size_ == 8 || block_size_ == 16 || block_size_ == 32,
                  "block_size must be 8, 16 or 32");
-  ABSL_RAW_CHECK(num_swap_slots_ >= 0, "num_swap_slots must be >= 0");
-  free_.reserve(num_blocks_);
-  for (int32_t id = num_blocks_ - 1; id >= 0; --id) free_.push_back(id);
+  ABSL_RAW_CHECK(options.num_swap_slots >= 0, "num_swap_slots must be >= 0");
+  const int32_t ranks = options.cp_size;
+  free_.resize(ranks);
+  free_slots_.resize(ranks);
+  lru_.resize(ranks);
+  for (int32_t r = 0; r < ranks; ++r) {
+    const int32_t first = r * options.num_blocks;
+    free_[r].reserve(options.num_blocks);
+    for (int32_t id = first + options.num_blocks - 1; id >= first; --id) free_[r].push_back(id);
+    const int32_t first_slot = r * options.num_swap_slots;
+    for (int32_t slot = first_slot + options.num_swap_slots - 1; slot >= first_slot; --slot) {
+      free_slots_[r].push_back(slot);
+    }
+  }
+  num_free_ = num_blocks_;
   refcount_.assign(num_blocks_, 0);
   hash_.assign(num_blocks_, 0);
   has_hash_.assign(num_blocks_, 0);
   block_tokens_.resize(num_blocks_);
   lru_prev_.assign(num_blocks_, kNone);
   lru_next_.assign(num_blocks_, kNone);
-  for (int32_t slot = num_swap_slots_ - 1; slot >= 0; --slot) free_slots_.push_back(slot);
 }
 
 int64_t BlockManager::BlocksFor(int64_t num_tokens) const {
@@ -34,12 +54,50 @@ int64_t BlockManager::BlocksFor(int64_t num_tokens) const {
 BlockManagerStats BlockManager::Stats() const {
   BlockManagerStats s = counters_;
   s.blocks_total = num_blocks_;
-  s.blocks_free = static_cast<int32_t>(free_.size());
-  s.blocks_cached = lru_size_;
+  s.blocks_free = num_free_;
+  s.blocks_cached = lru_size_total_;
   s.blocks_used = num_blocks_ - s.blocks_free - s.blocks_cached;
   s.swap_slots_total = num_swap_slots_;
-  s.swap_slots_used = num_swap_slots_ - static_cast<int32_t>(free_slots_.size());
+  s.swap_slots_used = num_swap_slots_;
+  for (const std::vector<int32_t>& slots : free_slots_) {
+    s.swap_slots_used -= static_cast<int32_t>(slots.size());
+  }
   return s;
+}
+
+std::vector<RankBlockStats> BlockManager::RankBlocks() const {
+  std::vector<RankBlockStats> out(layout_.cp_size);
+  for (int32_t r = 0; r < layout_.cp_size; ++r) {
+    RankBlockStats& s = out[r];
+    s.blocks_total = layout_.blocks_per_rank;
+    s.blocks_free = static_cast<int32_t>(free_[r].size());
+    s.blocks_cached = lru_[r].size;
+    s.blocks_used = s.blocks_total - s.blocks_free - s.blocks_cached;
+    s.swap_slots_used = layout_.swap_slots_per_rank - static_cast<int32_t>(free_slots_[r].size());
+  }
+  return out;
+}
+
+std::vector<int64_t> BlockManager::PositionsPerRank(int64_t begin, int64_t end) const {
+  std::vector<int64_t> n(layout_.cp_size);
+  for (int32_t r = 0; r < layout_.cp_size; ++r) n[r] = layout_.PositionsOnRank(begin, end, r);
+  return n;
+}
+
+absl::Status BlockManager::CheckFree(std::span<const int64_t> need,
+                                     std::span<const int64_t> from_lru) const {
+  for (int32_t r = 0; r < layout_.cp_size; ++r) {
+    const int64_t have = num_free_blocks(r) - (from_lru.empty() ? 0 : from_lru[r]);
+    if (need[r] <= have) continue;
+    if (layout_.cp_size == 1) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "KV cache: ", need[r], " more blocks needed, ", have, " free of ", num_blocks_));
+    }
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache: ", need[r], " more blocks needed on context-parallel rank ", r,
+                     ", ", have, " free of ", layout_.blocks_per_rank));
+  }
+  return absl::OkStatus();
 }
 
 uint64_t BlockManager::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
@@ -56,38 +114,47 @@ uint64_t BlockManager::ChainHash(uint64_t parent, std::span<const int32_t> token
   return h;
 }
 
-int32_t BlockManager::FindCached(uint64_t hash, std::span<const int32_t> tokens) const {
+int32_t BlockManager::FindCached(uint64_t hash, std::span<const int32_t> tokens,
+                                 int64_t index) const {
   auto it = cache_.find(hash);
   if (it == cache_.end()) return kNone;
+  // The chain fixes the position, so only a 64-bit collision could name another rank's block.
+  if (layout_.RankOfBlock(it->second) != layout_.RankOfPosition(index)) return kNone;
   const std::vector<int32_t>& stored = block_tokens_[it->second];
   if (!std::equal(stored.begin(), stored.end(), tokens.begin(), tokens.end())) return kNone;
   return it->second;
 }
 
 void BlockManager::LruRemove(int32_t b) {
+  Lru& lru = lru_[layout_.RankOfBlock(b)];
   const int32_t prev = lru_prev_[b], next = lru_next_[b];
-  (prev == kNone ? lru_head_ : lru_next_[prev]) = next;
-  (next == kNone ? lru_tail_ : lru_prev_[next]) = prev;
+  (prev == kNone ? lru.head : lru_next_[prev]) = next;
+  (next == kNone ? lru.tail : lru_prev_[next]) = prev;
   lru_prev_[b] = lru_next_[b] = kNone;
-  --lru_size_;
+  --lru.size;
+  --lru_size_total_;
 }
 
 void BlockManager::LruPushBack(int32_t b) {
-  lru_prev_[b] = lru_tail_;
+  Lru& lru = lru_[layout_.RankOfBlock(b)];
+  lru_prev_[b] = lru.tail;
   lru_next_[b] = kNone;
-  (lru_tail_ == kNone ? lru_head_ : lru_next_[lru_tail_]) = b;
-  lru_tail_ = b;
-  ++lru_size_;
+  (lru.tail == kNone ? lru.head : lru_next_[lru.tail]) = b;
+  lru.tail = b;
+  ++lru.size;
+  ++lru_size_total_;
 }
 
-int32_t BlockManager::AllocateBlock() {
+int32_t BlockManager::AllocateBlock(int32_t rank) {
   int32_t b;
-  if (!free_.empty()) {
-    b = free_.back();
-    free_.pop_back();
+  std::vector<int32_t>& free = free_[rank];
+  if (!free.empty()) {
+    b = free.back();
+    free.pop_back();
+    --num_free_;
   } else {
-    ABSL_RAW_CHECK(lru_head_ != kNone, "AllocateBlock with no free or cached block");
-    b = lru_head_;
+    ABSL_RAW_CHECK(lru_[rank].head != kNone, "AllocateBlock with no free or cached block");
+    b = lru_[rank].head;
     LruRemove(b);
     cache_.erase(hash_[b]);
     has_hash_[b] = 0;
@@ -103,7 +170,8 @@ void BlockManager::Release(int32_t b) {
   if (has_hash_[b]) {
     LruPushBack(b);  // stays reusable by a prefix hit until evicted
   } else {
-    free_.push_back(b);
+    free_[layout_.RankOfBlock(b)].push_back(b);
+    ++num_free_;
   }
 }
 
@@ -122,7 +190,7 @@ absl::StatusOr<int64_t> BlockManager::AllocateShared(SequenceId seq,
     for (int64_t i = 0; i < max_hits; ++i) {
       std::span<const int32_t> block_tokens = tokens.subspan(i * block_size_, block_size_);
       const uint64_t h = ChainHash(hash, block_tokens);
-      const int32_t b = FindCached(h, block_tokens);
+      const int32_t b = FindCached(h, block_tokens, i);
       if (b == kNone) break;
       hits.push_back(b);
       hash = h;
@@ -131,17 +199,13 @@ absl::StatusOr<int64_t> BlockManager::AllocateShared(SequenceId seq,
   const int64_t num_hits = static_cast<int64_t>(hits.size());
   const int64_t hit_tokens = num_hits * block_size_;
   const int64_t kept_from = std::clamp<int64_t>(first_kept(hit_tokens), 0, num_hits);
-  int32_t hits_in_lru = 0;  // kept hits that come out of the evictable pool
+  std::vector<int64_t> hits_in_lru(layout_.cp_size);  // kept hits out of the evictable pools
   for (int64_t i = kept_from; i < num_hits; ++i) {
-    if (refcount_[hits[i]] == 0) ++hits_in_lru;
+    if (refcount_[hits[i]] == 0) ++hits_in_lru[layout_.RankOfBlock(hits[i])];
   }
   const int64_t total_blocks = std::max<int64_t>(BlocksFor(reserve_end(hit_tokens)), num_hits);
   const int64_t fresh = total_blocks - num_hits;
-  if (fresh > num_free_blocks() - hits_in_lru) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", fresh, " more blocks needed, ",
-                                                     num_free_blocks() - hits_in_lru,
-                                                     " free of ", num_blocks_));
-  }
+  KVGRID_RETURN_IF_ERROR(CheckFree(PositionsPerRank(num_hits, total_blocks), hits_in_lru));
   SeqState& state = seqs_[seq];
   for (int64_t i = 0; i < num_hits; ++i) {
     const int32_t b = hits[i];
@@ -155,7 +219,7 @@ absl::StatusOr<int64_t> BlockManager::AllocateShared(SequenceId seq,
   }
   state.committed_blocks = num_hits;
   state.last_hash = hash;
-  for (int64_t i = 0; i < fresh; ++i) state.blocks.push_back(AllocateBlock());
+  for (int64_t i = 0; i < fresh; ++i) state.blocks.push_back(AllocateAt(num_hits + i));
   state.on_host.assign(state.blocks.size(), 0);
   if (prefix_caching_) {
     counters_.prefix_query_tokens += static_cast<int64_t>(tokens.size());
@@ -222,14 +286,10 @@ absl::Status BlockManager::Reserve(SequenceId seq, int64_t num_tokens) {
   if (it != seqs_.end() && it->second.swapped) {
     return absl::FailedPreconditionError(absl::StrCat("sequence ", seq, " is swapped out"));
   }
-  if (needed > num_free_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", needed,
-                                                     " more blocks needed, ", num_free_blocks(),
-                                                     " free of ", num_blocks_));
-  }
+  KVGRID_RETURN_IF_ERROR(CheckFree(PositionsPerRank(have, have + needed), {}));
   SeqState& state = seqs_[seq];
   for (int64_t i = 0; i < needed; ++i) {
-    state.blocks.push_back(AllocateBlock());
+    state.blocks.push_back(AllocateAt(have + i));
     state.on_host.push_back(0);
   }
   return absl::OkStatus();
@@ -253,22 +313,19 @@ absl::Status BlockManager::PrepareWrite(SequenceId seq, int64_t begin, int64_t e
     }
     if (refcount_[state.blocks[i]] > 1) shared.push_back(i);
   }
-  const int64_t needed = grow + static_cast<int64_t>(shared.size());
-  if (needed > num_free_blocks()) {
-    return absl::ResourceExhaustedError(absl::StrCat("KV cache: ", needed,
-                                                     " more blocks needed, ", num_free_blocks(),
-                                                     " free of ", num_blocks_));
-  }
+  std::vector<int64_t> needed = PositionsPerRank(have, have + grow);
+  for (int64_t i : shared) ++needed[layout_.RankOfPosition(i)];
+  KVGRID_RETURN_IF_ERROR(CheckFree(needed, {}));
   for (int64_t i : shared) {
     const int32_t old = state.blocks[i];
-    const int32_t fresh = AllocateBlock();
+    const int32_t fresh = AllocateAt(i);  // on old's rank: the copy stays on one rank
     copies->push_back({old, fresh});
     Release(old);
     state.blocks[i] = fresh;
     ++counters_.cow_copies;
   }
   for (int64_t i = 0; i < grow; ++i) {
-    state.blocks.push_back(AllocateBlock());
+    state.blocks.push_back(AllocateAt(have + i));
     state.on_host.push_back(0);
   }
   return absl::OkStatus();
@@ -317,7 +374,7 @@ void BlockManager::Free(SequenceId seq) {
   const SeqState& state = it->second;
   for (size_t i = state.blocks.size(); i-- > 0;) {
     if (state.on_host[i]) {
-      free_slots_.push_back(state.blocks[i]);
+      free_slots_[layout_.RankOfSlot(state.blocks[i])].push_back(state.blocks[i]);
     } else if (state.blocks[i] != kHole) {
       Release(state.blocks[i]);
     }
@@ -336,25 +393,41 @@ int64_t BlockManager::ExclusiveBlocks(SequenceId seq) const {
   return n;
 }
 
+std::vector<int64_t> BlockManager::ExclusivePerRank(const SeqState& state) const {
+  std::vector<int64_t> n(layout_.cp_size);
+  for (size_t i = 0; i < state.blocks.size(); ++i) {
+    const int32_t b = state.blocks[i];
+    if (!state.on_host[i] && b != kHole && refcount_[b] == 1) ++n[layout_.RankOfBlock(b)];
+  }
+  return n;
+}
+
 bool BlockManager::CanSwapOut(SequenceId seq) const {
   auto it = seqs_.find(seq);
-  return it != seqs_.end() && !it->second.swapped &&
-         ExclusiveBlocks(seq) <= static_cast<int64_t>(free_slots_.size());
+  if (it == seqs_.end() || it->second.swapped) return false;
+  const std::vector<int64_t> need = ExclusivePerRank(it->second);
+  for (int32_t r = 0; r < layout_.cp_size; ++r) {
+    if (need[r] > static_cast<int64_t>(free_slots_[r].size())) return false;
+  }
+  return true;
 }
 
 absl::Status BlockManager::SwapOut(SequenceId seq, std::vector<BlockCopy>* device_to_host) {
   if (!CanSwapOut(seq)) {
+    int64_t free_slots = 0;
+    for (const std::vector<int32_t>& slots : free_slots_) free_slots += slots.size();
     return absl::ResourceExhaustedError(absl::StrCat(
-        "swap space: sequence ", seq, " needs ", ExclusiveBlocks(seq), " slots, ",
-        free_slots_.size(), " free of ", num_swap_slots_));
+        "swap space: sequence ", seq, " needs ", ExclusiveBlocks(seq), " slots, ", free_slots,
+        " free of ", num_swap_slots_, layout_.cp_size > 1 ? " (each rank swaps its own)" : ""));
   }
   SeqState& state = seqs_[seq];
   for (size_t i = 0; i < state.blocks.size(); ++i) {
     const int32_t b = state.blocks[i];
     // Shared: stays on the device, still referenced (holes stay holes).
     if (b == kHole || refcount_[b] != 1) continue;
-    const int32_t slot = free_slots_.back();
-    free_slots_.pop_back();
+    std::vector<int32_t>& slots = free_slots_[layout_.RankOfBlock(b)];
+    const int32_t slot = slots.back();
+    slots.pop_back();
     device_to_host->push_back({b, slot});
     Release(b);
     state.blocks[i] = slot;
@@ -368,9 +441,11 @@ absl::Status BlockManager::SwapOut(SequenceId seq, std::vector<BlockCopy>* devic
 bool BlockManager::CanSwapIn(SequenceId seq) const {
   auto it = seqs_.find(seq);
   if (it == seqs_.end() || !it->second.swapped) return false;
-  const int64_t on_host =
-      std::count(it->second.on_host.begin(), it->second.on_host.end(), uint8_t{1});
-  return on_host <= num_free_blocks();
+  std::vector<int64_t> on_host(layout_.cp_size);
+  for (size_t i = 0; i < it->second.blocks.size(); ++i) {
+    if (it->second.on_host[i]) ++on_host[layout_.RankOfSlot(it->second.blocks[i])];
+  }
+  return CheckFree(on_host, {}).ok();
 }
 
 absl::Status BlockManager::SwapIn(SequenceId seq, std::vector<BlockCopy>* host_to_device) {
@@ -381,9 +456,9 @@ absl::Status BlockManager::SwapIn(SequenceId seq, std::vector<BlockCopy>* host_t
   SeqState& state = seqs_[seq];
   for (size_t i = 0; i < state.blocks.size(); ++i) {
     if (!state.on_host[i]) continue;
-    const int32_t b = AllocateBlock();
+    const int32_t b = AllocateAt(static_cast<int64_t>(i));
     host_to_device->push_back({state.blocks[i], b});
-    free_slots_.push_back(state.blocks[i]);
+    free_slots_[layout_.RankOfSlot(state.blocks[i])].push_back(state.blocks[i]);
     state.blocks[i] = b;
     state.on_host[i] = 0;
     ++counters_.blocks_swapped_in;
@@ -431,30 +506,58 @@ absl::Status BlockManager::CheckInvariants() const {
         continue;
       }
       past_holes = true;
+      const int32_t rank = layout_.RankOfPosition(static_cast<int64_t>(i));
       if (state.on_host[i]) {
         if (!state.swapped || id < 0 || id >= num_swap_slots_) {
           return absl::InternalError(absl::StrCat("sequence ", seq, ": bad host slot ", id));
+        }
+        if (layout_.RankOfSlot(id) != rank) {
+          return absl::InternalError(absl::StrCat("sequence ", seq, ": host slot ", id,
+                                                  " at table index ", i, " is not on rank ",
+                                                  rank));
         }
         ++slot_owners[id];
       } else {
         if (id < 0 || id >= num_blocks_) {
           return absl::InternalError(absl::StrCat("sequence ", seq, " holds bad block ", id));
         }
+        if (layout_.RankOfBlock(id) != rank) {
+          return absl::InternalError(absl::StrCat("sequence ", seq, ": block ", id,
+                                                  " at table index ", i, " is not on rank ",
+                                                  rank));
+        }
         ++refs[id];
       }
     }
   }
   std::vector<int> on_free(num_blocks_, 0), on_lru(num_blocks_, 0);
-  for (int32_t b : free_) ++on_free[b];
-  int32_t walked = 0;
-  for (int32_t b = lru_head_, prev = kNone; b != kNone; prev = b, b = lru_next_[b]) {
-    if (lru_prev_[b] != prev || ++walked > num_blocks_) {
-      return absl::InternalError("LRU list is corrupt");
+  int64_t free_total = 0, lru_total = 0;
+  for (int32_t r = 0; r < layout_.cp_size; ++r) {
+    for (int32_t b : free_[r]) {
+      if (layout_.RankOfBlock(b) != r) {
+        return absl::InternalError(absl::StrCat("block ", b, " is on rank ", r, "'s free list"));
+      }
+      ++on_free[b];
     }
-    ++on_lru[b];
-    if (lru_next_[b] == kNone && lru_tail_ != b) return absl::InternalError("LRU tail mismatch");
+    free_total += static_cast<int64_t>(free_[r].size());
+    int32_t walked = 0;
+    const Lru& lru = lru_[r];
+    for (int32_t b = lru.head, prev = kNone; b != kNone; prev = b, b = lru_next_[b]) {
+      if (lru_prev_[b] != prev || ++walked > num_blocks_) {
+        return absl::InternalError("LRU list is corrupt");
+      }
+      if (layout_.RankOfBlock(b) != r) {
+        return absl::InternalError(absl::StrCat("block ", b, " is on rank ", r, "'s LRU"));
+      }
+      ++on_lru[b];
+      if (lru_next_[b] == kNone && lru.tail != b) return absl::InternalError("LRU tail mismatch");
+    }
+    if (walked != lru.size) return absl::InternalError("LRU size mismatch");
+    lru_total += walked;
   }
-  if (walked != lru_size_) return absl::InternalError("LRU size mismatch");
+  if (free_total != num_free_ || lru_total != lru_size_total_) {
+    return absl::InternalError("free or cached block count mismatch");
+  }
   for (int32_t b = 0; b < num_blocks_; ++b) {
     if (refs[b] != refcount_[b]) {
       return absl::InternalError(absl::StrCat("block ", b, ": refcount ", refcount_[b], " but ",
@@ -486,7 +589,14 @@ absl::Status BlockManager::CheckInvariants() const {
       return absl::InternalError(absl::StrCat("index entry for block ", b, " is stale"));
     }
   }
-  for (int32_t slot : free_slots_) ++slot_owners[slot];
+  for (int32_t r = 0; r < layout_.cp_size; ++r) {
+    for (int32_t slot : free_slots_[r]) {
+      if (layout_.RankOfSlot(slot) != r) {
+        return absl::InternalError(absl::StrCat("swap slot ", slot, " is free on rank ", r));
+      }
+      ++slot_owners[slot];
+    }
+  }
   for (int32_t slot = 0; slot < num_swap_slots_; ++slot) {
     if (slot_owners[slot] != 1) {
       return absl::InternalError(absl::StrCat("swap slot ", slot, " is owned ",

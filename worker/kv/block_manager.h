@@ -21,6 +21,14 @@
 // of a table is a hole, kHole (-1): holes are always a prefix of the table, never written
 // (PrepareWrite refuses), never read by the attention kernels (which start at the window), and
 // skipped by every other operation (fork, swap, free, prefix-cache registration).
+//
+// Context parallelism (cp_size C > 1): the manager keeps the C pools of a group whose ranks
+// hold the same KV heads, each of `num_blocks` blocks and `num_swap_slots` host slots. Table
+// position i of every sequence lives on rank i % C (ContextParallelLayout), ids are group-wide,
+// and each rank has its own free list, LRU of cached blocks and swap slots, so every
+// capacity check is made per rank and a copy (copy-on-write, swap) never crosses ranks. The
+// prefix cache's hash chain runs over the whole sequence, so a hit on one rank's block means
+// every earlier block, wherever it lives, matched too.
 #ifndef KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 #define KVGRID_WORKER_KV_BLOCK_MANAGER_H_
 
@@ -31,6 +39,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "worker/kv/context_parallel_layout.h"
 
 namespace kvgrid::worker {
 
@@ -58,13 +67,23 @@ struct BlockManagerStats {
   int64_t evictions = 0;
 };
 
+// One context-parallel rank's pool (BlockManager::RankBlocks).
+struct RankBlockStats {
+  int32_t blocks_total = 0;
+  int32_t blocks_free = 0;
+  int32_t blocks_cached = 0;
+  int32_t blocks_used = 0;
+  int32_t swap_slots_used = 0;
+};
+
 class BlockManager {
  public:
   struct Options {
-    int32_t num_blocks = 0;        // >= 1
+    int32_t num_blocks = 0;        // >= 1, per rank
     int32_t block_size = 16;       // 8, 16 or 32
     bool prefix_caching = false;
-    int32_t num_swap_slots = 0;    // host blocks for swapped-out sequences
+    int32_t num_swap_slots = 0;    // host blocks for swapped-out sequences, per rank
+    int32_t cp_size = 1;           // context-parallel ranks whose pools this manager keeps
   };
 
   // Invalid options are programmer errors (ABSL_RAW_CHECK).
@@ -77,16 +96,23 @@ class BlockManager {
   // A released table position (sliding windows).
   static constexpr int32_t kHole = -1;
 
+  // Blocks of the whole group (every rank's pool).
   [[nodiscard]] int32_t num_blocks() const { return num_blocks_; }
   [[nodiscard]] int32_t block_size() const { return block_size_; }
-  // Blocks an allocation can take now: free plus evictable cached blocks.
-  [[nodiscard]] int32_t num_free_blocks() const {
-    return static_cast<int32_t>(free_.size()) + lru_size_;
+  [[nodiscard]] int32_t cp_size() const { return layout_.cp_size; }
+  [[nodiscard]] const ContextParallelLayout& layout() const { return layout_; }
+  // Blocks an allocation can take now: free plus evictable cached blocks, on every rank or on
+  // one. A sequence of n blocks needs ceil(n / cp_size) on rank 0.
+  [[nodiscard]] int32_t num_free_blocks() const { return num_free_ + lru_size_total_; }
+  [[nodiscard]] int32_t num_free_blocks(int32_t rank) const {
+    return static_cast<int32_t>(free_[rank].size()) + lru_[rank].size;
   }
   [[nodiscard]] int32_t num_used_blocks() const { return num_blocks_ - num_free_blocks(); }
   [[nodiscard]] int64_t BlocksFor(int64_t num_tokens) const;
   [[nodiscard]] bool HasSequence(SequenceId seq) const { return seqs_.contains(seq); }
   [[nodiscard]] BlockManagerStats Stats() const;
+  // Each rank's pool, rank 0 first (one entry without context parallelism).
+  [[nodiscard]] std::vector<RankBlockStats> RankBlocks() const;
 
   // Starts `seq` (which must be new) with `tokens` (its prompt, or prompt + generated for a
   // recompute): shares the longest run of cached full blocks matching the start of `tokens`,
@@ -160,7 +186,8 @@ class BlockManager {
 
   // Every invariant: each block in exactly one state, refcounts equal to the number of table
   // references, cached blocks hashed and indexed, LRU consistent, swap slots owned once,
-  // holes only as a prefix of a table.
+  // holes only as a prefix of a table, every block and slot on the rank of its position and
+  // on its own rank's free list or LRU.
   // INTERNAL describing the first violation; for tests.
   absl::Status CheckInvariants() const;
 
@@ -180,28 +207,46 @@ class BlockManager {
   template <typename FirstKept, typename ReserveEnd>
   absl::StatusOr<int64_t> AllocateShared(SequenceId seq, std::span<const int32_t> tokens,
                                          FirstKept first_kept, ReserveEnd reserve_end);
-  // Takes a free block (or evicts the LRU cached one) with refcount 1. Caller checked space.
-  int32_t AllocateBlock();
+  struct Lru {
+    int32_t head = kNone, tail = kNone, size = 0;
+  };
+  // Takes a free block of `rank` (or evicts its LRU cached one) with refcount 1. Caller
+  // checked space.
+  int32_t AllocateBlock(int32_t rank);
+  // For table position `index`: a block of the rank that holds it.
+  int32_t AllocateAt(int64_t index) { return AllocateBlock(layout_.RankOfPosition(index)); }
   void Release(int32_t block);  // refcount--, to free list or LRU at 0
   void LruRemove(int32_t block);
   void LruPushBack(int32_t block);
   static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
-  // The cached block holding exactly `tokens` after `parent_hash`, or kNone.
-  int32_t FindCached(uint64_t hash, std::span<const int32_t> tokens) const;
+  // The cached block holding exactly `tokens` after `parent_hash` at table position `index`,
+  // or kNone.
+  int32_t FindCached(uint64_t hash, std::span<const int32_t> tokens, int64_t index) const;
+  // OK when every rank can take need[rank] more blocks (of which `from_lru[rank]` kept hits
+  // are already counted in its evictable pool), else RESOURCE_EXHAUSTED with the numbers of
+  // the first rank short.
+  absl::Status CheckFree(std::span<const int64_t> need, std::span<const int64_t> from_lru) const;
+  // need[r] = table positions in [begin, end) on rank r.
+  std::vector<int64_t> PositionsPerRank(int64_t begin, int64_t end) const;
+  // The device blocks `state` holds exclusively, per rank.
+  std::vector<int64_t> ExclusivePerRank(const SeqState& state) const;
 
-  int32_t num_blocks_;
+  ContextParallelLayout layout_;
+  int32_t num_blocks_;              // all ranks
   int32_t block_size_;
   bool prefix_caching_;
-  std::vector<int32_t> free_;       // LIFO: recently freed blocks are reused first
+  std::vector<std::vector<int32_t>> free_;  // per rank; LIFO: recently freed are reused first
+  int32_t num_free_ = 0;                    // on every rank's free list
   std::vector<int32_t> refcount_;   // per block
   std::vector<uint64_t> hash_;      // per block, meaningful when has_hash_
   std::vector<uint8_t> has_hash_;
   std::vector<std::vector<int32_t>> block_tokens_;  // tokens of cached blocks (collision check)
-  std::vector<int32_t> lru_prev_, lru_next_;        // intrusive LRU of cached blocks
-  int32_t lru_head_ = kNone, lru_tail_ = kNone, lru_size_ = 0;
+  std::vector<int32_t> lru_prev_, lru_next_;        // intrusive LRUs of cached blocks
+  std::vector<Lru> lru_;                            // per rank
+  int32_t lru_size_total_ = 0;
   absl::flat_hash_map<uint64_t, int32_t> cache_;    // hash -> block
-  std::vector<int32_t> free_slots_;                 // host swap slots
-  int32_t num_swap_slots_;
+  std::vector<std::vector<int32_t>> free_slots_;    // host swap slots, per rank
+  int32_t num_swap_slots_;                          // all ranks
   absl::flat_hash_map<SequenceId, SeqState> seqs_;
   BlockManagerStats counters_;
 };

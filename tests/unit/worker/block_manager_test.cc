@@ -191,11 +191,26 @@ TEST(SwapTest, ExclusiveBlocksRoundTripThroughHostSlots) {
   ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
 }
 
-TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
-  std::mt19937_64 rng(1234);
-  for (int32_t block_size : {8, 16}) {
-    BlockManager m({.num_blocks = 48, .block_size = block_size, .prefix_caching = true,
-                    .num_swap_slots = 24});
+// Copies never cross context-parallel ranks: `src` and `dst` are in one rank's pool (or its
+// swap space).
+void ExpectCopiesStayOnTheirRank(const BlockManager& m, const std::vector<BlockCopy>& copies,
+                                 bool src_on_host, bool dst_on_host) {
+  const ContextParallelLayout& l = m.layout();
+  for (const BlockCopy& c : copies) {
+    const int32_t src = src_on_host ? l.RankOfSlot(c.src) : l.RankOfBlock(c.src);
+    const int32_t dst = dst_on_host ? l.RankOfSlot(c.dst) : l.RankOfBlock(c.dst);
+    EXPECT_EQ(src, dst) << "copy " << c.src << " -> " << c.dst;
+  }
+}
+
+// Random admits (from shared prefixes), appends, forks, frees, swaps and big reservations,
+// with every invariant checked after each operation, per rank too, and no leak at the end.
+void RandomWalk(int32_t cp_size, int32_t block_size, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  {
+    const int32_t per_rank = 48 / cp_size;
+    BlockManager m({.num_blocks = per_rank, .block_size = block_size, .prefix_caching = true,
+                    .num_swap_slots = 24 / cp_size, .cp_size = cp_size});
     struct Live {
       std::vector<int32_t> tokens;
       int64_t computed = 0;
@@ -235,6 +250,7 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
           l.computed += add;
           m.CommitFullBlocks(s, l.tokens, l.computed);
           for (const BlockCopy& c : copies) ASSERT_NE(c.src, c.dst);
+          ExpectCopiesStayOnTheirRank(m, copies, false, false);
         } else {
           ASSERT_EQ(m.num_free_blocks(), free_before);
         }
@@ -255,12 +271,14 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
         std::vector<BlockCopy> copies;
         if (m.CanSwapOut(s)) {
           ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+          ExpectCopiesStayOnTheirRank(m, copies, false, true);
         }
       } else if (kind == 5) {  // swap in
         const SequenceId s = pick();
         std::vector<BlockCopy> copies;
         if (m.CanSwapIn(s)) {
           ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+          ExpectCopiesStayOnTheirRank(m, copies, true, false);
         }
       } else {  // pressure: a big reservation that may evict cached blocks
         const int64_t want = static_cast<int64_t>(rng() % 200);
@@ -269,6 +287,13 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
       }
       const BlockManagerStats st = m.Stats();
       ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total);
+      int32_t rank_used = 0;
+      for (const RankBlockStats& r : m.RankBlocks()) {
+        ASSERT_EQ(r.blocks_total, per_rank);
+        ASSERT_EQ(r.blocks_free + r.blocks_cached + r.blocks_used, r.blocks_total);
+        rank_used += r.blocks_used;
+      }
+      ASSERT_EQ(rank_used, st.blocks_used);
       ASSERT_TRUE(m.CheckInvariants().ok()) << "op " << op << ": " << m.CheckInvariants();
       for (const auto& [s, l] : live) {
         if (!m.IsSwapped(s)) {
@@ -286,9 +311,128 @@ TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
     EXPECT_GT(st.evictions, 0);
     for (const auto& [s, l] : live) m.Free(s);
     EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
+    for (int32_t r = 0; r < cp_size; ++r) EXPECT_EQ(m.num_free_blocks(r), per_rank) << r;
     EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
     EXPECT_TRUE(m.CheckInvariants().ok());
   }
+}
+
+TEST(BlockManagerPropertyTest, RandomOperationsKeepEveryInvariant) {
+  for (int32_t block_size : {8, 16}) RandomWalk(1, block_size, 1234);
+}
+
+TEST(BlockManagerPropertyTest, ContextParallelRanksKeepEveryInvariant) {
+  for (int32_t cp_size : {2, 3, 4}) {
+    SCOPED_TRACE(cp_size);
+    RandomWalk(cp_size, 8, 99 + cp_size);
+  }
+}
+
+// --- Context parallelism: one sequence's blocks spread over the pools of C ranks. ---
+
+TEST(ContextParallelLayoutTest, RanksHoldTheirPositionsAndLocalIdsMapBack) {
+  for (int32_t cp : {1, 2, 3, 4}) {
+    const ContextParallelLayout l{.cp_size = cp, .blocks_per_rank = 5, .swap_slots_per_rank = 2};
+    for (int64_t begin = 0; begin < 9; ++begin) {
+      for (int64_t end = 0; end < 12; ++end) {
+        for (int32_t r = 0; r < cp; ++r) {
+          int64_t n = 0;
+          for (int64_t i = begin; i < end; ++i) n += l.RankOfPosition(i) == r;
+          EXPECT_EQ(l.PositionsOnRank(begin, end, r), n) << cp << " " << begin << " " << end;
+        }
+      }
+    }
+    for (int32_t id = 0; id < 5 * cp; ++id) {
+      for (int32_t r = 0; r < cp; ++r) {
+        const int32_t local = l.LocalBlock(id, r);
+        EXPECT_EQ(local >= 0, l.RankOfBlock(id) == r);
+        if (local >= 0) {
+          EXPECT_EQ(local + r * 5, id);
+        }
+        const int64_t slot = l.LocalSlot(int64_t{id} * 16 + 7, 16, r);
+        EXPECT_EQ(slot, local < 0 ? -1 : int64_t{local} * 16 + 7);
+      }
+    }
+    EXPECT_EQ(l.LocalBlock(-1, 0), -1);
+    EXPECT_EQ(l.LocalSlot(-1, 16, 0), -1);
+    EXPECT_EQ(l.LocalSwapSlot(2 * cp - 1, cp - 1), 1);
+  }
+}
+
+TEST(ContextParallelTest, SequenceBlocksGoRoundRobinAndCapacityIsPerRank) {
+  BlockManager m({.num_blocks = 3, .block_size = 8, .cp_size = 2});
+  EXPECT_EQ(m.num_blocks(), 6);
+  ASSERT_TRUE(m.Reserve(1, 5 * 8).ok());  // 5 blocks: 3 on rank 0, 2 on rank 1
+  const std::vector<int32_t>& t = m.BlockTable(1);
+  ASSERT_EQ(t.size(), 5u);
+  for (size_t i = 0; i < t.size(); ++i) EXPECT_EQ(m.layout().RankOfBlock(t[i]), i % 2) << i;
+  EXPECT_EQ(m.num_free_blocks(0), 0);
+  EXPECT_EQ(m.num_free_blocks(1), 1);
+  // A second sequence's first block belongs on rank 0, which is full, though rank 1 has one.
+  absl::Status s = m.Reserve(2, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("rank 0"), std::string::npos) << s;
+  EXPECT_FALSE(m.HasSequence(2));
+  // The sixth block of the first sequence is rank 1's.
+  ASSERT_TRUE(m.Reserve(1, 6 * 8).ok());
+  EXPECT_EQ(m.num_free_blocks(), 0);
+  // Slots are group-wide; each rank finds only its own.
+  const int64_t slot = m.Slot(1, 8 + 3);  // block 1, rank 1
+  EXPECT_EQ(m.layout().LocalSlot(slot, 8, 0), -1);
+  EXPECT_EQ(m.layout().LocalSlot(slot, 8, 1), int64_t{m.layout().LocalBlock(t[1], 1)} * 8 + 3);
+  m.Free(1);
+  EXPECT_EQ(m.num_free_blocks(), 6);
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(ContextParallelTest, PrefixHitsShareBlocksOnEveryRank) {
+  BlockManager m({.num_blocks = 8, .block_size = 8, .prefix_caching = true, .cp_size = 3});
+  const std::vector<int32_t> prompt = Tokens(8 * 5 + 2, 1);
+  ASSERT_TRUE(m.Allocate(1, prompt, static_cast<int64_t>(prompt.size())).ok());
+  m.CommitFullBlocks(1, prompt, static_cast<int64_t>(prompt.size()));
+  auto hit = m.Allocate(2, prompt, static_cast<int64_t>(prompt.size()));
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(*hit, 8 * 5);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(m.BlockTable(2)[i], m.BlockTable(1)[i]) << i;
+  EXPECT_NE(m.BlockTable(2)[5], m.BlockTable(1)[5]);
+  // A prompt that differs only in block 1 (rank 1) shares block 0 and nothing after it, though
+  // blocks 2..4 hold the same tokens: the chain covers every rank's blocks.
+  std::vector<int32_t> other = prompt;
+  other[8 + 3] = 777;
+  auto hit3 = m.Allocate(3, other, static_cast<int64_t>(other.size()));
+  ASSERT_TRUE(hit3.ok());
+  EXPECT_EQ(*hit3, 8);
+  EXPECT_EQ(m.BlockTable(3)[0], m.BlockTable(1)[0]);
+  for (size_t i = 1; i < 6; ++i) EXPECT_NE(m.BlockTable(3)[i], m.BlockTable(1)[i]) << i;
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
+}
+
+TEST(ContextParallelTest, CopyOnWriteAndSwapStayOnTheBlocksRank) {
+  BlockManager m({.num_blocks = 6, .block_size = 8, .num_swap_slots = 4, .cp_size = 2});
+  ASSERT_TRUE(m.Reserve(1, 8 + 4).ok());  // block 1 (rank 1) is partial
+  m.Fork(1, 2);
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(m.PrepareWrite(2, 12, 13, &copies).ok());
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(m.layout().RankOfBlock(copies[0].src), 1);
+  EXPECT_EQ(m.layout().RankOfBlock(copies[0].dst), 1);
+  m.Free(2);
+  copies.clear();
+  ASSERT_TRUE(m.SwapOut(1, &copies).ok());
+  ASSERT_EQ(copies.size(), 2u);
+  for (const BlockCopy& c : copies) {
+    EXPECT_EQ(m.layout().RankOfBlock(c.src), m.layout().RankOfSlot(c.dst));
+  }
+  EXPECT_EQ(m.RankBlocks()[0].swap_slots_used, 1);
+  EXPECT_EQ(m.RankBlocks()[1].swap_slots_used, 1);
+  copies.clear();
+  ASSERT_TRUE(m.SwapIn(1, &copies).ok());
+  for (size_t i = 0; i < m.BlockTable(1).size(); ++i) {
+    EXPECT_EQ(m.layout().RankOfBlock(m.BlockTable(1)[i]), i % 2);
+  }
+  m.Free(1);
+  EXPECT_EQ(m.Stats().swap_slots_used, 0);
+  EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
 }
 
 // --- Sliding windows: blocks wholly before the window of the next query go back. ---
