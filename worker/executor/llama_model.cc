@@ -326,6 +326,23 @@ absl::Status TensorParallel::Validate(const model::ModelConfig& c) const {
   return absl::OkStatus();
 }
 
+absl::Status ContextParallel::Validate() const {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context parallel: rank ", rank, " of a group of ", size));
+  }
+  if (size > 1 && comm == nullptr) {
+    return absl::InvalidArgumentError("context parallel: a group needs a communicator");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::SetContextParallel(ContextParallel cp) {
+  KVGRID_RETURN_IF_ERROR(cp.Validate());
+  cp_ = cp;
+  return absl::OkStatus();
+}
+
 ForwardBatch SingleSequenceBatch(const BlockManager& blocks, SequenceId seq, int64_t begin,
                                  std::span<const int32_t> tokens) {
   ForwardBatch b;
@@ -791,6 +808,27 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   }
   logits->clear();
   if (n == 0) return absl::OkStatus();
+  // Under context parallelism the batch's ids are the group's: this rank writes and reads
+  // only its own blocks, in its own pool's ids (-1 elsewhere).
+  const int64_t* slots = b.slots.data();
+  const int32_t* tables = b.block_tables.data();
+  if (cp_.size > 1) {
+    const ContextParallelLayout layout{.cp_size = cp_.size,
+                                       .blocks_per_rank = static_cast<int32_t>(pool.num_blocks())};
+    const int64_t group_slots = int64_t{cp_.size} * pool.num_blocks() * g.block_size;
+    cp_slots_.resize(n);
+    for (int64_t t = 0; t < n; ++t) {
+      if (b.slots[t] < -1 || b.slots[t] >= group_slots) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ForwardBatch.slots[", t, "] = ", b.slots[t],
+                         " is outside the context-parallel group's ", group_slots, " slots"));
+      }
+      cp_slots_[t] = layout.LocalSlot(b.slots[t], static_cast<int32_t>(g.block_size), cp_.rank);
+    }
+    layout.LocalTable(b.block_tables, cp_.rank, &cp_tables_);
+    slots = cp_slots_.data();
+    tables = cp_tables_.data();
+  }
 
   x_.resize(n * d.hidden);
   h_.resize(n * d.hidden);
@@ -801,6 +839,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   attn_.resize(n * d.q_dim);
   gate_up_.resize(n * 2 * d.inter);
   act_.resize(n * d.inter);
+  if (cp_.size > 1) cp_lse_.resize(n * d.heads);
 
   if (d.vocab_local == d.vocab) {
     KVGRID_RETURN_IF_ERROR(cpu::Embedding({.table = w_.embed_q.empty() ? w_.embed.data() : nullptr,
@@ -875,7 +914,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
                                       .head_dim = d.head_dim}));
     KVGRID_RETURN_IF_ERROR(cpu::KvWrite({.key = k_.data(),
                                          .value = v_.data(),
-                                         .slots = b.slots.data(),
+                                         .slots = slots,
                                          .k_cache = pool.k(layer),
                                          .v_cache = pool.v(layer),
                                          .k_meta = pool.k_meta(layer),
@@ -896,7 +935,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .v_meta = pool.v_meta(layer),
          .k_dtype = g.k_dtype,
          .v_dtype = g.v_dtype,
-         .block_tables = b.block_tables.data(),
+         .block_tables = tables,
          .seq_lens = b.seq_lens.data(),
          .query_start = b.query_start.data(),
          .num_seqs = num_seqs,
@@ -909,7 +948,11 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
          .head_dim = d.head_dim,
          .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d.head_dim))),
          .window = config_.LayerWindow(layer),
-         .precision = attention_precision_}));
+         .precision = attention_precision_,
+         .cp_size = cp_.size,
+         .cp_rank = cp_.rank,
+         .lse = cp_.size > 1 ? cp_lse_.data() : nullptr}));
+    if (cp_.size > 1) KVGRID_RETURN_IF_ERROR(MergeContextParallel(n, d.heads, d.head_dim));
     KVGRID_RETURN_IF_ERROR(RowParallelLinear(attn_.data(), l.o, l.o_q, l.o_bias, n, d.q_dim, d.hidden));
     KVGRID_RETURN_IF_ERROR(cpu::RmsNorm({.input = x_.data(),
                                          .weight = l.post_norm.data(),
@@ -928,7 +971,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
 
   // Only the requested rows go through the final norm and the (large) vocabulary projection.
   const int64_t m = static_cast<int64_t>(b.logit_rows.size());
-  if (m == 0) return absl::OkStatus();
+  // Every context-parallel rank now holds the same hidden states: rank 0's group computes
+  // the logits.
+  if (m == 0 || cp_.rank != 0) return absl::OkStatus();
   rows_.resize(m * d.hidden);
   for (int64_t i = 0; i < m; ++i) {
     std::memcpy(rows_.data() + i * d.hidden, x_.data() + b.logit_rows[i] * d.hidden,
@@ -968,6 +1013,26 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   logits->resize(m * d.vocab);
   return AnyLinear(rows_.data(), head, head_q, nullptr, logits->data(), m, d.hidden, d.vocab,
                    false);
+}
+
+absl::Status LlamaModel::MergeContextParallel(int64_t n, int64_t heads, int64_t head_dim) {
+  // One all-gather per layer: each rank's [n, heads, head_dim] outputs then [n, heads] lse.
+  const int64_t rows = n * heads, out_floats = rows * head_dim, part = out_floats + rows;
+  cp_send_.resize(part);
+  std::memcpy(cp_send_.data(), attn_.data(), sizeof(float) * out_floats);
+  std::memcpy(cp_send_.data() + out_floats, cp_lse_.data(), sizeof(float) * rows);
+  cp_recv_.resize(cp_.size * part);
+  KVGRID_RETURN_IF_ERROR(cp_.comm->AllGather(cp_send_, std::span<float>(cp_recv_)));
+  cp_outs_.resize(cp_.size * out_floats);
+  cp_lses_.resize(cp_.size * rows);
+  for (int64_t c = 0; c < cp_.size; ++c) {
+    const float* src = cp_recv_.data() + c * part;
+    std::memcpy(cp_outs_.data() + c * out_floats, src, sizeof(float) * out_floats);
+    std::memcpy(cp_lses_.data() + c * rows, src + out_floats, sizeof(float) * rows);
+  }
+  cpu::MergeAttentionPartials(cp_outs_.data(), cp_lses_.data(), cp_.size, rows, head_dim,
+                              attn_.data(), nullptr);
+  return absl::OkStatus();
 }
 
 absl::Status LlamaModel::AnyLinear(const float* input, const std::vector<float>& weight,

@@ -17,6 +17,13 @@
 // 1/T of the weights. Every rank runs
 // the same Forward on the same batch and holds the KV of its own heads; only rank 0 gets
 // logits.
+//
+// Context parallelism (SetContextParallel): C ranks that hold the same weights and heads split
+// every sequence's KV blocks (worker/kv/context_parallel_layout.h). The batch carries the
+// group-wide slots and block tables of the leader's BlockManager; each rank writes only the
+// K/V whose blocks are its own, attends over its own blocks, and one all-gather per layer of
+// the partial outputs and their log-sum-exp merges them exactly, so every rank continues with
+// the attention over the whole context. Only CP rank 0 (of TP rank 0) gets logits.
 #ifndef KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 #define KVGRID_WORKER_EXECUTOR_LLAMA_MODEL_H_
 
@@ -50,6 +57,17 @@ struct TensorParallel {
   absl::Status Validate(const model::ModelConfig& config) const;
   // Validate without the communicator: whether rank `rank` of `size` is a valid shard.
   absl::Status ValidateSplit(const model::ModelConfig& config) const;
+};
+
+// This process's place among the context-parallel ranks that hold the same heads; size 1: the
+// rank holds every block of its sequences.
+struct ContextParallel {
+  int rank = 0;
+  int size = 1;
+  Communicator* comm = nullptr;  // not owned; required when size > 1
+
+  // INVALID_ARGUMENT for a size below 1, a rank outside [0, size) or a missing communicator.
+  absl::Status Validate() const;
 };
 
 // The dimensions one rank computes: its shares of the heads, KV heads, intermediate columns
@@ -185,6 +203,11 @@ class LlamaModel {
 
   [[nodiscard]] const model::ModelConfig& config() const { return config_; }
   [[nodiscard]] const TensorParallel& tensor_parallel() const { return tp_; }
+  [[nodiscard]] const ContextParallel& context_parallel() const { return cp_; }
+  // Makes this model rank cp.rank of a context-parallel group; the batches it runs then carry
+  // group-wide block ids (the pool passed to Forward is this rank's: blocks_per_rank is its
+  // size). Errors: as ContextParallel::Validate. Not thread-safe with Forward.
+  absl::Status SetContextParallel(ContextParallel cp);
   // The weights as held (this rank's share), e.g. to upload them to a device.
   [[nodiscard]] const LlamaWeights& weights() const { return w_; }
   // Bytes of weights held (fp32 and quantized).
@@ -218,7 +241,8 @@ class LlamaModel {
   // Runs `batch`; writes K/V of its tokens into `pool`; fills `logits` with
   // [batch.logit_rows.size(), vocab] floats (rank 0 of a group; other ranks get none).
   // Errors: INVALID_ARGUMENT for malformed batches (token id outside the vocabulary, slots
-  // outside the pool, inconsistent sizes); UNAVAILABLE when a group collective fails.
+  // outside the pool — the group's pools under context parallelism —, inconsistent sizes);
+  // UNAVAILABLE when a group collective fails.
   absl::Status Forward(const ForwardBatch& batch, KvPool& pool, std::vector<float>* logits);
 
  private:
@@ -246,12 +270,21 @@ class LlamaModel {
   model::ModelConfig config_;
   kernels::cpu::KvKernelPrecision attention_precision_ = kernels::cpu::KvKernelPrecision::kFast;
   kernels::cpu::LinearPrecision linear_precision_ = kernels::cpu::LinearPrecision::kFast;
+  // Attention of one layer over this context-parallel rank's blocks, merged with the other
+  // ranks' into attn_ (n tokens). Errors: the kernel's, or UNAVAILABLE from the all-gather.
+  absl::Status MergeContextParallel(int64_t n, int64_t heads, int64_t head_dim);
+
   TensorParallel tp_;
+  ContextParallel cp_;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]
   double rope_scale_ = 1.0;       // cpu::RopeAttentionFactor
   // Workspace, reused across steps.
   std::vector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, partial_, gathered_;
+  // Context parallelism: this rank's slots and tables, its lse, the all-gather's buffers.
+  std::vector<int64_t> cp_slots_;
+  std::vector<int32_t> cp_tables_;
+  std::vector<float> cp_lse_, cp_send_, cp_recv_, cp_outs_, cp_lses_;
 };
 
 }  // namespace kvgrid::worker

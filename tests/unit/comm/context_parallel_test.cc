@@ -1,0 +1,196 @@
+// Context parallelism in one process: C ranks on threads, joined by Gloo, each holding every
+// C-th block of each sequence in its own pool, give the logits of one rank holding them all,
+// through chunked prefill, a batch mixing prefill and decode, a prefix hit and a sliding
+// window, for every KV dtype.
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/unit/comm/gloo_group.h"
+#include "worker/executor/llama_model.h"
+#include "worker/kv/block_manager.h"
+#include "worker/kv/kv_pool.h"
+
+namespace kvgrid::worker {
+namespace {
+
+using ::kvgrid::testing::RunGroup;
+
+constexpr int32_t kBlockSize = 8;
+
+// Part of one sequence in a batch: tokens at positions [begin, begin + tokens.size()).
+struct Part {
+  SequenceId seq;
+  int64_t begin;
+  std::vector<int32_t> tokens;
+};
+
+// A batch of parts with logits for every token, its ids taken from `blocks`.
+ForwardBatch Batch(const BlockManager& blocks, const std::vector<Part>& parts) {
+  ForwardBatch b;
+  b.query_start = {0};
+  for (const Part& p : parts) {
+    b.max_blocks_per_seq = std::max<int64_t>(
+        b.max_blocks_per_seq, static_cast<int64_t>(blocks.BlockTable(p.seq).size()));
+  }
+  for (const Part& p : parts) {
+    for (size_t i = 0; i < p.tokens.size(); ++i) {
+      const int64_t pos = p.begin + static_cast<int64_t>(i);
+      b.logit_rows.push_back(static_cast<int32_t>(b.token_ids.size()));
+      b.token_ids.push_back(p.tokens[i]);
+      b.positions.push_back(static_cast<int32_t>(pos));
+      b.slots.push_back(blocks.Slot(p.seq, pos));
+    }
+    b.query_start.push_back(static_cast<int32_t>(b.token_ids.size()));
+    b.seq_lens.push_back(static_cast<int32_t>(p.begin + static_cast<int64_t>(p.tokens.size())));
+    std::vector<int32_t> table = blocks.BlockTable(p.seq);
+    table.resize(b.max_blocks_per_seq, 0);
+    b.block_tables.insert(b.block_tables.end(), table.begin(), table.end());
+  }
+  return b;
+}
+
+std::vector<int32_t> Tokens(int64_t n, int32_t seed) {
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = 3 + static_cast<int32_t>((i * 7 + seed * 13) % 250);
+  return t;
+}
+
+// The batches of one scenario, built against a manager of `cp_size` pools of `per_rank`
+// blocks: sequence 1 (70 tokens) prefilled in chunks of 24; sequence 2 shares its first 32
+// tokens through the prefix cache and prefills the rest beside sequence 1's first decode
+// step; then both decode 5 tokens side by side.
+std::vector<ForwardBatch> Scenario(int32_t cp_size, int32_t per_rank) {
+  BlockManager blocks({.num_blocks = per_rank, .block_size = kBlockSize,
+                       .prefix_caching = true, .cp_size = cp_size});
+  std::vector<ForwardBatch> out;
+  const std::vector<int32_t> a = Tokens(70, 1);
+  EXPECT_TRUE(blocks.Allocate(1, a, 70 + 8).ok());
+  for (int64_t begin = 0; begin < 70; begin += 24) {
+    const int64_t end = std::min<int64_t>(70, begin + 24);
+    out.push_back(Batch(blocks, {{1, begin, {a.begin() + begin, a.begin() + end}}}));
+  }
+  blocks.CommitFullBlocks(1, a, 70);
+  std::vector<int32_t> b = a;
+  b.resize(32);
+  const std::vector<int32_t> tail = Tokens(19, 2);
+  b.insert(b.end(), tail.begin(), tail.end());
+  auto hit = blocks.Allocate(2, b, static_cast<int64_t>(b.size()) + 8);
+  EXPECT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(*hit, 32);
+  out.push_back(Batch(blocks, {{1, 70, {5}}, {2, 32, {b.begin() + 32, b.end()}}}));
+  for (int32_t step = 1; step <= 5; ++step) {
+    out.push_back(Batch(blocks, {{1, 70 + step, {9 + step}},
+                                 {2, static_cast<int64_t>(b.size()) + step - 1, {17 + step}}}));
+  }
+  return out;
+}
+
+// Rank `cp.rank`'s logits over `batches` (empty on ranks other than 0).
+std::vector<float> RunBatches(const std::string& fixture, kernels::KvDType dtype,
+                              int32_t per_rank, const std::vector<ForwardBatch>& batches,
+                              ContextParallel cp) {
+  auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture);
+  EXPECT_TRUE(model.ok()) << model.status();
+  if (!model.ok()) return {};
+  // Exact int8 arithmetic: the fast path rounds softmax weights against each chunk's
+  // maximum, and the chunks differ with the rank's share of the context.
+  (*model)->SetAttentionPrecision(kernels::cpu::KvKernelPrecision::kExact);
+  EXPECT_TRUE((*model)->SetContextParallel(cp).ok());
+  const KvGeometry g = (*model)->KvGeometryFor(kBlockSize, dtype, dtype);
+  auto pool = KvPool::Create(g, per_rank * g.BytesPerBlock());
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return {};
+  EXPECT_EQ((*pool)->num_blocks(), per_rank);
+  std::vector<float> all, logits;
+  for (const ForwardBatch& b : batches) {
+    absl::Status st = (*model)->Forward(b, **pool, &logits);
+    EXPECT_TRUE(st.ok()) << st;
+    all.insert(all.end(), logits.begin(), logits.end());
+  }
+  return all;
+}
+
+float MaxRelativeError(const std::vector<float>& got, const std::vector<float>& want) {
+  float max_rel = 0.f;
+  for (size_t i = 0; i < want.size(); ++i) {
+    max_rel = std::max(max_rel, std::abs(got[i] - want[i]) / std::max(1.f, std::abs(want[i])));
+  }
+  return max_rel;
+}
+
+TEST(ContextParallelTest, RanksSplittingTheBlocksGiveOneRanksLogits) {
+  struct Case {
+    std::string fixture;
+    kernels::KvDType dtype;
+    float tolerance;
+  };
+  const std::vector<Case> cases = {
+      {"llama3-tiny", kernels::KvDType::kF32, 1e-4f},
+      {"qwen2-tiny", kernels::KvDType::kF32, 1e-4f},
+      {"qwen3-tiny", kernels::KvDType::kF32, 1e-4f},
+      {"mistral-window-tiny", kernels::KvDType::kF32, 1e-4f},
+      // Each rank quantizes and dequantizes only its own blocks, as one rank would. The merge
+      // sums in another order, and a hidden state 1e-7 off can round a stored K or V value
+      // to the neighbouring step of its dtype (f16's are the finest: 2^-11 of the value,
+      // measured 1.5e-3 on the logits here), so these agree to a dtype's step, not to 1e-4.
+      {"llama3-tiny", kernels::KvDType::kF16, 1e-2f},
+      {"llama3-tiny", kernels::KvDType::kBF16, 1e-2f},
+      {"llama3-tiny", kernels::KvDType::kInt8, 1e-2f},
+      {"llama3-tiny", kernels::KvDType::kInt4, 1e-2f},
+      {"llama3-tiny", kernels::KvDType::kFp8E4m3, 1e-2f},
+  };
+  constexpr int32_t kGroupBlocks = 24;  // the scenario needs 19
+  for (const Case& c : cases) {
+    const std::vector<float> whole =
+        RunBatches(c.fixture, c.dtype, kGroupBlocks, Scenario(1, kGroupBlocks), {});
+    ASSERT_FALSE(whole.empty()) << c.fixture;
+    for (int32_t cp : {2, 3, 4}) {
+      SCOPED_TRACE(c.fixture + " kv " + std::to_string(static_cast<int>(c.dtype)) + " cp " +
+                   std::to_string(cp));
+      const int32_t per_rank = kGroupBlocks / cp;
+      const std::vector<ForwardBatch> batches = Scenario(cp, per_rank);
+      std::vector<std::vector<float>> per(cp);
+      RunGroup(cp, [&](int rank, Communicator& comm) {
+        per[rank] = RunBatches(c.fixture, c.dtype, per_rank, batches,
+                               {.rank = rank, .size = cp, .comm = &comm});
+      });
+      for (int r = 1; r < cp; ++r) EXPECT_TRUE(per[r].empty()) << "rank " << r;
+      ASSERT_EQ(per[0].size(), whole.size());
+      EXPECT_LT(MaxRelativeError(per[0], whole), c.tolerance);
+    }
+  }
+}
+
+TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
+  auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny");
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ((*model)->SetContextParallel({.rank = 2, .size = 2}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*model)->SetContextParallel({.rank = 0, .size = 2}).code(),
+            absl::StatusCode::kInvalidArgument);  // no communicator
+  RunGroup(2, [&](int rank, Communicator& comm) {
+    auto m = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny");
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->SetContextParallel({.rank = rank, .size = 2, .comm = &comm}).ok());
+    const KvGeometry g =
+        (*m)->KvGeometryFor(kBlockSize, kernels::KvDType::kF32, kernels::KvDType::kF32);
+    auto pool = KvPool::Create(g, 4 * g.BytesPerBlock());
+    ASSERT_TRUE(pool.ok());
+    BlockManager blocks({.num_blocks = 4, .block_size = kBlockSize, .cp_size = 2});
+    ASSERT_TRUE(blocks.Reserve(1, 20).ok());
+    ForwardBatch b = Batch(blocks, {{1, 0, Tokens(20, 3)}});
+    b.slots[3] = int64_t{2} * 4 * kBlockSize;  // past the group's last slot
+    std::vector<float> logits;
+    absl::Status st = (*m)->Forward(b, **pool, &logits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("slots[3]"), std::string::npos) << st;
+  });
+}
+
+}  // namespace
+}  // namespace kvgrid::worker
