@@ -76,10 +76,17 @@ absl::Status Engine::ValidateOptions(const EngineOptions& options,
 
 namespace {
 
-absl::Status CheckGroup(const TensorParallel& tp, const EngineOptions& options) {
-  if ((tp.size > 1) != (options.group != nullptr) || (tp.size > 1 && tp.rank != 0)) {
+absl::Status CheckGroup(const TensorParallel& tp, const ContextParallel& cp,
+                        const EngineOptions& options) {
+  const bool group = tp.size > 1 || cp.size > 1;
+  if (group != (options.group != nullptr) || (group && (tp.rank != 0 || cp.rank != 0))) {
     return absl::InvalidArgumentError(
-        "group: a tensor-parallel model needs the group's communicator, on rank 0 only");
+        "group: a tensor- or context-parallel model needs the group's communicator, on rank 0 "
+        "only");
+  }
+  if (tp.size > 1 && cp.size > 1) {
+    return absl::UnimplementedError(
+        "group: tensor and context parallelism together are not supported yet");
   }
   return absl::OkStatus();
 }
@@ -89,7 +96,8 @@ absl::Status CheckGroup(const TensorParallel& tp, const EngineOptions& options) 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaModel> model,
                                                        const EngineOptions& options) {
   KVGRID_RETURN_IF_ERROR(ValidateOptions(options, model->config()));
-  KVGRID_RETURN_IF_ERROR(CheckGroup(model->tensor_parallel(), options));
+  KVGRID_RETURN_IF_ERROR(
+      CheckGroup(model->tensor_parallel(), model->context_parallel(), options));
   KVGRID_ASSIGN_OR_RETURN(std::unique_ptr<CpuExecutor> executor,
                           CpuExecutor::Create(std::move(model), CpuPoolOptions(options)));
   return Make(std::move(executor), options);
@@ -98,7 +106,8 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<LlamaMode
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::unique_ptr<Executor> executor,
                                                        const EngineOptions& options) {
   KVGRID_RETURN_IF_ERROR(ValidateOptions(options, executor->config()));
-  KVGRID_RETURN_IF_ERROR(CheckGroup(executor->tensor_parallel(), options));
+  KVGRID_RETURN_IF_ERROR(
+      CheckGroup(executor->tensor_parallel(), executor->context_parallel(), options));
   return Make(std::move(executor), options);
 }
 
@@ -126,7 +135,8 @@ Engine::Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
           .num_blocks = executor_->num_blocks(),
           .block_size = static_cast<int32_t>(options.block_size),
           .prefix_caching = options.enable_prefix_caching,
-          .num_swap_slots = executor_->num_swap_blocks()}),
+          .num_swap_slots = executor_->num_swap_blocks(),
+          .cp_size = executor_->context_parallel().size}),
       max_model_len_(max_model_len),
       kv_window_(executor_->config().KvWindow()) {}
 

@@ -166,9 +166,11 @@ struct EngineOptions {
   int64_t swap_space = 0;                  // bytes of host memory for swapped-out blocks
   PreemptionMode preemption_mode = PreemptionMode::kAuto;
   std::vector<int32_t> eos_token_ids = {};
-  // Tensor-parallel leader (rank 0 of a group of size > 1): every block copy and forward pass
-  // is first broadcast as a StepPlan, which the other ranks run in RunFollower. Not owned; the
-  // model's TensorParallel communicator. Null for a single worker.
+  // Tensor- or context-parallel leader (rank 0 of a group of size > 1): every block copy and
+  // forward pass is first broadcast as a StepPlan, which the other ranks run in RunFollower.
+  // Not owned; the model's TensorParallel (or ContextParallel) communicator. Null for a single
+  // worker. Under context parallelism the block manager keeps every rank's pool (each the
+  // size of this rank's) and the plans carry group-wide ids.
   Communicator* group = nullptr;
 };
 
@@ -299,8 +301,9 @@ class Engine {
   // each step computes at most `chunk` of its tokens: kv_planner.h's SequenceBlocks for this
   // pool's block size and the model's KV window.
   [[nodiscard]] int64_t WindowedBlocks(int64_t total, int64_t chunk) const;
+  // What one sequence can hold: every rank's pool under context parallelism.
   [[nodiscard]] int64_t CapacityTokens() const {
-    return static_cast<int64_t>(executor_->num_blocks()) * executor_->kv_geometry().block_size;
+    return static_cast<int64_t>(blocks_.num_blocks()) * blocks_.block_size();
   }
   // Block copies and forward passes, announced to the group first when there is one.
   absl::Status Copy(PlanKind kind, const std::vector<BlockCopy>& copies);

@@ -35,6 +35,9 @@ class CpuExecutor final : public Executor {
   [[nodiscard]] const TensorParallel& tensor_parallel() const override {
     return model_->tensor_parallel();
   }
+  [[nodiscard]] ContextParallel context_parallel() const override {
+    return model_->context_parallel();
+  }
   [[nodiscard]] const KvGeometry& kv_geometry() const override { return pool_->geometry(); }
   [[nodiscard]] int32_t num_blocks() const override { return pool_->num_blocks(); }
   [[nodiscard]] int32_t num_swap_blocks() const override {
@@ -51,9 +54,13 @@ class CpuExecutor final : public Executor {
               std::unique_ptr<KvPool> swap)
       : model_(std::move(model)), pool_(std::move(pool)), swap_(std::move(swap)) {}
 
+  // CopyBlocks in this rank's own ids.
+  absl::Status CopyLocal(BlockCopyKind kind, std::span<const BlockCopy> copies);
+
   std::unique_ptr<LlamaModel> model_;
   std::unique_ptr<KvPool> pool_;
   std::unique_ptr<KvPool> swap_;  // null without a swap space
+  std::vector<BlockCopy> local_copies_;  // context parallelism: this rank's share of a copy
 };
 
 }  // namespace kvgrid::worker

@@ -30,6 +30,10 @@ class Executor {
 
   [[nodiscard]] virtual const model::ModelConfig& config() const = 0;
   [[nodiscard]] virtual const TensorParallel& tensor_parallel() const = 0;
+  // This rank's place in a context-parallel group (none by default): batches and copies then
+  // carry the group's block ids (worker/kv/context_parallel_layout.h), num_blocks() and
+  // num_swap_blocks() stay this rank's.
+  [[nodiscard]] virtual ContextParallel context_parallel() const { return {}; }
   // The pool's geometry (this rank's KV heads, block size, dtypes).
   [[nodiscard]] virtual const KvGeometry& kv_geometry() const = 0;
   // Blocks in the device pool and in the swap space (0 when there is none).
@@ -43,8 +47,9 @@ class Executor {
   virtual absl::Status Forward(const ForwardBatch& batch, std::vector<float>* logits) = 0;
 
   // For each copy, block `src` overwrites block `dst` (pool or swap ids as `kind` says) in
-  // every layer's K and V planes and their metadata. Errors: INVALID_ARGUMENT for an id
-  // outside its space (nothing copied); FAILED_PRECONDITION for a swap copy without a swap
+  // every layer's K and V planes and their metadata; under context parallelism only the
+  // copies within this rank's pool and swap space. Errors: INVALID_ARGUMENT for an id
+  // outside its space, or a copy between two ranks (nothing copied); FAILED_PRECONDITION for a swap copy without a swap
   // space; INTERNAL for a device failure.
   virtual absl::Status CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) = 0;
 };

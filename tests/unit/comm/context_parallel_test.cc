@@ -5,12 +5,17 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tests/unit/comm/gloo_group.h"
+#include "worker/engine/engine.h"
+#include "worker/engine/step_plan.h"
+#include "worker/executor/cpu_executor.h"
 #include "worker/executor/llama_model.h"
 #include "worker/kv/block_manager.h"
 #include "worker/kv/kv_pool.h"
@@ -190,6 +195,101 @@ TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("slots[3]"), std::string::npos) << st;
   });
+}
+
+// Greedy outputs of requests that share prefixes, one of them with n = 2, on an engine whose
+// group of `cp` ranks holds `group_blocks` blocks in all, few enough to preempt.
+std::map<std::string, std::vector<int32_t>> EngineOutputs(int cp, int32_t group_blocks,
+                                                          PreemptionMode mode,
+                                                          EngineStats* stats) {
+  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
+  auto pool_bytes = [&](const LlamaModel& m) {
+    return (group_blocks / cp) *
+           m.KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32).BytesPerBlock();
+  };
+  EngineOptions options;
+  options.swap_space = 64 << 20;
+  options.max_num_batched_tokens = 64;  // chunked prefill
+  options.preemption_mode = mode;
+  std::map<std::string, std::vector<int32_t>> out;
+  auto load = [&](int rank, Communicator* comm) {
+    auto model = LlamaModel::Load(dir);
+    EXPECT_TRUE(model.ok()) << model.status();
+    if (model.ok() && cp > 1) {
+      EXPECT_TRUE((*model)->SetContextParallel({.rank = rank, .size = cp, .comm = comm}).ok());
+    }
+    return model;
+  };
+  auto leader = [&](Communicator* comm) {
+    auto model = load(0, comm);
+    ASSERT_TRUE(model.ok());
+    EngineOptions o = options;
+    o.kv_cache_memory = pool_bytes(**model);
+    o.group = comm;
+    auto engine = Engine::Create(*std::move(model), o);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    std::vector<int32_t> shared;
+    for (int j = 0; j < 40; ++j) shared.push_back(3 + (j * 11) % 250);
+    for (int i = 0; i < 6; ++i) {
+      GenerationRequest r;
+      r.id = absl::StrCat("r", i);
+      if (i % 2 == 1) r.prompt = shared;  // a 32-token prefix hit for the later ones
+      for (int j = 0; j < 20 + 9 * i; ++j) r.prompt.push_back(3 + (j * 7 + i) % 250);
+      r.sampling.temperature = 0;
+      r.stopping.max_new_tokens = 40;
+      r.stopping.ignore_eos = true;
+      if (i == 2) r.n = 2;
+      ASSERT_TRUE((*engine)->AddRequest(r).ok());
+    }
+    while ((*engine)->HasWork()) {
+      auto step = (*engine)->Step();
+      ASSERT_TRUE(step.ok()) << step.status();
+      for (const TokenOutput& t : *step) {
+        out[absl::StrCat(t.request_id, "/", t.index)].push_back(t.token_id);
+      }
+    }
+    *stats = (*engine)->Stats();
+    if (comm != nullptr) ASSERT_TRUE((*engine)->StopFollowers().ok());
+  };
+  if (cp == 1) {
+    leader(nullptr);
+    return out;
+  }
+  RunGroup(cp, [&](int rank, Communicator& comm) {
+    if (rank == 0) return leader(&comm);
+    auto model = load(rank, &comm);
+    ASSERT_TRUE(model.ok());
+    const int64_t kv_bytes = pool_bytes(**model);
+    auto executor = CpuExecutor::Create(*std::move(model), {.block_size = 16,
+                                                            .kv_cache_memory = kv_bytes,
+                                                            .swap_space = options.swap_space});
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    EXPECT_TRUE(RunFollower(**executor, comm).ok());
+  });
+  return out;
+}
+
+TEST(ContextParallelEngineTest, GroupsGiveOneRanksTokensThroughSwapsRecomputesAndForks) {
+  constexpr int32_t kGroupBlocks = 24;
+  for (PreemptionMode mode : {PreemptionMode::kSwap, PreemptionMode::kRecompute}) {
+    EngineStats alone_stats;
+    const auto alone = EngineOutputs(1, kGroupBlocks, mode, &alone_stats);
+    ASSERT_EQ(alone.size(), 7u);  // six requests, one of them with two continuations
+    for (int cp : {2, 3}) {
+      SCOPED_TRACE(absl::StrCat("cp ", cp, " mode ", static_cast<int>(mode)));
+      EngineStats st;
+      const auto group = EngineOutputs(cp, kGroupBlocks, mode, &st);
+      EXPECT_EQ(group, alone);
+      EXPECT_EQ(st.blocks_total, kGroupBlocks);
+      EXPECT_EQ(st.tokens_capacity, alone_stats.tokens_capacity);
+      EXPECT_GT(st.num_preemptions, 0) << "the pools should be small enough to preempt";
+      EXPECT_GT(mode == PreemptionMode::kSwap ? st.num_swap_outs : st.num_recomputes, 0);
+      EXPECT_GT(st.prefix_hit_tokens, 0);
+      EXPECT_GT(st.cow_copies, 0);
+      EXPECT_EQ(st.blocks_used, 0) << "leak";
+      EXPECT_EQ(st.swap_blocks_used, 0) << "swap leak";
+    }
+  }
 }
 
 }  // namespace
