@@ -89,6 +89,11 @@ constexpr char kHelp[] =
     "                              one of N ranks sharing the model (Megatron sharding over\n"
     "                              Gloo on cpu, NCCL on cuda); rank 0 serves and registers the\n"
     "                              group, the others follow it. Needs --coordinator and --group\n"
+    "  --context-parallel-size C --rank R\n"
+    "                              one of C ranks holding the whole model that split each\n"
+    "                              sequence's KV blocks (block i on rank i mod C), so the group\n"
+    "                              holds sequences C times as long; cpu only, and not yet with\n"
+    "                              --tensor-parallel-size > 1. Needs --coordinator and --group\n"
     "  --collective-timeout-s S    a group collective failing after S s (>= 2) breaks the group\n"
     "                              (default 30)\n"
     "  --stall-timeout-s S         an engine step running longer than S s while requests wait\n"
@@ -260,6 +265,7 @@ absl::Status Serve(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(auto drain_timeout, args.GetDouble("drain-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(auto threads, args.GetInt("threads"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_size, args.GetInt("tensor-parallel-size"));
+  KVGRID_ASSIGN_OR_RETURN(auto cp_size, args.GetInt("context-parallel-size"));
   KVGRID_ASSIGN_OR_RETURN(auto rank, args.GetInt("rank"));
   KVGRID_ASSIGN_OR_RETURN(auto collective_timeout, args.GetDouble("collective-timeout-s"));
   KVGRID_ASSIGN_OR_RETURN(auto stall_timeout, args.GetDouble("stall-timeout-s"));
@@ -349,6 +355,7 @@ absl::Status Serve(Args& args) {
         "--stall-timeout-s: must be 0 (never) or in [0.1, 86400], got ", *stall_timeout));
   }
   const int tp = static_cast<int>(tp_size.value_or(1));
+  const int cp = static_cast<int>(cp_size.value_or(1));
   CudaFlags cuda{.dense_dtype = dense_dtype,
                  .gpu_memory_utilization = gpu_memory_utilization.value_or(0.9),
                  .kv_memory_given = kv_memory_given,
@@ -365,13 +372,26 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--tensor-parallel-size: must be in [1, 64], got ", tp));
   }
-  if (my_rank < 0 || my_rank >= tp) {
+  if (cp < 1 || cp > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--rank: must be in [0, ", tp, "), got ", my_rank));
+        absl::StrCat("--context-parallel-size: must be in [1, 64], got ", cp));
   }
-  if (tp > 1 && (!coordinator || group.empty())) {
+  if (tp > 1 && cp > 1) {
+    return absl::UnimplementedError(
+        "--context-parallel-size: not yet together with --tensor-parallel-size > 1");
+  }
+  if (cp > 1 && device != "cpu") {
+    return absl::UnimplementedError("--context-parallel-size: runs on --device cpu only yet");
+  }
+  const int group_size = tp * cp;
+  if (my_rank < 0 || my_rank >= group_size) {
     return absl::InvalidArgumentError(
-        "--tensor-parallel-size: a group forms through --coordinator and needs a --group id");
+        absl::StrCat("--rank: must be in [0, ", group_size, "), got ", my_rank));
+  }
+  if (group_size > 1 && (!coordinator || group.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        tp > 1 ? "--tensor-parallel-size" : "--context-parallel-size",
+        ": a group forms through --coordinator and needs a --group id"));
   }
   if (threads) {
     if (*threads < 1 || *threads > 1024) {
@@ -380,10 +400,11 @@ absl::Status Serve(Args& args) {
     }
     kvgrid::kernels::cpu::SetNumThreads(static_cast<int>(*threads));
   }
-  // A tensor-parallel group forms first: its ranks find each other through the coordinator's
-  // store, then each loads only its shard.
+  // A tensor- or context-parallel group forms first: its ranks find each other through the
+  // coordinator's store, then each loads only its shard (the whole model under context
+  // parallelism).
   std::unique_ptr<kvgrid::worker::Communicator> comm;
-  if (tp > 1) {
+  if (group_size > 1) {
     const std::string host = advertise ? advertise->substr(0, advertise->rfind(':'))
                                        : listen.substr(0, listen.rfind(':'));
     const auto timeout = std::chrono::milliseconds(
@@ -392,14 +413,20 @@ absl::Status Serve(Args& args) {
                                            std::chrono::milliseconds(120'000),
                                            coordinator_channels);
     std::fprintf(stderr, "kvgrid-worker: rank %d of group %s (size %d) joining\n", my_rank,
-                 group.c_str(), tp);
+                 group.c_str(), group_size);
     KVGRID_ASSIGN_OR_RETURN(comm, kvgrid::worker::GlooCommunicator::Connect(
-                                      my_rank, tp, store, host == "0.0.0.0" ? "" : host,
+                                      my_rank, group_size, store, host == "0.0.0.0" ? "" : host,
                                       timeout));
   }
-  const kvgrid::worker::TensorParallel shard{.rank = my_rank, .size = tp, .comm = comm.get()};
+  const kvgrid::worker::TensorParallel shard =
+      tp > 1 ? kvgrid::worker::TensorParallel{.rank = my_rank, .size = tp, .comm = comm.get()}
+             : kvgrid::worker::TensorParallel{};
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
                           kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
+  if (cp > 1) {
+    KVGRID_RETURN_IF_ERROR(loaded.model->SetContextParallel(
+        {.rank = my_rank, .size = cp, .comm = comm.get()}));
+  }
   if (my_rank > 0) {
     return Follow(std::move(loaded.model), options, kv_dtypes, cuda, *comm, group,
                   drain_timeout.value_or(30.0), health_listen);
@@ -420,7 +447,7 @@ absl::Status Serve(Args& args) {
   // failover moves the requests and an orchestrator restarts the group.
   std::atomic<bool> group_broken{false};
   kvgrid::worker::EngineLoop loop(std::move(engine), [&](const absl::Status& status) {
-    if (tp == 1 || status.code() != absl::StatusCode::kUnavailable) return;
+    if (group_size == 1 || status.code() != absl::StatusCode::kUnavailable) return;
     std::fprintf(stderr, "kvgrid-worker: the group is broken (%s); shutting down\n",
                  std::string(status.message()).c_str());
     group_broken.store(true);
@@ -489,7 +516,7 @@ absl::Status Serve(Args& args) {
     reg.set_model(name);
     reg.set_group_id(group);
     reg.set_rank(0);
-    reg.set_group_size(static_cast<uint32_t>(tp));
+    reg.set_group_size(static_cast<uint32_t>(group_size));
     *reg.mutable_capacity() = capacity;
     reg.set_vocab_size(vocab);
     reg.set_max_num_seqs(static_cast<int32_t>(options.max_num_seqs));
@@ -518,7 +545,7 @@ absl::Status Serve(Args& args) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-worker: stopped\n");
-  if (group_broken.load()) return absl::UnavailableError("the tensor-parallel group broke");
+  if (group_broken.load()) return absl::UnavailableError("the worker group broke");
   return absl::OkStatus();
 }
 

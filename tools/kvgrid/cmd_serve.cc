@@ -38,7 +38,8 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid serve [--workers N [--tp T] | --groups 1,1,2] [--model DIR] [--port P]\n"
+    "usage: kvgrid serve [--workers N [--tp T] | --groups 1,1,2] [--cp C] [--model DIR]\n"
+    "                    [--port P]\n"
     "                    [worker flags]\n"
     "\n"
     "Starts kvgrid-coordinator on 127.0.0.1:P and N kvgrid-worker processes registered with\n"
@@ -48,6 +49,9 @@ constexpr char kHelp[] =
     "  --workers N                 worker groups (default 1)\n"
     "  --tp T                      ranks per group: tensor parallelism (default 1)\n"
     "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
+    "  --cp C                      context parallelism: each group's C ranks split every\n"
+    "                              sequence's KV blocks, so a group holds sequences C times as\n"
+    "                              long (default 1; not yet with --tp > 1)\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
@@ -138,6 +142,7 @@ absl::Status Serve(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
   KVGRID_ASSIGN_OR_RETURN(auto workers_flag, args.GetInt("workers"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_flag, args.GetInt("tp"));
+  KVGRID_ASSIGN_OR_RETURN(auto cp_flag, args.GetInt("cp"));
   const std::optional<std::string> groups_flag = args.GetString("groups");
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
   KVGRID_ASSIGN_OR_RETURN(auto http_port_flag, args.GetInt("http-port"));
@@ -223,13 +228,20 @@ absl::Status Serve(Args& args) {
     groups.assign(static_cast<size_t>(std::clamp<int64_t>(workers_flag.value_or(1), 0, 65)),
                   static_cast<int32_t>(tp_flag.value_or(1)));
   }
+  const int64_t cp = cp_flag.value_or(1);
+  if (cp < 1 || cp > 16) {
+    return absl::InvalidArgumentError(absl::StrCat("--cp: must be in [1, 16], got ", cp));
+  }
   int64_t processes = 0;
   for (int32_t size : groups) {
     if (size < 1 || size > 16) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tp/--groups: a group has 1 to 16 ranks, got ", size));
     }
-    processes += size;
+    if (cp > 1 && size > 1) {
+      return absl::UnimplementedError("--cp: not yet together with --tp > 1 (or --groups > 1)");
+    }
+    processes += size * cp;
   }
   const int64_t workers = static_cast<int64_t>(groups.size());
   if (workers < 1 || workers > 64) {
@@ -294,15 +306,19 @@ absl::Status Serve(Args& args) {
   const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
   int64_t slot = 0;  // the worker process's place on this machine: its card on cuda
   for (size_t g = 0; g < groups.size(); ++g) {
-    for (int32_t rank = 0; rank < groups[g]; ++rank) {
+    const int64_t ranks = groups[g] * cp;
+    for (int64_t rank = 0; rank < ranks; ++rank) {
       std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model",
                                          dir.string(), "--coordinator", worker_api,
                                          "--listen", "127.0.0.1:0"};
       worker.insert(worker.end(), cluster_flags.begin(), cluster_flags.end());
-      if (groups[g] > 1) {
-        worker.insert(worker.end(), {"--group", absl::StrCat("g", g, "-", getpid()),
-                                     "--tensor-parallel-size", absl::StrCat(groups[g]),
-                                     "--rank", absl::StrCat(rank)});
+      if (ranks > 1) {
+        worker.insert(worker.end(), {"--group", absl::StrCat("g", g, "-", getpid()), "--rank",
+                                     absl::StrCat(rank)});
+        if (groups[g] > 1) {
+          worker.insert(worker.end(), {"--tensor-parallel-size", absl::StrCat(groups[g])});
+        }
+        if (cp > 1) worker.insert(worker.end(), {"--context-parallel-size", absl::StrCat(cp)});
       }
       if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
       worker.insert(worker.end(), forwarded.begin(), forwarded.end());
