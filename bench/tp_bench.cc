@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bench/bench_models.h"
+#include "bench/timed_communicator.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "kernels/cpu/gemm.h"
 #include "nlohmann/json.hpp"
@@ -30,34 +31,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using kvgrid::worker::Communicator;
 
-// Times every collective of the communicator it wraps.
-class TimedCommunicator final : public Communicator {
- public:
-  explicit TimedCommunicator(Communicator* inner) : inner_(inner) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::Status AllReduceSum(std::span<float> d) override {
-    return Time([&] { return inner_->AllReduceSum(d); });
-  }
-  absl::Status AllGather(std::span<const float> in, std::span<float> out) override {
-    return Time([&] { return inner_->AllGather(in, out); });
-  }
-  absl::Status Broadcast(std::span<char> d, int root) override {
-    return Time([&] { return inner_->Broadcast(d, root); });
-  }
-  absl::Status Barrier() override { return Time([&] { return inner_->Barrier(); }); }
-  double seconds = 0;
-
- private:
-  template <typename F>
-  absl::Status Time(F&& f) {
-    const auto t0 = Clock::now();
-    absl::Status s = f();
-    seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    return s;
-  }
-  Communicator* inner_;
-};
+using kvgrid::bench::TimedCommunicator;
 
 struct Shape {
   const char* name;
