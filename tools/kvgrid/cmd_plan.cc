@@ -3,7 +3,8 @@
 // context length. Reads config.json only, so it works without the weights; for a GGUF file, its
 // metadata and tensor directory (the weights as stored, quantized blocks included). With
 // --tp T the budget is each card's of a tensor-parallel group, which holds rank 0's share of
-// the weights (the largest) and its KV heads of every token.
+// the weights (the largest) and its KV heads of every token; with --cp C, C such cards split
+// each sequence's blocks, so a sequence may be C times as long.
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -29,7 +30,7 @@ namespace {
 constexpr char kHelp[] =
     "usage: kvgrid plan [--model DIR|config.json|model.gguf] --memory 24GiB [--context N]\n"
     "                   [--weight-dtype auto|fp32|bf16|fp16|q8_0|q4_0|q4_1] [--block-size 8|16|32]\n"
-    "                   [--tp T] [--max-num-batched-tokens 8192] [--json]\n"
+    "                   [--tp T] [--cp C] [--max-num-batched-tokens 8192] [--json]\n"
     "per KV dtype (fp32, fp16, bf16, int8, int4, int8 keys + int4 values, fp8_e4m3): bytes per\n"
     "token, max tokens and max concurrent sequences at --context (default: the model's\n"
     "max_position_embeddings), in what --memory leaves after the weights.\n"
@@ -46,6 +47,9 @@ constexpr char kHelp[] =
     "--tensor-parallel-size shards: heads, KV heads and MLP columns split, KV heads replicated\n"
     "when T exceeds them, the vocabulary split when T divides it); a card holds its share of\n"
     "the weights and of every token's KV, so the token and sequence figures are the group's.\n"
+    "--cp C: C cards (of T each) hold the same weights and split every sequence's KV blocks\n"
+    "(as kvgrid-worker --context-parallel-size): blocks, tokens and the context one sequence\n"
+    "may reach are the group's, C times a card's.\n"
     "Sliding-window models whose every layer slides (Mistral) hold only the window and one\n"
     "step's tokens (--max-num-batched-tokens) per sequence: max sequences counts such\n"
     "sequences and the context is not bounded by the KV cache. Models where only some layers\n"
@@ -80,6 +84,7 @@ absl::Status Plan(Args& args) {
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> block_size_flag, args.GetInt("block-size"));
   KVGRID_ASSIGN_OR_RETURN(const bool json, args.GetBool("json", false));
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> tp_flag, args.GetInt("tp"));
+  KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> cp_flag, args.GetInt("cp"));
   KVGRID_ASSIGN_OR_RETURN(std::optional<int64_t> chunk_flag, args.GetInt("max-num-batched-tokens"));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   const int64_t prefill_chunk = chunk_flag.value_or(8192);
@@ -115,6 +120,10 @@ absl::Status Plan(Args& args) {
   const int64_t tp = tp_flag.value_or(1);
   if (tp < 1 || tp > 64) {
     return absl::InvalidArgumentError(absl::StrCat("--tp: must be in [1, 64], got ", tp));
+  }
+  const int64_t cp = cp_flag.value_or(1);
+  if (cp < 1 || cp > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("--cp: must be in [1, 64], got ", cp));
   }
   if (tp > 1 && gguf) {
     return absl::InvalidArgumentError("--tp: GGUF models are served by one rank (tp 1)");
@@ -153,6 +162,7 @@ absl::Status Plan(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--memory ", *memory_flag, ": ", std::string(rows.status().message())));
   }
+  worker::ApplyContextParallel(cp, &*rows);
 
   if (json) {
     for (const worker::KvPlanRow& r : *rows) {
@@ -174,6 +184,7 @@ absl::Status Plan(Args& args) {
       j["weight_bytes"] = r.weight_bytes;
       j["kv_budget_bytes"] = r.kv_budget_bytes;
       j["tensor_parallel_size"] = tp;
+      j["context_parallel_size"] = cp;
       j["kv_window"] = r.kv_window;
       j["prefill_chunk"] = r.prefill_chunk;
       j["max_context"] = r.max_context;
@@ -196,6 +207,11 @@ absl::Status Plan(Args& args) {
                 static_cast<long long>(shard.num_key_value_heads),
                 static_cast<long long>(shard.vocab_size),
                 static_cast<long long>(config.vocab_size));
+  }
+  if (cp > 1) {
+    std::printf("context parallel: %lld groups of cards split each sequence's blocks; blocks, "
+                "tokens and sequences below are the %lld cards' together\n",
+                static_cast<long long>(cp), static_cast<long long>(cp * tp));
   }
   std::printf("memory     %lld B (%s)\n", static_cast<long long>(memory), GiB(memory).c_str());
   std::printf("weights    %lld B (%s) = %lld parameters as %s (%.3f B each)\n",

@@ -213,6 +213,18 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
   return rows;
 }
 
+void ApplyContextParallel(int64_t cp_size, std::vector<KvPlanRow>* rows) {
+  if (cp_size <= 1) return;
+  for (KvPlanRow& r : *rows) {
+    const int64_t per_card = r.blocks;
+    const int64_t per_card_per_sequence = (r.blocks_per_sequence + cp_size - 1) / cp_size;
+    r.blocks = per_card * cp_size;
+    r.max_tokens = r.blocks * r.block_size;
+    r.max_sequences = per_card_per_sequence > 0 ? per_card / per_card_per_sequence : 0;
+    if (r.kv_window == 0) r.max_context = r.max_tokens;
+  }
+}
+
 int64_t StepWorkspaceBytes(const model::ModelConfig& config, int64_t max_tokens,
                            int64_t max_logit_rows) {
   const int64_t q = config.num_attention_heads * config.head_dim;

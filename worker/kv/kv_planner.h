@@ -107,6 +107,13 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
                                                       const WeightFootprint& weights,
                                                       int64_t prefill_chunk = 8192);
 
+// The rows of one card turned into a context-parallel group's of `cp_size` such cards (each
+// holding the same weights and every cp_size-th block of each sequence): blocks, max tokens
+// and max_context grow cp_size times; a sequence of n blocks takes ceil(n / cp_size) of each
+// card's, which bounds max_sequences. Per-card fields (bytes, budget, weights) stay.
+// cp_size 1 changes nothing.
+void ApplyContextParallel(int64_t cp_size, std::vector<KvPlanRow>* rows);
+
 // Blocks one sequence of up to `context` tokens holds at most when a step computes at most
 // `prefill_chunk` of its tokens: ceil(context / block_size), or with a KV window `kv_window`
 // > 0 at most ceil((kv_window - 1 + min(prefill_chunk, context)) / block_size) + 1 (a step

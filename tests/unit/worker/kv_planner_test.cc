@@ -136,6 +136,24 @@ TEST(KvPlannerTest, Llama3_8BOn24GiBAt8192) {
   }
 }
 
+TEST(KvPlannerTest, ContextParallelGroupsHoldLongerSequences) {
+  const model::ModelConfig c = Parse(kLlama3_8B);
+  auto one = PlanKvCapacity(c, 24 * kGiB, 8192, 16, Bf16(c));
+  ASSERT_TRUE(one.ok());
+  std::vector<KvPlanRow> group = *one;
+  ApplyContextParallel(1, &group);
+  EXPECT_EQ(Row(group, "fp16").blocks, Row(*one, "fp16").blocks);
+  group = *one;
+  ApplyContextParallel(3, &group);
+  const KvPlanRow& fp16 = Row(group, "fp16");
+  EXPECT_EQ(fp16.blocks, 3 * 4629);
+  EXPECT_EQ(fp16.max_tokens, 3 * 4629 * 16);
+  EXPECT_EQ(fp16.max_context, fp16.max_tokens);
+  EXPECT_EQ(fp16.max_sequences, 4629 / 171);  // 512 blocks: 171 on rank 0 (positions 0, 3, ...)
+  EXPECT_EQ(fp16.bytes_per_token, Row(*one, "fp16").bytes_per_token);  // a card's
+  EXPECT_EQ(fp16.kv_budget_bytes, Row(*one, "fp16").kv_budget_bytes);
+}
+
 TEST(KvPlannerTest, Qwen2_7BOn80GB) {
   const model::ModelConfig c = Parse(kQwen2_7B);
   EXPECT_EQ(KvBytesPerToken(c, KvDType::kF16, KvDType::kF16), 28 * 4 * 128 * 2 * 2);  // 57344
