@@ -31,7 +31,7 @@
 #include "tools/kvgrid/process.h"
 #include "tools/kvgrid/model_setup.h"
 #include "worker/comm/coordinator_store.h"
-#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/gloo_worker_group.h"
 #include "worker/engine/step_plan.h"
 #include "worker/executor/cpu_executor.h"
 #include "worker/executor/cuda_plugin.h"
@@ -92,8 +92,10 @@ constexpr char kHelp[] =
     "  --context-parallel-size C --rank R\n"
     "                              one of C ranks holding the whole model that split each\n"
     "                              sequence's KV blocks (block i on rank i mod C), so the group\n"
-    "                              holds sequences C times as long; cpu only, and not yet with\n"
-    "                              --tensor-parallel-size > 1. Needs --coordinator and --group\n"
+    "                              holds sequences C times as long; cpu only. With\n"
+    "                              --tensor-parallel-size T the group has T x C ranks (rank =\n"
+    "                              cp_rank * T + tp_rank): each C ranks of one tp_rank hold its\n"
+    "                              shard. Needs --coordinator and --group\n"
     "  --collective-timeout-s S    a group collective failing after S s (>= 2) breaks the group\n"
     "                              (default 30)\n"
     "  --stall-timeout-s S         an engine step running longer than S s while requests wait\n"
@@ -376,10 +378,6 @@ absl::Status Serve(Args& args) {
     return absl::InvalidArgumentError(
         absl::StrCat("--context-parallel-size: must be in [1, 64], got ", cp));
   }
-  if (tp > 1 && cp > 1) {
-    return absl::UnimplementedError(
-        "--context-parallel-size: not yet together with --tensor-parallel-size > 1");
-  }
   if (cp > 1 && device != "cpu") {
     return absl::UnimplementedError("--context-parallel-size: runs on --device cpu only yet");
   }
@@ -403,7 +401,7 @@ absl::Status Serve(Args& args) {
   // A tensor- or context-parallel group forms first: its ranks find each other through the
   // coordinator's store, then each loads only its shard (the whole model under context
   // parallelism).
-  std::unique_ptr<kvgrid::worker::Communicator> comm;
+  std::unique_ptr<kvgrid::worker::GlooWorkerGroup> comms;
   if (group_size > 1) {
     const std::string host = advertise ? advertise->substr(0, advertise->rfind(':'))
                                        : listen.substr(0, listen.rfind(':'));
@@ -414,24 +412,26 @@ absl::Status Serve(Args& args) {
                                            coordinator_channels);
     std::fprintf(stderr, "kvgrid-worker: rank %d of group %s (size %d) joining\n", my_rank,
                  group.c_str(), group_size);
-    KVGRID_ASSIGN_OR_RETURN(comm, kvgrid::worker::GlooCommunicator::Connect(
-                                      my_rank, group_size, store, host == "0.0.0.0" ? "" : host,
-                                      timeout));
+    KVGRID_ASSIGN_OR_RETURN(comms, kvgrid::worker::GlooWorkerGroup::Connect(
+                                       my_rank, tp, cp, store, host == "0.0.0.0" ? "" : host,
+                                       timeout));
   }
+  kvgrid::worker::Communicator* comm = comms ? &comms->group() : nullptr;
   const kvgrid::worker::TensorParallel shard =
-      tp > 1 ? kvgrid::worker::TensorParallel{.rank = my_rank, .size = tp, .comm = comm.get()}
+      tp > 1 ? kvgrid::worker::TensorParallel{.rank = comms->tp_rank(), .size = tp,
+                                              .comm = comms->tp()}
              : kvgrid::worker::TensorParallel{};
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
                           kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
   if (cp > 1) {
     KVGRID_RETURN_IF_ERROR(loaded.model->SetContextParallel(
-        {.rank = my_rank, .size = cp, .comm = comm.get()}));
+        {.rank = comms->cp_rank(), .size = cp, .comm = comms->cp()}));
   }
   if (my_rank > 0) {
     return Follow(std::move(loaded.model), options, kv_dtypes, cuda, *comm, group,
                   drain_timeout.value_or(30.0), health_listen);
   }
-  options.group = comm.get();
+  options.group = comm;
   kv_dtypes.ApplyTo(loaded.model->config(), &options);
   options.eos_token_ids =
       kvgrid::model::ResolveEosTokenIds(loaded.generation, loaded.model->config());

@@ -1,15 +1,19 @@
 """Context-parallel groups over Gloo: two ranks that each hold the whole model and every
 other KV block of each sequence serve a request that no single worker of the same memory can
 hold, with the greedy tokens of one worker that holds it all; the group registers twice a
-worker's capacity; and losing either rank mid-stream takes the group down while the request
-finishes on another worker without a token lost or repeated."""
+worker's capacity; losing either rank mid-stream takes the group down while the request
+finishes on another worker without a token lost or repeated; and `kvgrid serve --tp 2 --cp 2`
+on kjv-tiny (2 KV heads) serves what `--tp 4` of the same memory per rank refuses."""
 
 import signal
 import time
 
 import grpc
 
-from .conftest import Proc, collect, executable, rpc_error, wait_until
+from kvgrid_client import Client
+
+from .conftest import (MODEL_DIR, Proc, collect, executable, free_port, rpc_error,
+                       wait_until)
 from .test_tensor_parallel import FOLLOWING, fixtures_dir, run_json  # noqa: F401 (fixture)
 
 # llama3-tiny keeps 512 bytes of fp32 KV per token: 512 KiB holds 1024 tokens on one worker,
@@ -94,3 +98,44 @@ def test_losing_a_context_parallel_follower_fails_the_request_over(cluster, fixt
 
 def test_losing_the_context_parallel_leader_fails_the_request_over(cluster, fixtures_dir):
     _fail_over_after_killing(cluster, fixtures_dir, victim_rank=0)
+
+
+def _serve(tmp_path, name, *flags):
+    port = free_port()
+    serve = Proc(name, [executable("kvgrid"), "serve", "--model", MODEL_DIR, "--port", port,
+                        "--http-port", "0", "--threads", "1", "--drain-timeout-s", "2", *flags],
+                 tmp_path / f"{name}.log")
+    assert wait_until(lambda: "kvgrid serve: ready" in serve.log() or not serve.alive(),
+                      timeout=180), serve.describe()
+    assert serve.alive(), serve.describe()
+    return serve, Client(f"127.0.0.1:{port}", timeout=120)
+
+
+def test_serve_tp2_cp2_holds_what_tp4_refuses(tmp_path):
+    # kjv-tiny keeps 2 KiB of fp32 KV per token for each of its 2 KV heads. At 512 KiB per
+    # rank a --tp 4 group (each rank one head, so each head twice) holds 256 tokens of a
+    # sequence; a --tp 2 --cp 2 group (each rank one head and half the blocks) holds 512.
+    pool = ["--kv-cache-memory", "512KiB"]
+    prompt = "And God said, Let there be light: and there was light. " * 24
+    tp4, client = _serve(tmp_path, "tp4", "--tp", "4", *pool)
+    try:
+        assert client.cluster_status(timeout=10).groups[0].capacity.tokens_capacity == 256
+        e = rpc_error(lambda: client.generate_text(prompt, max_new_tokens=100, temperature=0,
+                                                   ignore_eos=True))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+        assert "256 tokens" in e.details(), e.details()
+    finally:
+        client.close()
+        tp4.stop()
+    tpcp, client = _serve(tmp_path, "tp2cp2", "--tp", "2", "--cp", "2", *pool)
+    try:
+        group = client.cluster_status(timeout=10).groups[0]
+        assert group.size == 4 and group.capacity.tokens_capacity == 512
+        got = client.generate_text(prompt, max_new_tokens=100, temperature=0, ignore_eos=True)
+        assert len(got.token_ids) == 100 and got.finish_reason == "length"
+        want = run_json(MODEL_DIR, "--prompt", prompt, "--max-new-tokens", 100,
+                        "--temperature", 0, "--ignore-eos")
+        assert got.token_ids == want["token_ids"]
+    finally:
+        client.close()
+        tpcp.stop()

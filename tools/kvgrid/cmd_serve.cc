@@ -51,7 +51,7 @@ constexpr char kHelp[] =
     "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
     "  --cp C                      context parallelism: each group's C ranks split every\n"
     "                              sequence's KV blocks, so a group holds sequences C times as\n"
-    "                              long (default 1; not yet with --tp > 1)\n"
+    "                              long (default 1); with --tp T a group has T x C ranks\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
@@ -238,8 +238,9 @@ absl::Status Serve(Args& args) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tp/--groups: a group has 1 to 16 ranks, got ", size));
     }
-    if (cp > 1 && size > 1) {
-      return absl::UnimplementedError("--cp: not yet together with --tp > 1 (or --groups > 1)");
+    if (size * cp > 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cp: a group has at most 16 ranks, got ", size, " x ", cp));
     }
     processes += size * cp;
   }

@@ -84,10 +84,6 @@ absl::Status CheckGroup(const TensorParallel& tp, const ContextParallel& cp,
         "group: a tensor- or context-parallel model needs the group's communicator, on rank 0 "
         "only");
   }
-  if (tp.size > 1 && cp.size > 1) {
-    return absl::UnimplementedError(
-        "group: tensor and context parallelism together are not supported yet");
-  }
   return absl::OkStatus();
 }
 

@@ -1,18 +1,23 @@
 // Context parallelism in one process: C ranks on threads, joined by Gloo, each holding every
 // C-th block of each sequence in its own pool, give the logits of one rank holding them all,
 // through chunked prefill, a batch mixing prefill and decode, a prefix hit and a sliding
-// window, for every KV dtype.
+// window, for every KV dtype; alone and times tensor parallelism (T x C ranks); and an engine
+// over such groups gives one worker's greedy tokens through swaps, recomputes and forks.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "gloo/rendezvous/hash_store.h"
 #include "tests/unit/comm/gloo_group.h"
+#include "worker/comm/gloo_worker_group.h"
 #include "worker/engine/engine.h"
 #include "worker/engine/step_plan.h"
 #include "worker/executor/cpu_executor.h"
@@ -26,6 +31,20 @@ namespace {
 using ::kvgrid::testing::RunGroup;
 
 constexpr int32_t kBlockSize = 8;
+
+// Runs body(group) on tp x cp threads, each a rank of one GlooWorkerGroup.
+void RunTpCpGroup(int tp, int cp, const std::function<void(GlooWorkerGroup&)>& body) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp * cp; ++r) {
+    threads.emplace_back([&, r] {
+      auto g = GlooWorkerGroup::Connect(r, tp, cp, store, "127.0.0.1", std::chrono::seconds(60));
+      ASSERT_TRUE(g.ok()) << g.status();
+      body(**g);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+}
 
 // Part of one sequence in a batch: tokens at positions [begin, begin + tokens.size()).
 struct Part {
@@ -98,8 +117,8 @@ std::vector<ForwardBatch> Scenario(int32_t cp_size, int32_t per_rank) {
 // Rank `cp.rank`'s logits over `batches` (empty on ranks other than 0).
 std::vector<float> RunBatches(const std::string& fixture, kernels::KvDType dtype,
                               int32_t per_rank, const std::vector<ForwardBatch>& batches,
-                              ContextParallel cp) {
-  auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture);
+                              ContextParallel cp, TensorParallel tp = {}) {
+  auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture, tp);
   EXPECT_TRUE(model.ok()) << model.status();
   if (!model.ok()) return {};
   // Exact int8 arithmetic: the fast path rounds softmax weights against each chunk's
@@ -171,6 +190,31 @@ TEST(ContextParallelTest, RanksSplittingTheBlocksGiveOneRanksLogits) {
   }
 }
 
+TEST(ContextParallelTest, TensorTimesContextParallelGroupsGiveOneRanksLogits) {
+  // llama3-tiny and qwen2-tiny have 2 KV heads: tp 2 splits them, cp 2 splits the blocks.
+  constexpr int32_t kGroupBlocks = 24;
+  for (const std::string fixture : {"llama3-tiny", "qwen2-tiny"}) {
+    const std::vector<float> whole = RunBatches(fixture, kernels::KvDType::kF32, kGroupBlocks,
+                                                Scenario(1, kGroupBlocks), {});
+    ASSERT_FALSE(whole.empty());
+    for (auto [tp, cp] : {std::pair{2, 2}, std::pair{2, 3}}) {
+      SCOPED_TRACE(fixture + " tp " + std::to_string(tp) + " cp " + std::to_string(cp));
+      const int32_t per_rank = kGroupBlocks / cp;
+      const std::vector<ForwardBatch> batches = Scenario(cp, per_rank);
+      std::vector<std::vector<float>> per(tp * cp);
+      RunTpCpGroup(tp, cp, [&](GlooWorkerGroup& g) {
+        per[g.cp_rank() * tp + g.tp_rank()] =
+            RunBatches(fixture, kernels::KvDType::kF32, per_rank, batches,
+                       {.rank = g.cp_rank(), .size = cp, .comm = g.cp()},
+                       {.rank = g.tp_rank(), .size = tp, .comm = g.tp()});
+      });
+      for (size_t r = 1; r < per.size(); ++r) EXPECT_TRUE(per[r].empty()) << "rank " << r;
+      ASSERT_EQ(per[0].size(), whole.size());
+      EXPECT_LT(MaxRelativeError(per[0], whole), 1e-4f);
+    }
+  }
+}
+
 TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
   auto model = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny");
   ASSERT_TRUE(model.ok());
@@ -201,7 +245,7 @@ TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
 // group of `cp` ranks holds `group_blocks` blocks in all, few enough to preempt.
 std::map<std::string, std::vector<int32_t>> EngineOutputs(int cp, int32_t group_blocks,
                                                           PreemptionMode mode,
-                                                          EngineStats* stats) {
+                                                          EngineStats* stats, int tp = 1) {
   const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
   auto pool_bytes = [&](const LlamaModel& m) {
     return (group_blocks / cp) *
@@ -212,16 +256,21 @@ std::map<std::string, std::vector<int32_t>> EngineOutputs(int cp, int32_t group_
   options.max_num_batched_tokens = 64;  // chunked prefill
   options.preemption_mode = mode;
   std::map<std::string, std::vector<int32_t>> out;
-  auto load = [&](int rank, Communicator* comm) {
-    auto model = LlamaModel::Load(dir);
+  // Rank `rank` of the group (null for one worker).
+  auto load = [&](GlooWorkerGroup* g) {
+    TensorParallel shard;
+    if (g != nullptr && tp > 1) shard = {.rank = g->tp_rank(), .size = tp, .comm = g->tp()};
+    auto model = LlamaModel::Load(dir, shard);
     EXPECT_TRUE(model.ok()) << model.status();
     if (model.ok() && cp > 1) {
-      EXPECT_TRUE((*model)->SetContextParallel({.rank = rank, .size = cp, .comm = comm}).ok());
+      EXPECT_TRUE(
+          (*model)->SetContextParallel({.rank = g->cp_rank(), .size = cp, .comm = g->cp()}).ok());
     }
     return model;
   };
-  auto leader = [&](Communicator* comm) {
-    auto model = load(0, comm);
+  auto leader = [&](GlooWorkerGroup* g) {
+    Communicator* comm = g ? &g->group() : nullptr;
+    auto model = load(g);
     ASSERT_TRUE(model.ok());
     EngineOptions o = options;
     o.kv_cache_memory = pool_bytes(**model);
@@ -249,15 +298,18 @@ std::map<std::string, std::vector<int32_t>> EngineOutputs(int cp, int32_t group_
       }
     }
     *stats = (*engine)->Stats();
-    if (comm != nullptr) ASSERT_TRUE((*engine)->StopFollowers().ok());
+    if (comm != nullptr) {
+      ASSERT_TRUE((*engine)->StopFollowers().ok());
+    }
   };
-  if (cp == 1) {
+  if (cp * tp == 1) {
     leader(nullptr);
     return out;
   }
-  RunGroup(cp, [&](int rank, Communicator& comm) {
-    if (rank == 0) return leader(&comm);
-    auto model = load(rank, &comm);
+  RunTpCpGroup(tp, cp, [&](GlooWorkerGroup& g) {
+    if (g.tp_rank() == 0 && g.cp_rank() == 0) return leader(&g);
+    Communicator& comm = g.group();
+    auto model = load(&g);
     ASSERT_TRUE(model.ok());
     const int64_t kv_bytes = pool_bytes(**model);
     auto executor = CpuExecutor::Create(*std::move(model), {.block_size = 16,
@@ -275,10 +327,10 @@ TEST(ContextParallelEngineTest, GroupsGiveOneRanksTokensThroughSwapsRecomputesAn
     EngineStats alone_stats;
     const auto alone = EngineOutputs(1, kGroupBlocks, mode, &alone_stats);
     ASSERT_EQ(alone.size(), 7u);  // six requests, one of them with two continuations
-    for (int cp : {2, 3}) {
-      SCOPED_TRACE(absl::StrCat("cp ", cp, " mode ", static_cast<int>(mode)));
+    for (auto [tp, cp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
+      SCOPED_TRACE(absl::StrCat("tp ", tp, " cp ", cp, " mode ", static_cast<int>(mode)));
       EngineStats st;
-      const auto group = EngineOutputs(cp, kGroupBlocks, mode, &st);
+      const auto group = EngineOutputs(cp, kGroupBlocks, mode, &st, tp);
       EXPECT_EQ(group, alone);
       EXPECT_EQ(st.blocks_total, kGroupBlocks);
       EXPECT_EQ(st.tokens_capacity, alone_stats.tokens_capacity);
