@@ -56,6 +56,12 @@ def test_oversize_request_goes_to_the_context_parallel_group(cluster, fixtures_d
     big = [g for g in status.groups if g.size == 2][0]
     single = [g for g in status.groups if g.size == 1][0]
     assert big.capacity.tokens_capacity == 2 * single.capacity.tokens_capacity == 2048
+    assert big.capacity.context_parallel_size == 2
+    # ClusterStatus shows each rank's pool (the leader's heartbeats carry them).
+    def rank_pools():
+        leader_info = [w for w in c.status().workers if w.group_id == "cp"][0]
+        return [(r.blocks_total, r.blocks_used) for r in leader_info.usage.ranks]
+    assert wait_until(lambda: rank_pools() == [(64, 0), (64, 0)], timeout=30), rank_pools()
     done = collect(c.client.generate(prompt_token_ids=PROMPT, max_new_tokens=100, temperature=0,
                                      ignore_eos=True))
     assert len(done.token_ids) == 100 and done.finish_reason == "length"

@@ -548,13 +548,18 @@ absl::StatusOr<std::vector<TokenOutput>> Engine::Step() {
          static_cast<int64_t>(running_.size()) < options_.max_num_seqs) {
     Sequence* seq = waiting_.front().get();
     const int64_t len = static_cast<int64_t>(seq->tokens.size());
-    // Keep the watermark free for the running sequences (counting no prefix hits).
-    const int64_t watermark_blocks =
-        static_cast<int64_t>(options_.watermark * static_cast<double>(blocks_.num_blocks()));
-    if (!running_.empty() &&
-        blocks_.num_free_blocks() - WindowedBlocks(len, budget) < watermark_blocks) {
-      break;
+    // Keep the watermark free for the running sequences (counting no prefix hits), on every
+    // context-parallel rank: a sequence's first blocks fill rank 0's pool first.
+    const ContextParallelLayout& layout = blocks_.layout();
+    const int64_t watermark_blocks = static_cast<int64_t>(
+        options_.watermark * static_cast<double>(layout.blocks_per_rank));
+    const int64_t need = WindowedBlocks(len, budget);
+    bool below_watermark = false;
+    for (int32_t r = 0; r < layout.cp_size && !running_.empty(); ++r) {
+      below_watermark |= blocks_.num_free_blocks(r) - layout.PositionsOnRank(0, need, r) <
+                         watermark_blocks;
     }
+    if (below_watermark) break;
     // A windowed sequence takes the cached blocks its window needs and blocks for the first
     // chunk only; later chunks grow it in Schedule, and each step gives back what falls out
     // of the window.
@@ -742,6 +747,8 @@ EngineStats Engine::Stats() const {
   st.blocks_free = blocks_.num_free_blocks();
   st.blocks_cached = bm.blocks_cached;
   st.blocks_used = bm.blocks_used;
+  st.context_parallel_size = blocks_.cp_size();
+  st.rank_blocks = blocks_.RankBlocks();
   st.bytes_per_token = executor_->kv_geometry().BytesPerToken();
   st.tokens_capacity = CapacityTokens();
   // Distinct slots written: a block shared by several sequences counts once, at its fullest.

@@ -197,6 +197,9 @@ struct EngineStats {
   int32_t swap_blocks_total = 0;
   int32_t swap_blocks_used = 0;
   int64_t kv_window = 0;          // Engine::kv_window(): the window bounding each sequence
+  int32_t context_parallel_size = 1;
+  // Each context-parallel rank's pool (one entry without context parallelism).
+  std::vector<RankBlockStats> rank_blocks;
 };
 
 // The CPU executor's pool and swap space as `options` size them.

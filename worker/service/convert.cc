@@ -123,6 +123,7 @@ v1::KvCapacity CapacityToProto(const EngineStats& stats, const EngineOptions& op
   c.set_v_dtype(std::string(kernels::KvDTypeName(options.v_dtype)));
   c.set_max_model_len(static_cast<int32_t>(max_model_len));
   c.set_kv_window(static_cast<int32_t>(stats.kv_window));
+  c.set_context_parallel_size(stats.context_parallel_size);
   c.set_max_num_batched_tokens(static_cast<int32_t>(
       std::min<int64_t>(options.max_num_batched_tokens, std::numeric_limits<int32_t>::max())));
   return c;
@@ -133,6 +134,15 @@ v1::KvUsage UsageToProto(const EngineStats& stats) {
   u.set_blocks_free(stats.blocks_free);
   u.set_blocks_used(stats.blocks_used);
   u.set_blocks_cached(stats.blocks_cached);
+  if (stats.context_parallel_size > 1) {
+    for (const RankBlockStats& r : stats.rank_blocks) {
+      v1::KvRankUsage* rank = u.add_ranks();
+      rank->set_blocks_total(r.blocks_total);
+      rank->set_blocks_free(r.blocks_free + r.blocks_cached);
+      rank->set_blocks_used(r.blocks_used);
+      rank->set_blocks_cached(r.blocks_cached);
+    }
+  }
   u.set_usage(stats.usage);
   u.set_tokens_stored(stats.tokens_stored);
   u.set_prefix_hit_rate(stats.prefix_hit_rate);

@@ -327,7 +327,7 @@ TEST(ContextParallelEngineTest, GroupsGiveOneRanksTokensThroughSwapsRecomputesAn
     EngineStats alone_stats;
     const auto alone = EngineOutputs(1, kGroupBlocks, mode, &alone_stats);
     ASSERT_EQ(alone.size(), 7u);  // six requests, one of them with two continuations
-    for (auto [tp, cp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{2, 2}}) {
+    for (auto [tp, cp] : {std::pair{1, 2}, std::pair{1, 3}, std::pair{1, 4}, std::pair{2, 2}}) {
       SCOPED_TRACE(absl::StrCat("tp ", tp, " cp ", cp, " mode ", static_cast<int>(mode)));
       EngineStats st;
       const auto group = EngineOutputs(cp, kGroupBlocks, mode, &st, tp);
