@@ -145,3 +145,16 @@ def test_serve_tp2_cp2_holds_what_tp4_refuses(tmp_path):
     finally:
         client.close()
         tpcp.stop()
+
+
+def test_serve_cp_auto_turns_replicas_into_context_parallel_ranks(tmp_path):
+    serve, client = _serve(tmp_path, "tp4auto", "--tp", "4", "--cp", "auto",
+                           "--kv-cache-memory", "512KiB")
+    try:
+        assert "group 0 is 2 x 2 (tp x cp) for 2 KV heads" in serve.log(), serve.describe()
+        group = client.cluster_status(timeout=10).groups[0]
+        assert group.size == 4 and group.capacity.context_parallel_size == 2
+        assert group.capacity.tokens_capacity == 512
+    finally:
+        client.close()
+        serve.stop()

@@ -38,7 +38,7 @@ namespace kvgrid::cli {
 namespace {
 
 constexpr char kHelp[] =
-    "usage: kvgrid serve [--workers N [--tp T] | --groups 1,1,2] [--cp C] [--model DIR]\n"
+    "usage: kvgrid serve [--workers N [--tp T] | --groups 1,1,2] [--cp C|auto] [--model DIR]\n"
     "                    [--port P]\n"
     "                    [worker flags]\n"
     "\n"
@@ -49,9 +49,14 @@ constexpr char kHelp[] =
     "  --workers N                 worker groups (default 1)\n"
     "  --tp T                      ranks per group: tensor parallelism (default 1)\n"
     "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
-    "  --cp C                      context parallelism: each group's C ranks split every\n"
+    "  --cp C|auto                 context parallelism: each group's C ranks split every\n"
     "                              sequence's KV blocks, so a group holds sequences C times as\n"
-    "                              long (default 1); with --tp T a group has T x C ranks\n"
+    "                              long (default 1); with --tp T a group has T x C ranks.\n"
+    "                              auto: a group of more ranks than the model has KV heads\n"
+    "                              splits the heads over that many and the blocks over the\n"
+    "                              rest (--tp 4 --cp auto on 2 KV heads: 2 x 2), instead of\n"
+    "                              replicating heads; each CP rank then holds its TP shard's\n"
+    "                              weights (more weight memory per rank than --tp alone)\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
@@ -142,7 +147,7 @@ absl::Status Serve(Args& args) {
   const std::filesystem::path dir = ResolveModelDir(args);
   KVGRID_ASSIGN_OR_RETURN(auto workers_flag, args.GetInt("workers"));
   KVGRID_ASSIGN_OR_RETURN(auto tp_flag, args.GetInt("tp"));
-  KVGRID_ASSIGN_OR_RETURN(auto cp_flag, args.GetInt("cp"));
+  const std::optional<std::string> cp_flag = args.GetString("cp");
   const std::optional<std::string> groups_flag = args.GetString("groups");
   KVGRID_ASSIGN_OR_RETURN(auto port_flag, args.GetInt("port"));
   KVGRID_ASSIGN_OR_RETURN(auto http_port_flag, args.GetInt("http-port"));
@@ -228,21 +233,48 @@ absl::Status Serve(Args& args) {
     groups.assign(static_cast<size_t>(std::clamp<int64_t>(workers_flag.value_or(1), 0, 65)),
                   static_cast<int32_t>(tp_flag.value_or(1)));
   }
-  const int64_t cp = cp_flag.value_or(1);
-  if (cp < 1 || cp > 16) {
-    return absl::InvalidArgumentError(absl::StrCat("--cp: must be in [1, 16], got ", cp));
+  // Context parallelism: C ranks of each group's size split the blocks; with --cp auto, a
+  // group larger than the model's KV heads splits the heads over num_kv_heads ranks and the
+  // blocks over the rest (ranks that would hold replicated heads).
+  std::vector<int32_t> cps(groups.size(), 1);
+  if (cp_flag == "auto") {
+    if (dir.extension() == ".gguf") {
+      return absl::InvalidArgumentError("--cp auto: give --cp C for a GGUF model");
+    }
+    absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
+    if (!config.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--cp auto: needs the model's config.json: ", std::string(config.status().message())));
+    }
+    const int32_t kv = static_cast<int32_t>(config->num_key_value_heads);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      if (kv > 0 && groups[g] > kv && groups[g] % kv == 0) {
+        cps[g] = groups[g] / kv;
+        groups[g] = kv;
+        std::fprintf(stderr, "kvgrid serve: --cp auto: group %zu is %d x %d (tp x cp) for %d KV "
+                     "heads\n", g, groups[g], cps[g], kv);
+      }
+    }
+  } else if (cp_flag) {
+    int32_t cp = 0;
+    if (!absl::SimpleAtoi(*cp_flag, &cp) || cp < 1 || cp > 16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cp: must be auto or in [1, 16], got '", *cp_flag, "'"));
+    }
+    cps.assign(groups.size(), cp);
   }
   int64_t processes = 0;
-  for (int32_t size : groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const int32_t size = groups[g];
     if (size < 1 || size > 16) {
       return absl::InvalidArgumentError(
           absl::StrCat("--tp/--groups: a group has 1 to 16 ranks, got ", size));
     }
-    if (size * cp > 16) {
+    if (size * cps[g] > 16) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--cp: a group has at most 16 ranks, got ", size, " x ", cp));
+          absl::StrCat("--cp: a group has at most 16 ranks, got ", size, " x ", cps[g]));
     }
-    processes += size * cp;
+    processes += size * cps[g];
   }
   const int64_t workers = static_cast<int64_t>(groups.size());
   if (workers < 1 || workers > 64) {
@@ -307,7 +339,7 @@ absl::Status Serve(Args& args) {
   const int64_t cores = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
   int64_t slot = 0;  // the worker process's place on this machine: its card on cuda
   for (size_t g = 0; g < groups.size(); ++g) {
-    const int64_t ranks = groups[g] * cp;
+    const int64_t ranks = int64_t{groups[g]} * cps[g];
     for (int64_t rank = 0; rank < ranks; ++rank) {
       std::vector<std::string> worker = {(bin / "kvgrid-worker").string(), "--model",
                                          dir.string(), "--coordinator", worker_api,
@@ -319,7 +351,9 @@ absl::Status Serve(Args& args) {
         if (groups[g] > 1) {
           worker.insert(worker.end(), {"--tensor-parallel-size", absl::StrCat(groups[g])});
         }
-        if (cp > 1) worker.insert(worker.end(), {"--context-parallel-size", absl::StrCat(cp)});
+        if (cps[g] > 1) {
+          worker.insert(worker.end(), {"--context-parallel-size", absl::StrCat(cps[g])});
+        }
       }
       if (drain) worker.insert(worker.end(), {"--drain-timeout-s", *drain});
       worker.insert(worker.end(), forwarded.begin(), forwarded.end());
