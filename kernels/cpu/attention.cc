@@ -289,22 +289,23 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
           sums[h] = 0.f;
           continue;
         }
-        sums[h] = vec.exp_sum(sc, len, p.scale, p.scale * max);
-        if (p.cp_size > 1) {
-          // exp_sum flushes the other ranks' -inf to tiny values: make them exactly 0 and sum
-          // this rank's weights alone.
-          float sum = 0.f;
-          for (int64_t j = begin; j < end; j = next_block(j)) {
-            const int64_t rows = std::min(next_block(j), end) - j;
-            float* row = sc + (j - begin);
-            if (!local(j)) {
-              std::fill_n(row, rows, 0.f);
-            } else {
-              for (int64_t r = 0; r < rows; ++r) sum += row[r];
-            }
-          }
-          sums[h] = sum;
+        if (p.cp_size == 1) {
+          sums[h] = vec.exp_sum(sc, len, p.scale, p.scale * max);
+          continue;
         }
+        // Only this rank's runs of positions are exponentiated (exp_sum would flush the other
+        // ranks' -inf to tiny values, not 0); theirs take weight 0.
+        float sum = 0.f;
+        for (int64_t j = begin; j < end; j = next_block(j)) {
+          const int64_t rows = std::min(next_block(j), end) - j;
+          float* row = sc + (j - begin);
+          if (local(j)) {
+            sum += vec.exp_sum(row, rows, p.scale, p.scale * max);
+          } else {
+            std::fill_n(row, rows, 0.f);
+          }
+        }
+        sums[h] = sum;
       }
       if (w.part >= 0) std::copy(maxes.begin(), maxes.end(), part_max.data() + w.part * nh);
       float* out = w.part >= 0 ? part_out.data() + w.part * nh * hd

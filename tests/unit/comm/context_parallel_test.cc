@@ -160,13 +160,14 @@ TEST(ContextParallelTest, RanksSplittingTheBlocksGiveOneRanksLogits) {
       {"mistral-window-tiny", kernels::KvDType::kF32, 1e-4f},
       // Each rank quantizes and dequantizes only its own blocks, as one rank would. The merge
       // sums in another order, and a hidden state 1e-7 off can round a stored K or V value
-      // to the neighbouring step of its dtype (f16's are the finest: 2^-11 of the value,
-      // measured 1.5e-3 on the logits here), so these agree to a dtype's step, not to 1e-4.
-      {"llama3-tiny", kernels::KvDType::kF16, 1e-2f},
-      {"llama3-tiny", kernels::KvDType::kBF16, 1e-2f},
-      {"llama3-tiny", kernels::KvDType::kInt8, 1e-2f},
-      {"llama3-tiny", kernels::KvDType::kInt4, 1e-2f},
-      {"llama3-tiny", kernels::KvDType::kFp8E4m3, 1e-2f},
+      // to the neighbouring step of its dtype, which moves the logits by about that step
+      // (measured: f16 8.6e-4 at steps of 2^-11, int8 1.2e-2 at 1/127), so these agree to a
+      // few steps of the dtype, not to 1e-4. Leaving the merge out is off by about 35.
+      {"llama3-tiny", kernels::KvDType::kF16, 5e-3f},
+      {"llama3-tiny", kernels::KvDType::kBF16, 2e-2f},
+      {"llama3-tiny", kernels::KvDType::kInt8, 5e-2f},
+      {"llama3-tiny", kernels::KvDType::kInt4, 0.1f},
+      {"llama3-tiny", kernels::KvDType::kFp8E4m3, 0.1f},
   };
   constexpr int32_t kGroupBlocks = 24;  // the scenario needs 19
   for (const Case& c : cases) {
