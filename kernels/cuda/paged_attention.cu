@@ -246,6 +246,7 @@ struct KernelArgs {
   float* part_out;              // [num_seqs, max_chunks, num_heads, head_dim] or null
   float* part_max;              // [num_seqs, max_chunks, num_heads]: scaled score maximum
   float* part_sum;              // [num_seqs, max_chunks, num_heads]: sum of exp(score - max)
+  float* lse;                   // [num_tokens, num_heads] or null: log-sum-exp of the scores
   int64_t max_blocks_per_seq;
   int64_t num_blocks;
   int num_heads;
@@ -505,6 +506,10 @@ __global__ void __launch_bounds__(kDecodeThreads) DecodeKernel(const KernelArgs 
       const float sum = stat_s[kRows + r];
       a.output[(static_cast<int64_t>(t) * a.num_heads + h) * kHeadDim + d] =
           sum > 0.f ? o / sum : 0.f;
+      if (d == 0 && a.lse != nullptr) {
+        a.lse[static_cast<int64_t>(t) * a.num_heads + h] =
+            sum > 0.f ? stat_s[r] + logf(sum) : -INFINITY;
+      }
     } else {
       const int64_t k = (static_cast<int64_t>(s) * a.max_chunks + chunk) * a.num_heads + h;
       a.part_out[k * kHeadDim + d] = o;
@@ -583,6 +588,9 @@ __global__ void __launch_bounds__(kMergeThreads) DecodeMergeKernel(const KernelA
     }
     a.output[(static_cast<int64_t>(t) * a.num_heads + h) * kHeadDim + d] =
         total > 0.f ? o / total : 0.f;
+    if (d == 0 && a.lse != nullptr) {
+      a.lse[static_cast<int64_t>(t) * a.num_heads + h] = total > 0.f ? m + logf(total) : -INFINITY;
+    }
   }
 }
 
@@ -820,9 +828,12 @@ __global__ void __launch_bounds__(kPrefillThreads) PrefillKernel(const KernelArg
     const int m = m0 + ty * kRowsPerThread + i;
     if (m >= total_rows) continue;
     const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;  // no visible key: zeros
-    float* out = a.output +
-                 (static_cast<int64_t>(q_begin + m / group) * a.num_heads + g * group + m % group) *
-                     kHeadDim;
+    const int64_t row = static_cast<int64_t>(q_begin + m / group) * a.num_heads + g * group +
+                        m % group;
+    float* out = a.output + row * kHeadDim;
+    if (tx == 0 && a.lse != nullptr) {
+      a.lse[row] = row_sum[i] > 0.f ? row_max[i] + logf(row_sum[i]) : -INFINITY;
+    }
 #pragma unroll
     for (int c = 0; c < kChunks4; ++c) {
       *reinterpret_cast<float4*>(out + 32 * c + 4 * tx) =
@@ -1093,6 +1104,7 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   args.max_chunks = static_cast<int>(plan.max_chunks);
   args.window = static_cast<int>(p.window);
   args.scale = p.scale;
+  args.lse = p.lse;
   return p.head_dim == 64 ? DispatchK<64>(p, plan, args, stream)
                           : DispatchK<128>(p, plan, args, stream);
 }

@@ -69,6 +69,11 @@ struct PagedAttentionParams {
   // keys p - window < j <= p. Decode chunks start at the window, so a windowed sequence needs
   // ceil(window / chunk) chunks however long its context.
   int64_t window = 0;
+  // [num_tokens, num_heads], or null: log(sum_j exp(scale * q.k_j)) over the positions each
+  // query attended, -inf where it attended none (its output is then 0). Context parallelism
+  // (kernels/cpu/attention.h): a rank's table holds -1 for the other ranks' blocks, which take
+  // no weight, so output and lse are the rank's share, for LaunchMergeAttentionPartials.
+  float* lse = nullptr;
 
   // Host-side bounds on the device arrays, which the host does not read. They size the grids
   // (and the workspace), so they must hold for every sequence; 0 picks the loosest bound.

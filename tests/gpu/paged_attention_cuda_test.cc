@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <ostream>
 #include <random>
@@ -30,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/kv_write.h"
+#include "kernels/cuda/attention_merge.cuh"
 #include "kernels/cuda/paged_attention.cuh"
 #include "kernels/kv_dtype.h"
 #include "tests/gpu/device_buffer.h"
@@ -420,6 +422,122 @@ TEST(PagedAttentionCudaExtraTest, LargeBatchUsesLongChunks) {
             geo.Name() + " decode");
     if (HasFailure()) return;
   }
+}
+
+// Context parallelism: rank r's table holds -1 for every block i with i % cp != r. The GPU's
+// share of each rank (output and lse) matches the CPU's cp_rank share, and the GPU merge of the
+// ranks' shares matches attention over every block (decode chunks, prefill, chunked prefill).
+TEST(PagedAttentionCudaExtraTest, ContextParallelSharesAndTheirMergeMatchCpuReference) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  for (auto [kd, vd] : {std::pair{KvDType::kF32, KvDType::kF32},
+                        std::pair{KvDType::kF16, KvDType::kInt8},
+                        std::pair{KvDType::kInt4, KvDType::kFp8E4m3}}) {
+    const Geometry geo{.k_dtype = kd, .v_dtype = vd, .head_dim = 64, .group = 2,
+                       .block_size = 16};
+    std::mt19937_64 rng(17);
+    const HostCache whole = MakeHostCache(geo, {1, 40, 300, 900}, rng);
+    const Batch b = MakeBatch(whole, {1, 17, 1, 45}, rng);
+    const int64_t rows = b.num_tokens() * geo.num_heads();
+    const std::vector<float> want = CpuAttention(whole, b);
+    for (int64_t cp : {2, 3}) {
+      const std::string label = geo.Name() + " cp " + std::to_string(cp);
+      DeviceBuffer<float> parts(cp * rows * geo.head_dim), lses(cp * rows);
+      std::vector<float> cpu_parts(cp * rows * geo.head_dim), cpu_lses(cp * rows);
+      for (int64_t r = 0; r < cp; ++r) {
+        HostCache local = whole;
+        for (size_t i = 0; i < local.tables.size(); ++i) {
+          if (static_cast<int64_t>(i % local.max_blocks_per_seq) % cp != r) local.tables[i] = -1;
+        }
+        float* cpu_out = cpu_parts.data() + r * rows * geo.head_dim;
+        float* cpu_lse = cpu_lses.data() + r * rows;
+        ASSERT_TRUE(cpu::PagedAttention(
+                        {.query = b.query.data(), .output = cpu_out, .k_cache = local.k.data(),
+                         .v_cache = local.v.data(),
+                         .k_meta = local.k_meta.empty() ? nullptr : local.k_meta.data(),
+                         .v_meta = local.v_meta.empty() ? nullptr : local.v_meta.data(),
+                         .k_dtype = kd, .v_dtype = vd, .block_tables = local.tables.data(),
+                         .seq_lens = local.contexts.data(), .query_start = b.query_start.data(),
+                         .num_seqs = 4, .num_tokens = b.num_tokens(),
+                         .max_blocks_per_seq = local.max_blocks_per_seq,
+                         .num_blocks = local.num_blocks, .num_heads = geo.num_heads(),
+                         .num_kv_heads = geo.num_kv_heads, .block_size = geo.block_size,
+                         .head_dim = geo.head_dim, .scale = Scale(geo),
+                         .precision = cpu::KvKernelPrecision::kExact, .cp_size = cp,
+                         .cp_rank = r, .lse = cpu_lse})
+                        .ok());
+        DeviceCache d(local);
+        DeviceBuffer<float> query(b.query);
+        DeviceBuffer<int32_t> query_start(b.query_start);
+        cuda::PagedAttentionParams p = GpuParams(local, d, b, query.get(),
+                                                 parts.get() + r * rows * geo.head_dim,
+                                                 query_start.get(), 0, 0);
+        p.lse = lses.get() + r * rows;
+        const int64_t ws_bytes = cuda::PagedAttentionWorkspaceBytes(p);
+        DeviceBuffer<uint8_t> workspace(static_cast<size_t>(ws_bytes));
+        p.workspace = workspace.get();
+        p.workspace_bytes = ws_bytes;
+        ASSERT_TRUE(cuda::LaunchPagedAttention(p, nullptr).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      }
+      const std::vector<float> gpu_parts = parts.Download(), gpu_lses = lses.Download();
+      Compare(gpu_parts, cpu_parts, geo, label + " shares");
+      int lse_misses = 0;
+      for (size_t i = 0; i < cpu_lses.size(); ++i) {
+        const bool both_none = std::isinf(cpu_lses[i]) && cpu_lses[i] < 0 &&
+                               std::isinf(gpu_lses[i]) && gpu_lses[i] < 0;
+        if (!both_none && !(std::fabs(gpu_lses[i] - cpu_lses[i]) <=
+                            kAbsTol + kRelTol * std::fabs(cpu_lses[i]))) {
+          if (lse_misses++ < 5) {
+            ADD_FAILURE() << label << ": lse " << i << ": gpu " << gpu_lses[i] << " cpu "
+                          << cpu_lses[i];
+          }
+        }
+      }
+      EXPECT_EQ(lse_misses, 0) << label;
+      DeviceBuffer<float> merged(rows * geo.head_dim);
+      ASSERT_TRUE(cuda::LaunchMergeAttentionPartials({.outputs = parts.get(),
+                                                      .lses = lses.get(),
+                                                      .out = merged.get(),
+                                                      .parts = cp,
+                                                      .rows = rows,
+                                                      .head_dim = geo.head_dim},
+                                                     nullptr)
+                      .ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      Compare(merged.Download(), want, geo, label + " merged");
+      if (HasFailure()) return;
+    }
+  }
+}
+
+TEST(PagedAttentionCudaExtraTest, MergeOfRowsNoRankAttendedIsZeroAndNaNStaysVisible) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  const float inf = std::numeric_limits<float>::infinity();
+  // Two parts, three rows of 2 channels: no part attended row 0; row 1 only part 1; row 2 has
+  // a NaN lse.
+  DeviceBuffer<float> outputs(std::vector<float>{9, 9, 1, 2, 9, 9, 9, 9, 3, 4, 5, 6});
+  DeviceBuffer<float> lses(std::vector<float>{-inf, -inf, 0.f, -inf, 0.5f, std::nanf("")});
+  DeviceBuffer<float> out(6), lse_out(3);
+  ASSERT_TRUE(cuda::LaunchMergeAttentionPartials({.outputs = outputs.get(), .lses = lses.get(),
+                                                  .out = out.get(), .lse_out = lse_out.get(),
+                                                  .parts = 2, .rows = 3, .head_dim = 2},
+                                                 nullptr)
+                  .ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> o = out.Download(), l = lse_out.Download();
+  EXPECT_EQ(o[0], 0.f);
+  EXPECT_EQ(o[1], 0.f);
+  EXPECT_EQ(l[0], -inf);
+  EXPECT_FLOAT_EQ(o[2], 3.f);
+  EXPECT_FLOAT_EQ(o[3], 4.f);
+  EXPECT_FLOAT_EQ(l[1], 0.5f);
+  EXPECT_TRUE(std::isnan(o[4]) && std::isnan(o[5]) && std::isnan(l[2]));
+  EXPECT_EQ(cuda::LaunchMergeAttentionPartials({.outputs = outputs.get(), .lses = lses.get(),
+                                                .out = out.get(), .parts = 0, .rows = 3,
+                                                .head_dim = 2},
+                                               nullptr)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // Arena planes over 2^31 bytes with the sequences' blocks at the far end: every row offset
