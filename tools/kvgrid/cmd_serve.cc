@@ -51,7 +51,8 @@ constexpr char kHelp[] =
     "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
     "  --cp C|auto                 context parallelism: each group's C ranks split every\n"
     "                              sequence's KV blocks, so a group holds sequences C times as\n"
-    "                              long (default 1); with --tp T a group has T x C ranks.\n"
+    "                              long (default 1); with --tp T a group has T x C ranks\n"
+    "                              (at most 16 in a local cluster).\n"
     "                              auto: a group of more ranks than the model has KV heads\n"
     "                              splits the heads over that many and the blocks over the\n"
     "                              rest (--tp 4 --cp auto on 2 KV heads: 2 x 2), instead of\n"
@@ -253,6 +254,10 @@ absl::Status Serve(Args& args) {
         groups[g] = kv;
         std::fprintf(stderr, "kvgrid serve: --cp auto: group %zu is %d x %d (tp x cp) for %d KV "
                      "heads\n", g, groups[g], cps[g], kv);
+      } else if (kv > 0 && groups[g] > kv) {
+        std::fprintf(stderr, "kvgrid serve: --cp auto: group %zu's %d ranks are not a multiple "
+                     "of %d KV heads; it stays tensor-parallel, with replicated heads\n", g,
+                     groups[g], kv);
       }
     }
   } else if (cp_flag) {

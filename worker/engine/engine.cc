@@ -120,18 +120,33 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Make(std::unique_ptr<Executor> e
         std::string(kernels::KvDTypeName(g.v_dtype)), ")"));
   }
   const int64_t max_model_len = MaxModelLen(options, executor->config());
-  return std::unique_ptr<Engine>(new Engine(std::move(executor), options, max_model_len));
+  GroupPools pools{.num_blocks = executor->num_blocks(),
+                   .num_swap_blocks = executor->num_swap_blocks()};
+  if (options.group != nullptr) {
+    KVGRID_ASSIGN_OR_RETURN(pools, AgreeOnPools(*executor, *options.group));
+  }
+  const int64_t cp = executor->context_parallel().size;
+  if (pools.num_blocks < 1 || int64_t{pools.num_blocks} * cp > INT32_MAX / 32 ||
+      int64_t{pools.num_swap_blocks} * cp > INT32_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv-cache-memory / --swap-space: ", pools.num_blocks, " KV blocks and ",
+        pools.num_swap_blocks, " swap blocks per rank over ", cp,
+        " context-parallel ranks are outside what block ids can address (1 to ",
+        INT32_MAX / 32 / cp, " blocks)"));
+  }
+  return std::unique_ptr<Engine>(
+      new Engine(std::move(executor), options, max_model_len, pools));
 }
 
 Engine::Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
-               int64_t max_model_len)
+               int64_t max_model_len, GroupPools pools)
     : executor_(std::move(executor)),
       options_(options),
       blocks_(BlockManager::Options{
-          .num_blocks = executor_->num_blocks(),
+          .num_blocks = pools.num_blocks,
           .block_size = static_cast<int32_t>(options.block_size),
           .prefix_caching = options.enable_prefix_caching,
-          .num_swap_slots = executor_->num_swap_blocks(),
+          .num_swap_slots = pools.num_swap_blocks,
           .cp_size = executor_->context_parallel().size}),
       max_model_len_(max_model_len),
       kv_window_(executor_->config().KvWindow()) {}
@@ -336,7 +351,7 @@ absl::Status Engine::PreemptNewest() {
                                     executor_->kv_geometry().BytesPerBlock());
   // A swap leaves the blocks the victim shares (n > 1 siblings, prefix hits) on the device;
   // one that would move nothing frees nothing, and the asker would preempt itself in turn.
-  const bool can_swap = executor_->num_swap_blocks() > 0 &&
+  const bool can_swap = blocks_.layout().swap_slots_per_rank > 0 &&
                         blocks_.ExclusiveBlocks(victim->seq_id) > 0 &&
                         blocks_.CanSwapOut(victim->seq_id);
   if (ChooseSwap(options_.preemption_mode, can_swap, recompute_s, swap_s)) {
@@ -745,6 +760,15 @@ EngineStats Engine::Stats() const {
   EngineStats st;
   st.blocks_total = bm.blocks_total;
   st.blocks_free = blocks_.num_free_blocks();
+  if (blocks_.cp_size() > 1) {
+    // Position i lives on rank i % C, so a new sequence can take C times the fewest blocks
+    // any rank has free (the sum would promise what the fullest rank cannot give).
+    int32_t fewest = blocks_.num_free_blocks(0);
+    for (int32_t r = 1; r < blocks_.cp_size(); ++r) {
+      fewest = std::min(fewest, blocks_.num_free_blocks(r));
+    }
+    st.blocks_free = fewest * blocks_.cp_size();
+  }
   st.blocks_cached = bm.blocks_cached;
   st.blocks_used = bm.blocks_used;
   st.context_parallel_size = blocks_.cp_size();

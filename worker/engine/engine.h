@@ -168,15 +168,19 @@ struct EngineOptions {
   std::vector<int32_t> eos_token_ids = {};
   // Tensor- or context-parallel leader (rank 0 of a group of size > 1): every block copy and
   // forward pass is first broadcast as a StepPlan, which the other ranks run in RunFollower.
-  // Not owned; the model's TensorParallel (or ContextParallel) communicator. Null for a single
+  // Not owned; the whole group's communicator (every TP and CP rank; the model's own
+  // TensorParallel and ContextParallel communicators are its sub-groups). Null for a single
   // worker. Under context parallelism the block manager keeps every rank's pool (each the
-  // size of this rank's) and the plans carry group-wide ids.
+  // size of this rank's) and the plans carry group-wide ids. Engine creation agrees on the
+  // pools with the followers first (AgreeOnPools).
   Communicator* group = nullptr;
 };
 
 struct EngineStats {
   int32_t blocks_total = 0;
-  int32_t blocks_free = 0;        // allocatable now: free plus evictable cached
+  // Allocatable now: free plus evictable cached. In a context-parallel group, what one new
+  // sequence can take: cp_size times the fewest any rank has (rank_blocks has each rank's).
+  int32_t blocks_free = 0;
   int32_t blocks_cached = 0;      // evictable prefix-cache blocks (counted in blocks_free)
   int32_t blocks_used = 0;        // held by live sequences
   int64_t bytes_per_token = 0;
@@ -278,7 +282,7 @@ class Engine {
   using SeqList = std::list<std::unique_ptr<Sequence>>;
 
   Engine(std::unique_ptr<Executor> executor, const EngineOptions& options,
-         int64_t max_model_len);
+         int64_t max_model_len, GroupPools pools);
   // Create's last part, once the options are validated: checks the pool against them.
   static absl::StatusOr<std::unique_ptr<Engine>> Make(std::unique_ptr<Executor> executor,
                                                       const EngineOptions& options);

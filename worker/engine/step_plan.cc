@@ -1,6 +1,10 @@
 #include "worker/engine/step_plan.h"
 
+#include <algorithm>
+#include <array>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "model/status_macros.h"
@@ -97,7 +101,38 @@ BlockCopyKind ToBlockCopyKind(PlanKind kind) {
   }
 }
 
+absl::StatusOr<GroupPools> AgreeOnPools(const Executor& executor, Communicator& group) {
+  // Each size travels as two 16-bit halves, exact in a float.
+  auto halves = [](int32_t v) {
+    return std::array<float, 2>{static_cast<float>(v >> 16), static_cast<float>(v & 0xffff)};
+  };
+  const auto blocks = halves(executor.num_blocks());
+  const auto swap = halves(executor.num_swap_blocks());
+  const std::array<float, 4> mine = {blocks[0], blocks[1], swap[0], swap[1]};
+  std::vector<float> all(4 * static_cast<size_t>(group.size()));
+  KVGRID_RETURN_IF_ERROR(group.AllGather(mine, std::span<float>(all)));
+  auto whole = [&](int rank, int which) {
+    return (static_cast<int32_t>(all[4 * rank + 2 * which]) << 16) |
+           static_cast<int32_t>(all[4 * rank + 2 * which + 1]);
+  };
+  GroupPools pools{.num_blocks = whole(0, 0), .num_swap_blocks = whole(0, 1)};
+  const bool must_agree = executor.context_parallel().size > 1;
+  for (int r = 1; r < group.size(); ++r) {
+    const int32_t b = whole(r, 0), s = whole(r, 1);
+    if (must_agree && (b != pools.num_blocks || s != pools.num_swap_blocks)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-cache-memory / --swap-space: the ranks of a context-parallel group need pools "
+          "of one size, but rank 0 holds ", pools.num_blocks, " KV blocks and ",
+          pools.num_swap_blocks, " swap blocks and rank ", r, " holds ", b, " and ", s));
+    }
+    pools.num_blocks = std::min(pools.num_blocks, b);
+    pools.num_swap_blocks = std::min(pools.num_swap_blocks, s);
+  }
+  return pools;
+}
+
 absl::Status RunFollower(Executor& executor, Communicator& comm) {
+  KVGRID_RETURN_IF_ERROR(AgreeOnPools(executor, comm).status());
   std::string bytes;
   std::vector<float> logits;
   for (;;) {

@@ -45,9 +45,22 @@ std::string EncodePlan(const StepPlan& plan);
 // Errors: INVALID_ARGUMENT for a truncated or malformed message.
 absl::StatusOr<StepPlan> DecodePlan(const std::string& bytes);
 
-// A follower rank's loop: receives each plan from rank 0 and runs it on this rank's executor
-// (its shard, pool and swap space), until kStop (OK) or a collective fails (UNAVAILABLE: the
-// group is broken).
+// The pool a group's leader plans with, agreed by every rank of `group` before the first
+// plan (the leader's Engine::Create and RunFollower call it): each rank gathers every rank's
+// pool and swap sizes. A tensor-parallel group plans with the smallest of each (a larger
+// pool's extra blocks stay unused); the ranks of a context-parallel group must agree, since
+// a block's rank follows from its id and the pool size. Every rank returns the same answer.
+// Errors: INVALID_ARGUMENT naming --kv-cache-memory / --swap-space and the ranks that differ;
+// UNAVAILABLE when the collective fails.
+struct GroupPools {
+  int32_t num_blocks = 0;
+  int32_t num_swap_blocks = 0;
+};
+absl::StatusOr<GroupPools> AgreeOnPools(const Executor& executor, Communicator& group);
+
+// A follower rank's loop: agrees on the pools (AgreeOnPools), then receives each plan from
+// rank 0 and runs it on this rank's executor (its shard, pool and swap space), until kStop
+// (OK) or a collective fails (UNAVAILABLE: the group is broken).
 absl::Status RunFollower(Executor& executor, Communicator& comm);
 
 }  // namespace kvgrid::worker

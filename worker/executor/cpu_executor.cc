@@ -32,30 +32,8 @@ absl::Status CpuExecutor::Forward(const ForwardBatch& batch, std::vector<float>*
 
 absl::Status CpuExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) {
   if (const ContextParallel cp = model_->context_parallel(); cp.size > 1) {
-    const ContextParallelLayout layout{.cp_size = cp.size,
-                                       .blocks_per_rank = num_blocks(),
-                                       .swap_slots_per_rank = num_swap_blocks()};
-    const int64_t blocks = int64_t{cp.size} * num_blocks();
-    const int64_t slots = int64_t{cp.size} * num_swap_blocks();
-    const bool src_swap = kind == BlockCopyKind::kSwapToDevice;
-    const bool dst_swap = kind == BlockCopyKind::kDeviceToSwap;
-    local_copies_.clear();
-    for (const BlockCopy& c : copies) {
-      if (c.src < 0 || c.src >= (src_swap ? slots : blocks) || c.dst < 0 ||
-          c.dst >= (dst_swap ? slots : blocks)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "block copy ", c.src, " -> ", c.dst, " is outside the context-parallel group"));
-      }
-      const int32_t src = src_swap ? layout.LocalSwapSlot(c.src, cp.rank)
-                                   : layout.LocalBlock(c.src, cp.rank);
-      const int32_t dst = dst_swap ? layout.LocalSwapSlot(c.dst, cp.rank)
-                                   : layout.LocalBlock(c.dst, cp.rank);
-      if ((src < 0) != (dst < 0)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "block copy ", c.src, " -> ", c.dst, " crosses context-parallel ranks"));
-      }
-      if (src >= 0) local_copies_.push_back({src, dst});
-    }
+    KVGRID_RETURN_IF_ERROR(LocalizeBlockCopies(kind, copies, cp.size, cp.rank, num_blocks(),
+                                               num_swap_blocks(), &local_copies_));
     return CopyLocal(kind, local_copies_);
   }
   return CopyLocal(kind, copies);

@@ -49,10 +49,20 @@ class Executor {
   // For each copy, block `src` overwrites block `dst` (pool or swap ids as `kind` says) in
   // every layer's K and V planes and their metadata; under context parallelism only the
   // copies within this rank's pool and swap space. Errors: INVALID_ARGUMENT for an id
-  // outside its space, or a copy between two ranks (nothing copied); FAILED_PRECONDITION for a swap copy without a swap
-  // space; INTERNAL for a device failure.
+  // outside its space, or a copy between two ranks (nothing copied); FAILED_PRECONDITION for
+  // a swap copy without a swap space; INTERNAL for a device failure.
   virtual absl::Status CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) = 0;
 };
+
+// A rank's share of a context-parallel group's block copies, whose ids are the group's
+// (worker/kv/context_parallel_layout.h): every copy is checked against the whole group (ids
+// inside it, source and destination on one rank), so that every rank accepts or refuses the
+// same list; then the copies within rank `cp_rank`'s pool and swap space go into `local`, in
+// its own ids. Errors: INVALID_ARGUMENT naming the copy (nothing to copy);
+// FAILED_PRECONDITION for a swap copy where there is no swap space.
+absl::Status LocalizeBlockCopies(BlockCopyKind kind, std::span<const BlockCopy> copies,
+                                 int32_t cp_size, int32_t cp_rank, int32_t blocks_per_rank,
+                                 int32_t swap_blocks_per_rank, std::vector<BlockCopy>* local);
 
 }  // namespace kvgrid::worker
 

@@ -277,6 +277,51 @@ absl::Status ForwardBatch::ValidateSizes() const {
   return absl::OkStatus();
 }
 
+absl::Status LocalizeContextParallelBatch(const ForwardBatch& b,
+                                          const ContextParallelLayout& layout,
+                                          int32_t block_size, int32_t rank,
+                                          std::vector<int64_t>* slots,
+                                          std::vector<int32_t>* tables) {
+  KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
+  const int64_t group_blocks = int64_t{layout.cp_size} * layout.blocks_per_rank;
+  const int64_t group_slots = group_blocks * block_size;
+  slots->resize(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = b.slots[t];
+    if (slot < -1 || slot >= group_slots) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardBatch.slots[", t, "] = ", slot,
+                       " is outside the context-parallel group's ", group_slots, " slots"));
+    }
+    const int32_t holder = layout.RankOfPosition(b.positions[t] / block_size);
+    if (slot >= 0 && layout.RankOfBlock(static_cast<int32_t>(slot / block_size)) != holder) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ForwardBatch.slots[", t, "] = ", slot, " is not on context-parallel rank ",
+                       holder, ", which holds position ", b.positions[t]));
+    }
+    (*slots)[t] = layout.LocalSlot(slot, block_size, rank);
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t used = std::min<int64_t>(b.max_blocks_per_seq,
+                                           (int64_t{b.seq_lens[s]} + block_size - 1) / block_size);
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t block = b.block_tables[s * b.max_blocks_per_seq + i];
+      if (block == BlockManager::kHole) continue;
+      if (block < 0 || block >= group_blocks ||
+          layout.RankOfBlock(block) != layout.RankOfPosition(i)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ForwardBatch.block_tables[", s, "][", i, "] = ", block,
+            " is not a block of context-parallel rank ", layout.RankOfPosition(i), " of ",
+            layout.cp_size, " (", layout.blocks_per_rank, " blocks each)"));
+      }
+    }
+  }
+  layout.LocalTable(b.block_tables, rank, tables);
+  return absl::OkStatus();
+}
+
 ShardDims ShardDimsOf(const model::ModelConfig& c, const TensorParallel& tp) {
   ShardDims d;
   const int64_t t = tp.size, r = tp.rank;
@@ -813,19 +858,9 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   const int64_t* slots = b.slots.data();
   const int32_t* tables = b.block_tables.data();
   if (cp_.size > 1) {
-    const ContextParallelLayout layout{.cp_size = cp_.size,
-                                       .blocks_per_rank = static_cast<int32_t>(pool.num_blocks())};
-    const int64_t group_slots = int64_t{cp_.size} * pool.num_blocks() * g.block_size;
-    cp_slots_.resize(n);
-    for (int64_t t = 0; t < n; ++t) {
-      if (b.slots[t] < -1 || b.slots[t] >= group_slots) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("ForwardBatch.slots[", t, "] = ", b.slots[t],
-                         " is outside the context-parallel group's ", group_slots, " slots"));
-      }
-      cp_slots_[t] = layout.LocalSlot(b.slots[t], static_cast<int32_t>(g.block_size), cp_.rank);
-    }
-    layout.LocalTable(b.block_tables, cp_.rank, &cp_tables_);
+    KVGRID_RETURN_IF_ERROR(LocalizeContextParallelBatch(
+        b, {.cp_size = cp_.size, .blocks_per_rank = static_cast<int32_t>(pool.num_blocks())},
+        static_cast<int32_t>(g.block_size), cp_.rank, &cp_slots_, &cp_tables_));
     slots = cp_slots_.data();
     tables = cp_tables_.data();
   }

@@ -41,6 +41,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/executor/load_progress.h"
 #include "worker/kv/block_manager.h"
+#include "worker/kv/context_parallel_layout.h"
 #include "worker/kv/kv_pool.h"
 
 namespace kvgrid::worker {
@@ -138,6 +139,18 @@ struct ForwardBatch {
   // token of the batch (the contents are the kernels' to check).
   absl::Status ValidateSizes() const;
 };
+
+// A rank's view of a context-parallel group's batch (worker/kv/context_parallel_layout.h):
+// checks that every slot and every table entry a sequence uses (group-wide ids) lies in the
+// group and on the rank its position names, then writes `rank`'s own ids into `slots` and
+// `tables` (-1 for what lives elsewhere, which is neither written nor read). Every rank checks
+// the whole batch, so all of them accept or refuse it alike, before any collective.
+// Errors: INVALID_ARGUMENT naming the field.
+absl::Status LocalizeContextParallelBatch(const ForwardBatch& b,
+                                          const ContextParallelLayout& layout,
+                                          int32_t block_size, int32_t rank,
+                                          std::vector<int64_t>* slots,
+                                          std::vector<int32_t>* tables);
 
 // The batch that computes positions [begin, begin + tokens.size()) of one sequence whose
 // blocks `blocks` holds (already reserved), with logits for the last of them.

@@ -386,10 +386,7 @@ int64_t BlockManager::ExclusiveBlocks(SequenceId seq) const {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) return 0;
   int64_t n = 0;
-  for (size_t i = 0; i < it->second.blocks.size(); ++i) {
-    const int32_t b = it->second.blocks[i];
-    if (!it->second.on_host[i] && b != kHole && refcount_[b] == 1) ++n;
-  }
+  for (int64_t on_rank : ExclusivePerRank(it->second)) n += on_rank;
   return n;
 }
 
@@ -414,11 +411,19 @@ bool BlockManager::CanSwapOut(SequenceId seq) const {
 
 absl::Status BlockManager::SwapOut(SequenceId seq, std::vector<BlockCopy>* device_to_host) {
   if (!CanSwapOut(seq)) {
-    int64_t free_slots = 0;
-    for (const std::vector<int32_t>& slots : free_slots_) free_slots += slots.size();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "swap space: sequence ", seq, " needs ", ExclusiveBlocks(seq), " slots, ", free_slots,
-        " free of ", num_swap_slots_, layout_.cp_size > 1 ? " (each rank swaps its own)" : ""));
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end() || it->second.swapped) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("swap out: sequence ", seq, " is unknown or already swapped"));
+    }
+    const std::vector<int64_t> need = ExclusivePerRank(it->second);
+    for (int32_t r = 0; r < layout_.cp_size; ++r) {
+      if (need[r] <= static_cast<int64_t>(free_slots_[r].size())) continue;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "swap space: sequence ", seq, " needs ", need[r], " slots",
+          layout_.cp_size > 1 ? absl::StrCat(" on context-parallel rank ", r) : "", ", ",
+          free_slots_[r].size(), " free of ", layout_.swap_slots_per_rank));
+    }
   }
   SeqState& state = seqs_[seq];
   for (size_t i = 0; i < state.blocks.size(); ++i) {

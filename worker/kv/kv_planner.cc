@@ -203,6 +203,7 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
     row.max_sequences = row.blocks / blocks_per_sequence;
     row.kv_window = kv_window;
     row.prefill_chunk = prefill_chunk;
+    row.max_positions = config.max_position_embeddings;
     if (kv_window > 0) {
       row.max_context = row.blocks >= window_blocks ? config.max_position_embeddings : 0;
     } else {
@@ -221,7 +222,13 @@ void ApplyContextParallel(int64_t cp_size, std::vector<KvPlanRow>* rows) {
     r.blocks = per_card * cp_size;
     r.max_tokens = r.blocks * r.block_size;
     r.max_sequences = per_card_per_sequence > 0 ? per_card / per_card_per_sequence : 0;
-    if (r.kv_window == 0) r.max_context = r.max_tokens;
+    if (r.kv_window == 0) {
+      r.max_context = r.max_tokens;
+    } else {
+      const int64_t window_blocks = SequenceBlocks(std::numeric_limits<int32_t>::max(),
+                                                   r.block_size, r.kv_window, r.prefill_chunk);
+      r.max_context = per_card >= (window_blocks + cp_size - 1) / cp_size ? r.max_positions : 0;
+    }
   }
 }
 

@@ -46,6 +46,7 @@ struct KvPlanRow {
   // window the model's max_position_embeddings once one windowed sequence fits (the KV does
   // not bound it), else 0.
   int64_t max_context = 0;
+  int64_t max_positions = 0;  // the model's max_position_embeddings
 };
 
 // The (K, V) dtype pairs the planner reports, in output order: fp32, fp16, bf16, int8, int4,
@@ -110,7 +111,9 @@ absl::StatusOr<std::vector<KvPlanRow>> PlanKvCapacity(const model::ModelConfig& 
 // The rows of one card turned into a context-parallel group's of `cp_size` such cards (each
 // holding the same weights and every cp_size-th block of each sequence): blocks, max tokens
 // and max_context grow cp_size times; a sequence of n blocks takes ceil(n / cp_size) of each
-// card's, which bounds max_sequences. Per-card fields (bytes, budget, weights) stay.
+// card's, which bounds max_sequences. With a KV window, max_context is max_positions once
+// each card holds its share of one windowed sequence. Per-card fields (bytes, budget,
+// weights) stay.
 // cp_size 1 changes nothing.
 void ApplyContextParallel(int64_t cp_size, std::vector<KvPlanRow>* rows);
 

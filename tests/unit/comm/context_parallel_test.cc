@@ -239,6 +239,48 @@ TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
     absl::Status st = (*m)->Forward(b, **pool, &logits);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(st.message().find("slots[3]"), std::string::npos) << st;
+    // Entries inside the group but on the wrong rank are refused by every rank before the
+    // first collective, so no rank is left waiting and the next good step runs.
+    ForwardBatch wrong_table = Batch(blocks, {{1, 0, Tokens(20, 3)}});
+    ASSERT_EQ(wrong_table.max_blocks_per_seq, 3);
+    wrong_table.block_tables[1] = 1;  // position 1 lives on rank 1 (ids 4..7); 1 is rank 0's
+    st = (*m)->Forward(wrong_table, **pool, &logits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("block_tables[0][1] = 1"), std::string::npos) << st;
+    ForwardBatch wrong_slot = Batch(blocks, {{1, 0, Tokens(20, 3)}});
+    wrong_slot.slots[9] = 2 * kBlockSize;  // position 9 is in table entry 1, rank 1's
+    st = (*m)->Forward(wrong_slot, **pool, &logits);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("slots[9]"), std::string::npos) << st;
+    EXPECT_TRUE((*m)->Forward(Batch(blocks, {{1, 0, Tokens(20, 3)}}), **pool, &logits).ok());
+  });
+}
+
+TEST(ContextParallelTest, ExecutorsRefuseCopiesAcrossRanksAndSwapsWithoutSwapSpace) {
+  RunGroup(2, [&](int rank, Communicator& comm) {
+    auto m = LlamaModel::Load(std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny");
+    ASSERT_TRUE(m.ok());
+    ASSERT_TRUE((*m)->SetContextParallel({.rank = rank, .size = 2, .comm = &comm}).ok());
+    const int64_t block_bytes =
+        (*m)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32).BytesPerBlock();
+    auto executor =
+        CpuExecutor::Create(*std::move(m), {.block_size = 16, .kv_cache_memory = 4 * block_bytes});
+    ASSERT_TRUE(executor.ok()) << executor.status();
+    ASSERT_EQ((*executor)->num_blocks(), 4);
+    // Ids 0..3 are rank 0's, 4..7 rank 1's: a copy within a rank is fine on both ranks.
+    const std::vector<BlockCopy> same = {{1, 2}, {5, 6}};
+    EXPECT_TRUE((*executor)->CopyBlocks(BlockCopyKind::kDeviceToDevice, same).ok());
+    const std::vector<BlockCopy> crossing = {{1, 2}, {3, 4}};
+    absl::Status st = (*executor)->CopyBlocks(BlockCopyKind::kDeviceToDevice, crossing);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("crosses context-parallel ranks 0 and 1"), std::string::npos)
+        << st;
+    const std::vector<BlockCopy> outside = {{0, 8}};
+    EXPECT_EQ((*executor)->CopyBlocks(BlockCopyKind::kDeviceToDevice, outside).code(),
+              absl::StatusCode::kInvalidArgument);
+    const std::vector<BlockCopy> swap = {{0, 0}};
+    EXPECT_EQ((*executor)->CopyBlocks(BlockCopyKind::kDeviceToSwap, swap).code(),
+              absl::StatusCode::kFailedPrecondition);
   });
 }
 
@@ -246,8 +288,10 @@ TEST(ContextParallelTest, BadGroupsAndSlotsOutsideTheGroupAreRefused) {
 // group of `cp` ranks holds `group_blocks` blocks in all, few enough to preempt.
 std::map<std::string, std::vector<int32_t>> EngineOutputs(int cp, int32_t group_blocks,
                                                           PreemptionMode mode,
-                                                          EngineStats* stats, int tp = 1) {
-  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
+                                                          EngineStats* stats, int tp = 1,
+                                                          const std::string& fixture =
+                                                              "llama3-tiny") {
+  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / fixture;
   auto pool_bytes = [&](const LlamaModel& m) {
     return (group_blocks / cp) *
            m.KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32).BytesPerBlock();
@@ -342,6 +386,78 @@ TEST(ContextParallelEngineTest, GroupsGiveOneRanksTokensThroughSwapsRecomputesAn
       EXPECT_EQ(st.blocks_used, 0) << "leak";
       EXPECT_EQ(st.swap_blocks_used, 0) << "swap leak";
     }
+  }
+}
+
+// A sliding-window model (window 24): the blocks that fall out of the window go back to
+// each rank's pool as the sequences decode, and the tokens stay one rank's.
+TEST(ContextParallelEngineTest, SlidingWindowGroupsGiveOneRanksTokens) {
+  constexpr int32_t kGroupBlocks = 24;
+  EngineStats alone_stats;
+  const auto alone =
+      EngineOutputs(1, kGroupBlocks, PreemptionMode::kRecompute, &alone_stats, 1,
+                    "mistral-window-tiny");
+  ASSERT_EQ(alone.size(), 7u);
+  EXPECT_EQ(alone_stats.kv_window, 24);
+  for (int cp : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat("cp ", cp));
+    EngineStats st;
+    const auto group =
+        EngineOutputs(cp, kGroupBlocks, PreemptionMode::kRecompute, &st, 1, "mistral-window-tiny");
+    EXPECT_EQ(group, alone);
+    EXPECT_EQ(st.blocks_total, kGroupBlocks);
+    EXPECT_EQ(st.blocks_used, 0) << "leak";
+  }
+}
+
+// Pools of different sizes: a context-parallel group refuses to start on every rank, naming
+// the flags; a tensor-parallel group plans with the smaller pool.
+TEST(ContextParallelEngineTest, RanksAgreeOnTheirPoolsBeforeTheFirstStep) {
+  const auto dir = std::filesystem::path(KVGRID_FIXTURES_DIR) / "llama3-tiny";
+  for (const bool context_parallel : {true, false}) {
+    SCOPED_TRACE(context_parallel ? "cp 2" : "tp 2");
+    const int tp = context_parallel ? 1 : 2, cp = context_parallel ? 2 : 1;
+    RunTpCpGroup(tp, cp, [&](GlooWorkerGroup& g) {
+      TensorParallel shard;
+      if (tp > 1) shard = {.rank = g.tp_rank(), .size = tp, .comm = g.tp()};
+      auto model = LlamaModel::Load(dir, shard);
+      ASSERT_TRUE(model.ok()) << model.status();
+      if (cp > 1) {
+        ASSERT_TRUE(
+            (*model)->SetContextParallel({.rank = g.cp_rank(), .size = cp, .comm = g.cp()}).ok());
+      }
+      const int64_t block_bytes =
+          (*model)->KvGeometryFor(16, kernels::KvDType::kF32, kernels::KvDType::kF32)
+              .BytesPerBlock();
+      const int64_t blocks = g.group().rank() == 0 ? 9 : 6;  // the leader's is larger
+      if (g.group().rank() != 0) {
+        auto executor = CpuExecutor::Create(
+            *std::move(model), {.block_size = 16, .kv_cache_memory = blocks * block_bytes});
+        ASSERT_TRUE(executor.ok()) << executor.status();
+        const absl::Status st = RunFollower(**executor, g.group());
+        if (context_parallel) {
+          EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+        } else {
+          EXPECT_TRUE(st.ok()) << st;
+        }
+        return;
+      }
+      EngineOptions o;
+      o.kv_cache_memory = blocks * block_bytes;
+      o.group = &g.group();
+      auto engine = Engine::Create(*std::move(model), o);
+      if (context_parallel) {
+        ASSERT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_NE(engine.status().message().find("--kv-cache-memory"), std::string::npos)
+            << engine.status();
+        EXPECT_NE(engine.status().message().find("rank 1 holds 6"), std::string::npos)
+            << engine.status();
+        return;
+      }
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      EXPECT_EQ((*engine)->Stats().blocks_total, 6);
+      EXPECT_TRUE((*engine)->StopFollowers().ok());
+    });
   }
 }
 

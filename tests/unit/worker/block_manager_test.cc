@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace kvgrid::worker {
@@ -432,6 +434,18 @@ TEST(ContextParallelTest, CopyOnWriteAndSwapStayOnTheBlocksRank) {
   }
   m.Free(1);
   EXPECT_EQ(m.Stats().swap_slots_used, 0);
+  // Each rank has 4 swap slots; a sequence with 5 blocks on rank 0 cannot swap, and nothing
+  // moves.
+  ASSERT_TRUE(m.Reserve(3, 9 * 8).ok());  // positions 0, 2, 4, 6, 8 on rank 0
+  copies.clear();
+  const absl::Status short_slots = m.SwapOut(3, &copies);
+  EXPECT_EQ(short_slots.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(short_slots.message().find("needs 5 slots on context-parallel rank 0, 4 free of 4"),
+            std::string::npos)
+      << short_slots;
+  EXPECT_TRUE(copies.empty());
+  EXPECT_EQ(m.SwapOut(99, &copies).code(), absl::StatusCode::kFailedPrecondition);
+  m.Free(3);
   EXPECT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
 }
 
@@ -562,115 +576,130 @@ TEST(SlidingWindowTest, ForkSwapAndFreeSkipHoles) {
 // prefill chunks and decodes each followed by the release of what the next query cannot see,
 // forks, frees, swaps and pressure; after every operation every invariant holds and every
 // running sequence holds exactly the blocks its window needs.
+// Also over context-parallel groups: about the same blocks in all, split over C ranks.
 TEST(BlockManagerPropertyTest, SlidingWindowKeepsEveryInvariantAndTheBound) {
   std::mt19937_64 rng(77);
-  for (int32_t block_size : {8, 16}) {
-    for (int64_t window : {5, 20, 40}) {
-      BlockManager m({.num_blocks = 40, .block_size = block_size, .prefix_caching = true,
-                      .num_swap_slots = 20});
-      struct Live {
-        std::vector<int32_t> tokens;
-        int64_t computed = 0;
-      };
-      absl::flat_hash_map<SequenceId, Live> live;
-      SequenceId next = 1;
-      int64_t released = 0;
-      auto release = [&](SequenceId s, const Live& l) {
-        released += m.ReleaseBefore(s, l.computed - window + 1);
-      };
-      for (int op = 0; op < 4000; ++op) {
-        const int kind = static_cast<int>(rng() % 7);
-        auto pick = [&]() -> SequenceId {
-          auto it = live.begin();
-          std::advance(it, rng() % live.size());
-          return it->first;
+  for (int32_t cp : {1, 2, 3}) {
+    for (int32_t block_size : {8, 16}) {
+      for (int64_t window : {5, 20, 40}) {
+        SCOPED_TRACE(absl::StrCat("cp ", cp, " block ", block_size, " window ", window));
+        BlockManager m({.num_blocks = (40 + cp - 1) / cp, .block_size = block_size,
+                        .prefix_caching = true, .num_swap_slots = 20 / cp, .cp_size = cp});
+        struct Live {
+          std::vector<int32_t> tokens;
+          int64_t computed = 0;
         };
-        if (kind == 0 || live.empty()) {  // admit: prompts from a few shared prefixes
-          Live l;
-          l.tokens = Tokens(1 + rng() % 120, static_cast<int32_t>(rng() % 3));
-          const int64_t chunk = 1 + rng() % 40;
-          auto hit = m.AllocateWindowed(next, l.tokens, window, chunk);
-          if (hit.ok()) {
-            ASSERT_LT(*hit, static_cast<int64_t>(l.tokens.size()));
-            l.computed = std::min<int64_t>(l.tokens.size(), *hit + chunk);
-            ASSERT_EQ(static_cast<int64_t>(m.BlockTable(next).size()), m.BlocksFor(l.computed));
-            m.CommitFullBlocks(next, l.tokens, l.computed);
-            release(next, l);
-            live[next] = std::move(l);
+        absl::flat_hash_map<SequenceId, Live> live;
+        SequenceId next = 1;
+        int64_t released = 0;
+        auto release = [&](SequenceId s, const Live& l) {
+          released += m.ReleaseBefore(s, l.computed - window + 1);
+        };
+        for (int op = 0; op < 4000; ++op) {
+          const int kind = static_cast<int>(rng() % 7);
+          auto pick = [&]() -> SequenceId {
+            auto it = live.begin();
+            std::advance(it, rng() % live.size());
+            return it->first;
+          };
+          if (kind == 0 || live.empty()) {  // admit: prompts from a few shared prefixes
+            Live l;
+            l.tokens = Tokens(1 + rng() % 120, static_cast<int32_t>(rng() % 3));
+            const int64_t chunk = 1 + rng() % 40;
+            auto hit = m.AllocateWindowed(next, l.tokens, window, chunk);
+            if (hit.ok()) {
+              ASSERT_LT(*hit, static_cast<int64_t>(l.tokens.size()));
+              l.computed = std::min<int64_t>(l.tokens.size(), *hit + chunk);
+              ASSERT_EQ(static_cast<int64_t>(m.BlockTable(next).size()), m.BlocksFor(l.computed));
+              m.CommitFullBlocks(next, l.tokens, l.computed);
+              release(next, l);
+              live[next] = std::move(l);
+            }
+            ++next;
+          } else if (kind == 1) {  // a prefill chunk or decode tokens
+            const SequenceId s = pick();
+            if (m.IsSwapped(s)) continue;
+            Live& l = live[s];
+            int64_t add = 1 + rng() % 12;
+            const int64_t len = static_cast<int64_t>(l.tokens.size());
+            const bool prefill = l.computed < len;
+            if (prefill) add = std::min(add, len - l.computed);
+            std::vector<BlockCopy> copies;
+            const int32_t free_before = m.num_free_blocks();
+            if (m.PrepareWrite(s, l.computed, l.computed + add, &copies).ok()) {
+              if (!prefill) {
+                for (int64_t i = 0; i < add; ++i) {
+                  l.tokens.push_back(static_cast<int32_t>(rng() % 9));
+                }
+              }
+              l.computed += add;
+              m.CommitFullBlocks(s, l.tokens, l.computed);
+              release(s, l);
+            } else {
+              ASSERT_EQ(m.num_free_blocks(), free_before);
+            }
+          } else if (kind == 2) {  // fork
+            const SequenceId s = pick();
+            if (m.IsSwapped(s)) continue;
+            m.Fork(s, next);
+            // Copied first: inserting `next` may rehash the map under a reference to live[s].
+            Live copy = live.at(s);
+            live[next] = std::move(copy);
+            ++next;
+          } else if (kind == 3) {  // free
+            const SequenceId s = pick();
+            m.Free(s);
+            live.erase(s);
+          } else if (kind == 4) {  // swap out
+            const SequenceId s = pick();
+            std::vector<BlockCopy> copies;
+            if (m.CanSwapOut(s)) {
+              ASSERT_TRUE(m.SwapOut(s, &copies).ok());
+            }
+          } else if (kind == 5) {  // swap in
+            const SequenceId s = pick();
+            std::vector<BlockCopy> copies;
+            if (m.CanSwapIn(s)) {
+              ASSERT_TRUE(m.SwapIn(s, &copies).ok());
+            }
+          } else {  // pressure: a full-attention style reservation that may evict cached blocks
+            const int64_t want = static_cast<int64_t>(rng() % 100);
+            if (m.Reserve(next, want).ok() && m.HasSequence(next)) {
+              live[next] = Live{Tokens(want, 9), want};
+              release(next, live[next]);
+            }
+            ++next;
           }
-          ++next;
-        } else if (kind == 1) {  // a prefill chunk or decode tokens
-          const SequenceId s = pick();
-          if (m.IsSwapped(s)) continue;
-          Live& l = live[s];
-          int64_t add = 1 + rng() % 12;
-          const int64_t len = static_cast<int64_t>(l.tokens.size());
-          const bool prefill = l.computed < len;
-          if (prefill) add = std::min(add, len - l.computed);
-          std::vector<BlockCopy> copies;
-          const int32_t free_before = m.num_free_blocks();
-          if (m.PrepareWrite(s, l.computed, l.computed + add, &copies).ok()) {
-            if (!prefill) {
-              for (int64_t i = 0; i < add; ++i) {
-                l.tokens.push_back(static_cast<int32_t>(rng() % 9));
+          const BlockManagerStats st = m.Stats();
+          ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total);
+          for (const RankBlockStats& r : m.RankBlocks()) {
+            ASSERT_EQ(r.blocks_free + r.blocks_cached + r.blocks_used, r.blocks_total);
+          }
+          ASSERT_TRUE(m.CheckInvariants().ok()) << "op " << op << ": " << m.CheckInvariants();
+          for (const auto& [s, l] : live) {
+            if (!m.IsSwapped(s)) {
+              const std::vector<int32_t>& table = m.BlockTable(s);
+              for (size_t i = 0; i < table.size(); ++i) {
+                if (table[i] == BlockManager::kHole) continue;
+                ASSERT_EQ(m.layout().RankOfBlock(table[i]), m.layout().RankOfPosition(i))
+                    << "op " << op;
               }
             }
-            l.computed += add;
-            m.CommitFullBlocks(s, l.tokens, l.computed);
-            release(s, l);
-          } else {
-            ASSERT_EQ(m.num_free_blocks(), free_before);
+            // Exactly the blocks overlapping [computed - window + 1, computed).
+            const int64_t first = std::max<int64_t>(0, l.computed - window + 1) / block_size;
+            ASSERT_EQ(m.NumHoles(s), first) << "op " << op;
+            ASSERT_EQ(static_cast<int64_t>(m.BlockTable(s).size()), m.BlocksFor(l.computed));
+            ASSERT_LE(HeldBlocks(m, s), m.BlocksFor(window - 1) + 1) << "op " << op;
           }
-        } else if (kind == 2) {  // fork
-          const SequenceId s = pick();
-          if (m.IsSwapped(s)) continue;
-          m.Fork(s, next);
-          // Copied first: inserting `next` may rehash the map under a reference to live[s].
-          Live copy = live.at(s);
-          live[next] = std::move(copy);
-          ++next;
-        } else if (kind == 3) {  // free
-          const SequenceId s = pick();
-          m.Free(s);
-          live.erase(s);
-        } else if (kind == 4) {  // swap out
-          const SequenceId s = pick();
-          std::vector<BlockCopy> copies;
-          if (m.CanSwapOut(s)) {
-            ASSERT_TRUE(m.SwapOut(s, &copies).ok());
-          }
-        } else if (kind == 5) {  // swap in
-          const SequenceId s = pick();
-          std::vector<BlockCopy> copies;
-          if (m.CanSwapIn(s)) {
-            ASSERT_TRUE(m.SwapIn(s, &copies).ok());
-          }
-        } else {  // pressure: a full-attention style reservation that may evict cached blocks
-          const int64_t want = static_cast<int64_t>(rng() % 100);
-          if (m.Reserve(next, want).ok() && m.HasSequence(next)) {
-            live[next] = Live{Tokens(want, 9), want};
-            release(next, live[next]);
-          }
-          ++next;
         }
-        const BlockManagerStats st = m.Stats();
-        ASSERT_EQ(st.blocks_free + st.blocks_cached + st.blocks_used, st.blocks_total);
-        ASSERT_TRUE(m.CheckInvariants().ok()) << "op " << op << ": " << m.CheckInvariants();
-        for (const auto& [s, l] : live) {
-          // Exactly the blocks overlapping [computed - window + 1, computed).
-          const int64_t first = std::max<int64_t>(0, l.computed - window + 1) / block_size;
-          ASSERT_EQ(m.NumHoles(s), first) << "op " << op;
-          ASSERT_EQ(static_cast<int64_t>(m.BlockTable(s).size()), m.BlocksFor(l.computed));
-          ASSERT_LE(HeldBlocks(m, s), m.BlocksFor(window - 1) + 1) << "op " << op;
-        }
+        EXPECT_GT(released, 0);
+        EXPECT_GT(m.Stats().prefix_hit_tokens, 0);
+        EXPECT_GT(m.Stats().blocks_swapped_out, 0);
+        for (const auto& [s, l] : live) m.Free(s);
+        EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
+        EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
+        EXPECT_TRUE(m.CheckInvariants().ok());
       }
-      EXPECT_GT(released, 0);
-      EXPECT_GT(m.Stats().prefix_hit_tokens, 0);
-      EXPECT_GT(m.Stats().blocks_swapped_out, 0);
-      for (const auto& [s, l] : live) m.Free(s);
-      EXPECT_EQ(m.num_free_blocks(), m.num_blocks()) << "leak";
-      EXPECT_EQ(m.Stats().swap_slots_used, 0) << "swap slot leak";
-      EXPECT_TRUE(m.CheckInvariants().ok());
     }
   }
 }

@@ -245,6 +245,10 @@ TEST(KvPlannerTest, SlidingWindowBoundsSequencesByTheWindow) {
   ASSERT_TRUE(rows.ok()) << rows.status();
   EXPECT_EQ(Row(*rows, "fp16").max_sequences, 0);
   EXPECT_EQ(Row(*rows, "fp16").max_context, 0);
+  // Eight such cards as a context-parallel group hold the window: 97 of its 769 blocks each.
+  ApplyContextParallel(8, &*rows);
+  EXPECT_EQ(Row(*rows, "fp16").max_sequences, 1);
+  EXPECT_EQ(Row(*rows, "fp16").max_context, 32768);
   EXPECT_EQ(PlanKvCapacity(c, 24 * kGiB, 8192, 16, Bf16(c), 0).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
