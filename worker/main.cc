@@ -92,7 +92,7 @@ constexpr char kHelp[] =
     "  --context-parallel-size C --rank R\n"
     "                              one of C ranks holding the whole model that split each\n"
     "                              sequence's KV blocks (block i on rank i mod C), so the group\n"
-    "                              holds sequences C times as long; cpu only. With\n"
+    "                              holds sequences C times as long. With\n"
     "                              --tensor-parallel-size T the group has T x C ranks (rank =\n"
     "                              cp_rank * T + tp_rank): each C ranks of one tp_rank hold its\n"
     "                              shard. Needs --coordinator and --group\n"
@@ -377,9 +377,6 @@ absl::Status Serve(Args& args) {
   if (cp < 1 || cp > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("--context-parallel-size: must be in [1, 64], got ", cp));
-  }
-  if (cp > 1 && device != "cpu") {
-    return absl::UnimplementedError("--context-parallel-size: runs on --device cpu only yet");
   }
   const int group_size = tp * cp;
   if (my_rank < 0 || my_rank >= group_size) {

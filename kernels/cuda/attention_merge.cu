@@ -16,7 +16,8 @@ constexpr int kThreads = 256;
 // consecutive channels so the output reads are coalesced.
 __global__ void MergeKernel(const float* __restrict__ outputs, const float* __restrict__ lses,
                             float* __restrict__ out, float* __restrict__ lse_out, int64_t parts,
-                            int64_t rows, int64_t head_dim) {
+                            int64_t rows, int64_t head_dim, int64_t out_stride,
+                            int64_t lse_stride) {
   const int64_t total = rows * head_dim;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
@@ -26,7 +27,7 @@ __global__ void MergeKernel(const float* __restrict__ outputs, const float* __re
     float top = -INFINITY;
     bool nan = false;
     for (int64_t c = 0; c < parts; ++c) {
-      const float l = lses[c * rows + r];
+      const float l = lses[c * lse_stride + r];
       nan |= l != l;  // NaN
       top = fmaxf(top, l);
     }
@@ -36,11 +37,11 @@ __global__ void MergeKernel(const float* __restrict__ outputs, const float* __re
     } else if (top != -INFINITY) {
       float sum = 0.f;
       for (int64_t c = 0; c < parts; ++c) {
-        const float l = lses[c * rows + r];
+        const float l = lses[c * lse_stride + r];
         if (l == -INFINITY) continue;
         const float a = expf(l - top);
         sum += a;
-        o = fmaf(a, outputs[(c * rows + r) * head_dim + d], o);
+        o = fmaf(a, outputs[c * out_stride + r * head_dim + d], o);
       }
       o /= sum;
       lse = top + logf(sum);
@@ -62,6 +63,10 @@ absl::Status MergeAttentionParams::Validate() const {
   if (parts < 1 || parts > 1024) return invalid("parts must be in [1, 1024]: ", parts);
   if (rows < 0) return invalid("rows must be >= 0: ", rows);
   if (head_dim < 1 || head_dim > 1024) return invalid("head_dim must be in [1, 1024]: ", head_dim);
+  if (part_stride != 0 && part_stride < rows * head_dim) {
+    return invalid("part_stride must be 0 or >= rows * head_dim (", rows * head_dim,
+                   "): ", part_stride);
+  }
   return absl::OkStatus();
 }
 
@@ -70,7 +75,9 @@ absl::Status LaunchMergeAttentionPartials(const MergeAttentionParams& p, cudaStr
   const int64_t total = p.rows * p.head_dim;
   if (total == 0) return absl::OkStatus();
   MergeKernel<<<GridStrideBlocks(total, kThreads), kThreads, 0, stream>>>(
-      p.outputs, p.lses, p.out, p.lse_out, p.parts, p.rows, p.head_dim);
+      p.outputs, p.lses, p.out, p.lse_out, p.parts, p.rows, p.head_dim,
+      p.part_stride != 0 ? p.part_stride : p.rows * p.head_dim,
+      p.part_stride != 0 ? p.part_stride : p.rows);
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

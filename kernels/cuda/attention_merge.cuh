@@ -16,13 +16,17 @@
 namespace kvgrid::kernels::cuda {
 
 struct MergeAttentionParams {
-  const float* outputs = nullptr;  // [parts, rows, head_dim], device
-  const float* lses = nullptr;     // [parts, rows], device
+  const float* outputs = nullptr;  // [parts, rows, head_dim] (part stride part_stride), device
+  const float* lses = nullptr;     // [parts, rows] (part stride part_stride), device
   float* out = nullptr;            // [rows, head_dim], device; must not overlap outputs
   float* lse_out = nullptr;        // [rows], device, or null
   int64_t parts = 0;               // >= 1
   int64_t rows = 0;                // 0 launches nothing
   int64_t head_dim = 0;
+  // Floats from one part's outputs (and lses) to the next's; 0: packed (rows * head_dim for
+  // outputs, rows for lses). An all-gather of each rank's [outputs | lses] is read in place
+  // with part_stride = rows * (head_dim + 1) and lses = outputs + rows * head_dim.
+  int64_t part_stride = 0;
 
   // INVALID_ARGUMENT naming the field for null pointers or sizes out of range.
   absl::Status Validate() const;

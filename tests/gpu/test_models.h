@@ -43,9 +43,10 @@ inline std::filesystem::path KjvTiny() {
   return std::filesystem::path(env != nullptr ? env : KVGRID_SOURCE_DIR) / "models" / "kjv-tiny";
 }
 
-// Four greedy requests of 12 new tokens each (kjv-tiny token ids), stepped to the end; the
-// tokens by request id. Fails the test if a step fails or a KV block is left held.
-inline std::map<std::string, std::vector<int32_t>> Greedy(worker::Engine& engine) {
+// Four greedy requests of `max_new_tokens` new tokens each (kjv-tiny token ids), stepped to
+// the end; the tokens by request id. Fails the test if a step fails or a KV block is left held.
+inline std::map<std::string, std::vector<int32_t>> Greedy(worker::Engine& engine,
+                                                          int64_t max_new_tokens = 12) {
   const std::vector<std::vector<int32_t>> prompts = {
       {258, 900, 44}, {267, 309, 297, 336}, {259, 402}, {368, 287, 258, 1016, 268}};
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -53,7 +54,7 @@ inline std::map<std::string, std::vector<int32_t>> Greedy(worker::Engine& engine
     r.id = absl::StrCat("r", i);
     r.prompt = prompts[i];
     r.sampling.temperature = 0;
-    r.stopping.max_new_tokens = 12;
+    r.stopping.max_new_tokens = max_new_tokens;
     r.stopping.ignore_eos = true;
     EXPECT_TRUE(engine.AddRequest(std::move(r)).ok());
   }

@@ -1,7 +1,8 @@
 """The CUDA serving path on the CUDA emulator (tests/cuda_emu): `kvgrid-worker --device cuda`
 loads the plugin built against the emulator, registers, and streams. Its greedy tokens must be
-those `kvgrid run` gives on the CPU, for one worker (decode steps replayed from CUDA graphs)
-and for a two-rank group on one card (collectives staged through host memory)."""
+those `kvgrid run` gives on the CPU, for one worker (decode steps replayed from CUDA graphs),
+for a two-rank tensor-parallel group on one card (collectives staged through host memory) and
+for a two-rank context-parallel group on one card (each rank holding half the blocks)."""
 
 import os
 from pathlib import Path
@@ -52,4 +53,17 @@ def test_two_ranks_on_one_card_serve_the_cpu_tokens(cluster):
     c.wait_serving(1)
     assert generate(c) == cpu_tokens()
     for p in procs:  # NCCL refuses ranks sharing a card: host-staged collectives, no graphs
+        assert "no CUDA graphs (the group's collectives cannot be captured" in p.log(), p.describe()
+
+
+def test_context_parallel_ranks_on_one_card_serve_the_cpu_tokens(cluster):
+    from .test_context_parallel import start_cp_group
+
+    c = cluster(workers=0)
+    # The 29-token sequence's two blocks of 16 lie one on each rank: both attend, and merge.
+    procs = start_cp_group(c, 2, "emucp2", CUDA_FLAGS)
+    c.wait_serving(1)
+    assert generate(c) == cpu_tokens()
+    for p in procs:
+        assert "kvgrid CUDA emulator" in p.log(), p.describe()
         assert "no CUDA graphs (the group's collectives cannot be captured" in p.log(), p.describe()

@@ -87,30 +87,46 @@ absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLla
 
 absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
     std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options, TensorParallel tp,
-    std::unique_ptr<DeviceCommunicator> device_comm) {
+    std::unique_ptr<DeviceCommunicator> device_comm, ContextParallel cp,
+    std::unique_ptr<DeviceCommunicator> cp_device_comm) {
   KVGRID_RETURN_IF_ERROR(tp.Validate(model->config()));
+  KVGRID_RETURN_IF_ERROR(cp.Validate());
   if ((tp.size > 1) != (device_comm != nullptr) ||
       (device_comm != nullptr && (device_comm->rank() != tp.rank ||
                                   device_comm->size() != tp.size))) {
     return absl::InvalidArgumentError(
         "CudaExecutor: a group's executor needs its device communicator, of the same rank");
   }
+  if ((cp.size > 1) != (cp_device_comm != nullptr) || model->cp_size() != cp.size ||
+      model->cp_rank() != cp.rank ||
+      (cp_device_comm != nullptr &&
+       (cp_device_comm->rank() != cp.rank || cp_device_comm->size() != cp.size))) {
+    return absl::InvalidArgumentError(
+        "CudaExecutor: a context-parallel rank needs the model's CP device communicator");
+  }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(model->device()));
   const KvGeometry geometry =
       model->KvGeometryFor(options.block_size, options.k_dtype, options.v_dtype);
-  if (tp.size > 1) {
-    // Every rank's weights are on its card before any measures what is left of it.
-    KVGRID_RETURN_IF_ERROR(tp.comm->Barrier());
-  }
+  // The group's host meshes: over the TP ranks, then over the CP ranks of the TP results,
+  // which reaches every rank of a T x C group.
+  std::vector<Communicator*> meshes;
+  if (tp.size > 1) meshes.push_back(tp.comm);
+  if (cp.size > 1) meshes.push_back(cp.comm);
+  const auto min_across = [&](std::span<int64_t> values) -> absl::Status {
+    for (Communicator* mesh : meshes) KVGRID_RETURN_IF_ERROR(MinAcrossGroup(*mesh, values));
+    return absl::OkStatus();
+  };
+  // Every rank's weights are on its card before any measures what is left of it.
+  for (Communicator* mesh : meshes) KVGRID_RETURN_IF_ERROR(mesh->Barrier());
   absl::StatusOr<LocalSizes> local = SizeLocally(*model, options, geometry);
-  if (tp.size > 1) {
+  if (!meshes.empty()) {
     // The leader's engine hands out pool and swap blocks by its own counts, and every rank
     // must run the same step shapes: the group takes the smallest counts and runs graphs only
     // if every rank asked for them. A rank that cannot size its pool sends -1, and the group
     // fails together rather than waiting for it.
     const LocalSizes mine = local.ok() ? *local : LocalSizes{.blocks = -1};
     int64_t agreed[] = {mine.blocks, mine.swap_blocks, mine.graphs};
-    KVGRID_RETURN_IF_ERROR(MinAcrossGroup(*tp.comm, agreed));
+    KVGRID_RETURN_IF_ERROR(min_across(agreed));
     if (local.ok() && agreed[0] < 0) {
       return absl::UnavailableError("KV cache: another rank of the group could not size its pool");
     }
@@ -120,17 +136,19 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Create(
   if (!local.ok()) return local.status();
   absl::StatusOr<std::unique_ptr<CudaExecutor>> executor =
       Allocate(std::move(model), options, geometry, *local);
-  if (tp.size > 1) {
+  if (!meshes.empty()) {
     // Out of device or pinned memory on one rank fails the group now, not at its first step.
-    KVGRID_ASSIGN_OR_RETURN(const int64_t all_ok,
-                            MinAcrossGroup(*tp.comm, executor.ok() ? 1 : 0));
-    if (executor.ok() && all_ok == 0) {
+    int64_t all_ok[] = {executor.ok() ? 1 : 0};
+    KVGRID_RETURN_IF_ERROR(min_across(all_ok));
+    if (executor.ok() && all_ok[0] == 0) {
       return absl::UnavailableError("KV cache: another rank of the group could not allocate");
     }
   }
   if (!executor.ok()) return executor.status();
   (*executor)->tp_ = tp;
   (*executor)->device_comm_ = std::move(device_comm);
+  (*executor)->cp_ = cp;
+  (*executor)->cp_device_comm_ = std::move(cp_device_comm);
   return executor;
 }
 
@@ -186,6 +204,11 @@ absl::Status CudaExecutor::Forward(const ForwardBatch& batch, std::vector<float>
 }
 
 absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) {
+  if (cp_.size > 1) {
+    KVGRID_RETURN_IF_ERROR(LocalizeBlockCopies(kind, copies, cp_.size, cp_.rank, num_blocks(),
+                                               num_swap_blocks_, &local_copies_));
+    copies = local_copies_;
+  }
   if (kind != BlockCopyKind::kDeviceToDevice && num_swap_blocks_ == 0) {
     return absl::FailedPreconditionError("block copy: a swap without a swap space");
   }

@@ -55,9 +55,15 @@ class CudaExecutor final : public Executor {
   // one block, a utilization that leaves no room); RESOURCE_EXHAUSTED when the device or the
   // host cannot hold them; INTERNAL naming a failed CUDA call; UNAVAILABLE when the group's
   // collective fails.
+  // A context-parallel rank (cp.size > 1; model->SetContextParallel done with
+  // `cp_device_comm`, owned from here on): cp.comm (host, not owned) agrees the sizes with the
+  // other CP ranks as well, so that every rank of the T x C group has the same pool and swap
+  // space (a block's rank follows from its id and the pool size); batches and copies then
+  // carry the group's ids.
   static absl::StatusOr<std::unique_ptr<CudaExecutor>> Create(
       std::unique_ptr<CudaLlamaModel> model, const PoolOptions& options,
-      TensorParallel tp = {}, std::unique_ptr<DeviceCommunicator> device_comm = nullptr);
+      TensorParallel tp = {}, std::unique_ptr<DeviceCommunicator> device_comm = nullptr,
+      ContextParallel cp = {}, std::unique_ptr<DeviceCommunicator> cp_device_comm = nullptr);
 
   ~CudaExecutor() override;
   CudaExecutor(const CudaExecutor&) = delete;
@@ -65,6 +71,7 @@ class CudaExecutor final : public Executor {
 
   [[nodiscard]] const model::ModelConfig& config() const override { return model_->config(); }
   [[nodiscard]] const TensorParallel& tensor_parallel() const override { return tp_; }
+  [[nodiscard]] ContextParallel context_parallel() const override { return cp_; }
   [[nodiscard]] const KvGeometry& kv_geometry() const override { return pool_->geometry(); }
   [[nodiscard]] int32_t num_blocks() const override { return pool_->num_blocks(); }
   [[nodiscard]] int32_t num_swap_blocks() const override { return num_swap_blocks_; }
@@ -94,9 +101,12 @@ class CudaExecutor final : public Executor {
   [[nodiscard]] void* DevicePlane(int64_t layer, int plane) const;
 
   std::unique_ptr<DeviceCommunicator> device_comm_;  // outlives model_, which uses it
+  std::unique_ptr<DeviceCommunicator> cp_device_comm_;  // likewise
   std::unique_ptr<CudaLlamaModel> model_;
   std::unique_ptr<CudaKvPool> pool_;
   TensorParallel tp_;
+  ContextParallel cp_;
+  std::vector<BlockCopy> local_copies_;  // a CP rank's share of a copy list, reused
   int32_t num_swap_blocks_ = 0;
   std::vector<PinnedBuffer> swap_;  // [layer * 4 + plane], laid out as the pool's planes
 };

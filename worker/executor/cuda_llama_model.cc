@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/rope.h"
+#include "kernels/cuda/attention_merge.cuh"
 #include "kernels/cuda/cast.cuh"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/cuda/embedding.cuh"
@@ -555,6 +556,11 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(act_, t * inter * 4));
     cap_tokens_ = t;
   }
+  if (cp_size_ > 1) {
+    const int64_t part = cap_tokens_ * (q_dim + d.heads) * 4;
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cp_part_, part));
+    KVGRID_RETURN_IF_ERROR(GrowStepBuffer(cp_gathered_, cp_size_ * part));
+  }
   if (seqs > cap_seqs_) {
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(query_start_, (seqs + 1) * 4));
     KVGRID_RETURN_IF_ERROR(GrowStepBuffer(seq_lens_, seqs * 4));
@@ -583,7 +589,6 @@ absl::Status CudaLlamaModel::Reserve(int64_t tokens, int64_t seqs, int64_t max_b
 absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
                                      std::vector<float>* logits) {
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
-  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   KVGRID_RETURN_IF_ERROR(b.ValidateSizes());
   const KvGeometry& g = pool.geometry();
   if (g.num_layers != config_.num_hidden_layers || g.num_kv_heads != dims_.kv_heads ||
@@ -593,7 +598,24 @@ absl::Status CudaLlamaModel::Forward(const ForwardBatch& b, CudaKvPool& pool,
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));  // the engine's thread, not the loader's
   if (logits != nullptr) logits->clear();
   if (n == 0) return absl::OkStatus();
-  KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, pool.num_blocks(), config_.KvWindow()));
+  KVGRID_RETURN_IF_ERROR(CheckBatch(b, g.block_size, int64_t{cp_size_} * pool.num_blocks(),
+                                    config_.KvWindow()));
+  if (cp_size_ > 1) {
+    // The batch in this rank's ids; every rank checks the whole of it first (alike, so that
+    // none is left alone in a collective).
+    cp_batch_ = b;
+    KVGRID_RETURN_IF_ERROR(LocalizeContextParallelBatch(
+        b, {.cp_size = cp_size_, .blocks_per_rank = pool.num_blocks()},
+        static_cast<int32_t>(g.block_size), cp_rank_, &cp_batch_.slots, &cp_batch_.block_tables));
+    return ForwardLocal(cp_batch_, pool, logits);
+  }
+  return ForwardLocal(b, pool, logits);
+}
+
+absl::Status CudaLlamaModel::ForwardLocal(const ForwardBatch& b, CudaKvPool& pool,
+                                          std::vector<float>* logits) {
+  const int64_t n = static_cast<int64_t>(b.token_ids.size());
+  const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());
   int32_t max_seq_len = 0, max_query_len = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     max_seq_len = std::max(max_seq_len, b.seq_lens[s]);
@@ -733,6 +755,12 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
   }
   if (vocab_parallel()) KVGRID_RETURN_IF_ERROR(all_reduce_x());
   cuda::PagedAttentionParams attention = AttentionParams(shape, pool);
+  // Context parallelism: this rank's share and its lse side by side, gathered as one.
+  const int64_t cp_part = n * (q_dim + heads);
+  if (cp_size_ > 1) {
+    attention.output = cp_part_.as<float>();
+    attention.lse = cp_part_.as<float>() + n * q_dim;
+  }
 
   for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const Layer& l = layers_[layer];
@@ -803,6 +831,19 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     attention.v_meta = pool.v_meta(layer);
     attention.window = c.LayerWindow(layer);
     KVGRID_RETURN_IF_ERROR(cuda::LaunchPagedAttention(attention, stream_));
+    if (cp_size_ > 1) {
+      KVGRID_RETURN_IF_ERROR(cp_comm_->AllGatherOn(cp_part_.as<float>(),
+                                                   cp_gathered_.as<float>(), cp_part, stream_));
+      KVGRID_RETURN_IF_ERROR(
+          cuda::LaunchMergeAttentionPartials({.outputs = cp_gathered_.as<float>(),
+                                              .lses = cp_gathered_.as<float>() + n * q_dim,
+                                              .out = attn_.as<float>(),
+                                              .parts = cp_size_,
+                                              .rows = n * heads,
+                                              .head_dim = hd,
+                                              .part_stride = cp_part},
+                                             stream_));
+    }
     // The residual adds are the GEMMs' accumulate.
     KVGRID_RETURN_IF_ERROR(RunLinear(l.o, attn_.as<float>(),
                                      leader() ? l.o_bias.as<float>() : nullptr, x_.as<float>(),
@@ -827,8 +868,9 @@ absl::Status CudaLlamaModel::EnqueueStep(const StepShape& shape, CudaKvPool& poo
     KVGRID_RETURN_IF_ERROR(all_reduce_x());
   }
 
-  // A replicated head is rank 0's alone: the others' logits would be dropped.
-  if (m > 0 && (leader() || vocab_parallel())) {
+  // A replicated head is rank 0's alone: the others' logits would be dropped (and CP ranks
+  // other than 0 hold the same rows).
+  if (m > 0 && runs_head()) {
     // Only the requested rows go through the final norm and the vocabulary projection; runs of
     // consecutive rows (a decode step's are all one run) are one copy.
     for (int64_t i = 0; i < m;) {
@@ -861,15 +903,14 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
                                         std::vector<float>* logits) {
   if (logits == nullptr) return absl::OkStatus();
   logits->clear();
-  const bool copy = leader() && rows > 0;
+  const bool copy = leader() && cp_rank_ == 0 && rows > 0;
   if (copy) logits->resize(static_cast<size_t>(rows * dims_.vocab));
   int32_t host_flags[2] = {0, 0};
-  if (comm_ != nullptr) {
-    // The step's collectives first, with the group's timeout: a copy into pageable memory
-    // returns only once the stream before it is done, so a collective whose peer is gone
-    // would hold the host inside cudaMemcpyAsync, where no timeout applies.
-    KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
-  }
+  // The step's collectives first, with the group's timeout: a copy into pageable memory
+  // returns only once the stream before it is done, so a collective whose peer is gone
+  // would hold the host inside cudaMemcpyAsync, where no timeout applies.
+  if (comm_ != nullptr) KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  if (cp_comm_ != nullptr) KVGRID_RETURN_IF_ERROR(cp_comm_->Synchronize(stream_));
   if (copy && vocab_parallel()) {
     // gathered_ is [size, step_rows, vocab_local]: rank r's slice is columns
     // [r * vocab_local, (r + 1) * vocab_local) of every row.
@@ -948,7 +989,8 @@ void CudaLlamaModel::SetDecodeGraphs(bool enabled) {
   decode_padding_ = enabled;
   graphs_enabled_ = enabled;
   if (enabled) graph_stats_.disabled_by.clear();
-  if (enabled && comm_ != nullptr && !comm_->capturable()) {
+  if (enabled && ((comm_ != nullptr && !comm_->capturable()) ||
+                  (cp_comm_ != nullptr && !cp_comm_->capturable()))) {
     StopGraphs("the group's collectives cannot be captured (staged through host memory)");
   }
   if (!enabled) graphs_.clear();
@@ -962,9 +1004,13 @@ absl::StatusOr<bool> CudaLlamaModel::AllRanksAgree(bool mine) {
   float votes = 0.f;
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(agree_.get(), &vote, sizeof(vote),
                                               cudaMemcpyHostToDevice, stream_));
-  KVGRID_RETURN_IF_ERROR(comm_->AllReduceSumOn(agree_.as<float>(), 1, stream_));
-  // Waited for before the copy back, which would block without a timeout (see FinishStep).
-  KVGRID_RETURN_IF_ERROR(comm_->Synchronize(stream_));
+  // Over the TP ranks, then over the CP ranks of those sums: every rank of the group counts.
+  for (DeviceCommunicator* c : {comm_, cp_comm_}) {
+    if (c == nullptr) continue;
+    KVGRID_RETURN_IF_ERROR(c->AllReduceSumOn(agree_.as<float>(), 1, stream_));
+    // Waited for before the copy back, which would block without a timeout (see FinishStep).
+    KVGRID_RETURN_IF_ERROR(c->Synchronize(stream_));
+  }
   KVGRID_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&votes, agree_.get(), sizeof(votes),
                                               cudaMemcpyDeviceToHost, stream_));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
@@ -977,7 +1023,24 @@ void CudaLlamaModel::StopGraphs(const std::string& why) {
   graphs_.clear();
   // Alone, padding without graphs is wasted work. In a group it stays: every rank must run
   // the same shapes, so that the collectives' sizes match whatever the others capture.
-  decode_padding_ = comm_ != nullptr;
+  decode_padding_ = in_group();
+}
+
+absl::Status CudaLlamaModel::SetContextParallel(int rank, int size, DeviceCommunicator* comm) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("context parallel: rank ", rank, " of ", size, " ranks"));
+  }
+  if ((size > 1) != (comm != nullptr) ||
+      (comm != nullptr && (comm->rank() != rank || comm->size() != size))) {
+    return absl::InvalidArgumentError(
+        "context parallel: a group needs its device communicator, of the same rank and size");
+  }
+  cp_rank_ = rank;
+  cp_size_ = size;
+  cp_comm_ = comm;
+  ++buffers_generation_;  // graphs captured before hold no context-parallel collectives
+  return absl::OkStatus();
 }
 
 absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len,
@@ -1037,7 +1100,7 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
   }
   if (graph != nullptr) (void)cudaGraphDestroy(graph);
   if (!failure.empty()) (void)cudaGetLastError();  // reported below, not to the next call
-  if (comm_ != nullptr) {
+  if (in_group()) {
     // NCCL wants a collective captured on every rank or on none: the group keeps graphs only
     // if every rank captured this one (every rank captures at the same step).
     KVGRID_ASSIGN_OR_RETURN(const bool everyone, AllRanksAgree(failure.empty()));

@@ -23,6 +23,14 @@
 // collectives are enqueued on the model's stream. Every rank runs the same Forward; rank 0
 // gets the logits.
 //
+// Context parallelism (SetContextParallel): with a second DeviceCommunicator of size C the
+// model is one of C ranks that hold the same weights and KV heads and split every sequence's
+// blocks (worker/kv/context_parallel_layout.h). Batches carry the group's block ids; each rank
+// checks the whole batch, maps it to its own pool's ids (-1 elsewhere), writes and attends
+// over its own blocks, and after each layer's attention one all-gather of [output | lse] on
+// the stream and LaunchMergeAttentionPartials give every rank the exact attention over all
+// blocks. Only CP rank 0 runs the head.
+//
 // Decode steps can be replayed from CUDA graphs (SetDecodeGraphs): a step whose every sequence
 // has one query token is padded to a batch bucket (1, 2, 4, 8, then multiples of 8 up to
 // kMaxGraphBatch) and a power-of-two bound on the blocks per sequence; padding rows write no KV
@@ -165,6 +173,15 @@ class CudaLlamaModel {
   // group is then broken). Ranks other than 0 of a group get no logits (`logits` is cleared).
   absl::Status Forward(const ForwardBatch& batch, CudaKvPool& pool, std::vector<float>* logits);
 
+  // Makes this model rank `rank` of a context-parallel group of `size` (1: none) whose
+  // collectives go through `comm` (not owned; it must outlive the model; null for size 1).
+  // Call before the first Forward and before SetDecodeGraphs; every rank of the group calls it.
+  // Errors: INVALID_ARGUMENT for a size below 1, a rank outside [0, size), or a communicator
+  // missing or of another rank or size.
+  absl::Status SetContextParallel(int rank, int size, DeviceCommunicator* comm);
+  [[nodiscard]] int cp_rank() const { return cp_rank_; }
+  [[nodiscard]] int cp_size() const { return cp_size_; }
+
   // Allocates the step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences
   // (decode graphs' padded batches included) now, so that serving neither fails for memory
   // mid-request nor drops graphs as they grow. Errors: RESOURCE_EXHAUSTED naming cudaMalloc.
@@ -222,6 +239,11 @@ class CudaLlamaModel {
   absl::Status Init(const std::vector<double>& inv_freq);
   // Rank 0 of the group, or the model alone: adds the residual and biases, returns logits.
   [[nodiscard]] bool leader() const { return comm_ == nullptr || comm_->rank() == 0; }
+  // Whether this rank runs the head and returns logits: TP rank 0 (or a vocabulary-parallel
+  // head's ranks) of CP rank 0.
+  [[nodiscard]] bool runs_head() const { return cp_rank_ == 0 && (leader() || vocab_parallel()); }
+  // Part of a group of several ranks (TP, CP or both): every rank runs the same shapes.
+  [[nodiscard]] bool in_group() const { return comm_ != nullptr || cp_comm_ != nullptr; }
   // The head's logits are split by vocabulary over the group (gathered after the head).
   [[nodiscard]] bool vocab_parallel() const { return dims_.vocab_local < dims_.vocab; }
   // The head reads the embedding table (tie_word_embeddings): no copy.
@@ -257,6 +279,9 @@ class CudaLlamaModel {
   // Copies the first `rows` of the step's `step_rows` rows of logits back (when `logits` is not
   // null; rank 0 only), waits for the step and checks the flags.
   absl::Status FinishStep(int64_t rows, int64_t step_rows, std::vector<float>* logits);
+  // Forward's step once the batch is in this rank's block ids (checked as Forward says).
+  absl::Status ForwardLocal(const ForwardBatch& batch, CudaKvPool& pool,
+                            std::vector<float>* logits);
   // The decode-graph path of Forward (see the class comment).
   absl::Status ForwardDecodeGraph(const ForwardBatch& b, int32_t max_seq_len, CudaKvPool& pool,
                                   std::vector<float>* logits);
@@ -264,6 +289,9 @@ class CudaLlamaModel {
   model::ModelConfig config_;
   model::DType dense_dtype_;
   DeviceCommunicator* comm_;  // not owned; null alone
+  DeviceCommunicator* cp_comm_ = nullptr;  // not owned; null without context parallelism
+  int cp_rank_ = 0, cp_size_ = 1;
+  ForwardBatch cp_batch_;  // the step's batch in this CP rank's block ids, reused
   ShardDims dims_;
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
@@ -284,6 +312,9 @@ class CudaLlamaModel {
   DeviceBuffer ids_, positions_, slots_, query_start_, seq_lens_, block_tables_;
   DeviceBuffer x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, act_, rows_, logits_, cast_, ones_;
   DeviceBuffer gathered_;  // vocabulary-parallel logits: [size, rows, vocab_local]
+  // Context parallelism: this rank's attention share [tokens, q_dim] then its lse
+  // [tokens, heads], and every CP rank's, gathered: [cp_size, tokens * (q_dim + heads)].
+  DeviceBuffer cp_part_, cp_gathered_;
   DeviceBuffer attn_workspace_;
   int64_t cap_tokens_ = 0, cap_seqs_ = 0, cap_rows_ = 0;
 
@@ -302,7 +333,8 @@ class CudaLlamaModel {
   using GraphExec = std::unique_ptr<std::remove_pointer_t<cudaGraphExec_t>, GraphExecDeleter>;
   // Graphs off (after a failed capture, or never on), with the reason in graph_stats_.
   void StopGraphs(const std::string& why);
-  // In a group: whether every rank's `mine` is true (an all-reduce on the stream, waited for).
+  // In a group: whether every rank's `mine` is true (all-reduces on the stream over the TP
+  // and the CP ranks, waited for).
   absl::StatusOr<bool> AllRanksAgree(bool mine);
   DeviceBuffer agree_;  // [1] float, AllRanksAgree's vote
   bool graphs_enabled_ = false;

@@ -13,6 +13,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "kernels/cuda/cuda_status.h"
 #include "model/dtype.h"
 #include "model/status_macros.h"
@@ -59,11 +61,26 @@ struct CardSharing {
   int on_my_card = 1;
   bool any = false;
 };
-absl::StatusOr<CardSharing> ShareCards(Communicator& host, int device) {
+// A T x C group is reached through its TP mesh and then its CP mesh (the TP mesh's lists
+// gathered over the CP ranks); either may be null.
+absl::StatusOr<CardSharing> ShareCards(Communicator* tp, Communicator* cp, int device) {
   char bus[64] = {};
   KVGRID_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(bus, sizeof(bus), device));
   const std::string mine = absl::StrCat(MachineId(), "/", bus);
-  KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> all, GatherBytes(host, mine));
+  std::vector<std::string> all = {mine};
+  for (Communicator* mesh : {tp, cp}) {
+    if (mesh == nullptr) continue;
+    // One rank's list as one string of newline-ended ids (ids hold no newline).
+    std::string joined;
+    for (const std::string& id : all) absl::StrAppend(&joined, id, "\n");
+    KVGRID_ASSIGN_OR_RETURN(std::vector<std::string> lists, GatherBytes(*mesh, joined));
+    all.clear();
+    for (const std::string& list : lists) {
+      for (absl::string_view id : absl::StrSplit(list, '\n', absl::SkipEmpty())) {
+        all.emplace_back(id);
+      }
+    }
+  }
   CardSharing sharing;
   sharing.on_my_card = static_cast<int>(std::count(all.begin(), all.end(), mine));
   std::sort(all.begin(), all.end());
@@ -71,19 +88,21 @@ absl::StatusOr<CardSharing> ShareCards(Communicator& host, int device) {
   return sharing;
 }
 
+// Device collectives over the host mesh `host` (a TP or a CP mesh); `announce` prints the
+// staged-path note once for the group.
 absl::StatusOr<std::unique_ptr<DeviceCommunicator>> DeviceCollectives(
-    const TensorParallel& tp, int device, bool shared, double timeout_s) {
+    Communicator& host, int device, bool shared, double timeout_s, bool announce) {
   if (shared) {
-    if (tp.rank == 0) {
+    if (announce) {
       std::fprintf(stderr, "kvgrid-worker: ranks of the group share a card; their collectives "
                            "go through host memory (slow; no CUDA graphs)\n");
     }
-    return std::unique_ptr<DeviceCommunicator>(new HostStagedCommunicator(*tp.comm));
+    return std::unique_ptr<DeviceCommunicator>(new HostStagedCommunicator(host));
   }
 #if KVGRID_HAVE_NCCL
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<NcclCommunicator> nccl,
-      NcclCommunicator::Connect(*tp.comm, device,
+      NcclCommunicator::Connect(host, device,
                                 std::chrono::milliseconds(static_cast<int64_t>(1000 * timeout_s))));
   return std::unique_ptr<DeviceCommunicator>(std::move(nccl));
 #else
@@ -104,33 +123,48 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
     dense = DType::kF32;
   }
   const TensorParallel tp = model->tensor_parallel();
+  const ContextParallel cp = model->context_parallel();
+  const int group_rank = cp.rank * tp.size + tp.rank;  // as GlooWorkerGroup numbers them
   KVGRID_ASSIGN_OR_RETURN(
       const int device,
-      ChooseDevice(options.device, options.device_slot >= 0 ? options.device_slot : tp.rank));
+      ChooseDevice(options.device, options.device_slot >= 0 ? options.device_slot : group_rank));
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
   cudaDeviceProp prop{};
   KVGRID_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   std::fprintf(stderr, "kvgrid-worker: rank %d on CUDA device %d (%s, sm_%d%d, %.1f GiB)\n",
-               tp.rank, device, prop.name, prop.major, prop.minor,
+               group_rank, device, prop.name, prop.major, prop.minor,
                static_cast<double>(prop.totalGlobalMem) / (1 << 30));
-  std::unique_ptr<DeviceCommunicator> collectives;
+  std::unique_ptr<DeviceCommunicator> collectives, cp_collectives;
   CudaPoolOptions pool = options.pool;
-  if (tp.size > 1) {
-    KVGRID_ASSIGN_OR_RETURN(const CardSharing sharing, ShareCards(*tp.comm, device));
+  if (tp.size > 1 || cp.size > 1) {
+    KVGRID_ASSIGN_OR_RETURN(
+        const CardSharing sharing,
+        ShareCards(tp.size > 1 ? tp.comm : nullptr, cp.size > 1 ? cp.comm : nullptr, device));
     pool.ranks_on_card = sharing.on_my_card;
-    KVGRID_ASSIGN_OR_RETURN(collectives, DeviceCollectives(tp, device, sharing.any,
-                                                           options.collective_timeout_s));
+    if (tp.size > 1) {
+      KVGRID_ASSIGN_OR_RETURN(collectives,
+                              DeviceCollectives(*tp.comm, device, sharing.any,
+                                                options.collective_timeout_s, group_rank == 0));
+    }
+    if (cp.size > 1) {
+      KVGRID_ASSIGN_OR_RETURN(
+          cp_collectives,
+          DeviceCollectives(*cp.comm, device, sharing.any, options.collective_timeout_s,
+                            group_rank == 0 && tp.size == 1));
+    }
   }
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaLlamaModel> gpu_model,
       CudaLlamaModel::FromWeights(model->config(), model->weights(), dense, collectives.get()));
   model.reset();
+  KVGRID_RETURN_IF_ERROR(gpu_model->SetContextParallel(cp.rank, cp.size, cp_collectives.get()));
   KVGRID_ASSIGN_OR_RETURN(
       std::unique_ptr<CudaExecutor> executor,
-      CudaExecutor::Create(std::move(gpu_model), pool, tp, std::move(collectives)));
+      CudaExecutor::Create(std::move(gpu_model), pool, tp, std::move(collectives), cp,
+                           std::move(cp_collectives)));
   const std::string& off = executor->model().decode_graph_stats().disabled_by;
   std::fprintf(stderr, "kvgrid-worker: rank %d: %lld KV blocks of %lld tokens on the GPU, %s%s\n",
-               tp.rank, static_cast<long long>(executor->num_blocks()),
+               group_rank, static_cast<long long>(executor->num_blocks()),
                static_cast<long long>(pool.block_size),
                pool.cuda_graphs && off.empty() ? "decode steps from CUDA graphs"
                                                : "no CUDA graphs",
