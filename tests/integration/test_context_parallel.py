@@ -3,7 +3,8 @@ other KV block of each sequence serve a request that no single worker of the sam
 hold, with the greedy tokens of one worker that holds it all; the group registers twice a
 worker's capacity; losing either rank mid-stream takes the group down while the request
 finishes on another worker without a token lost or repeated; and `kvgrid serve --tp 2 --cp 2`
-on kjv-tiny (2 KV heads) serves what `--tp 4` of the same memory per rank refuses."""
+on kjv-tiny (2 KV heads) serves what `--tp 4 --cp 1` of the same memory per rank refuses, and
+`--tp 4` alone (`--cp auto`, the default) becomes that 2 x 2 group."""
 
 import signal
 import time
@@ -123,7 +124,7 @@ def test_serve_tp2_cp2_holds_what_tp4_refuses(tmp_path):
     # sequence; a --tp 2 --cp 2 group (each rank one head and half the blocks) holds 512.
     pool = ["--kv-cache-memory", "512KiB"]
     prompt = "And God said, Let there be light: and there was light. " * 24
-    tp4, client = _serve(tmp_path, "tp4", "--tp", "4", *pool)
+    tp4, client = _serve(tmp_path, "tp4", "--tp", "4", "--cp", "1", *pool)
     try:
         assert client.cluster_status(timeout=10).groups[0].capacity.tokens_capacity == 256
         e = rpc_error(lambda: client.generate_text(prompt, max_new_tokens=100, temperature=0,
@@ -148,8 +149,8 @@ def test_serve_tp2_cp2_holds_what_tp4_refuses(tmp_path):
 
 
 def test_serve_cp_auto_turns_replicas_into_context_parallel_ranks(tmp_path):
-    serve, client = _serve(tmp_path, "tp4auto", "--tp", "4", "--cp", "auto",
-                           "--kv-cache-memory", "512KiB")
+    # --cp auto is the default: --tp 4 on 2 KV heads becomes 2 x 2, not replicated heads.
+    serve, client = _serve(tmp_path, "tp4auto", "--tp", "4", "--kv-cache-memory", "512KiB")
     try:
         assert "group 0 is 2 x 2 (tp x cp) for 2 KV heads" in serve.log(), serve.describe()
         group = client.cluster_status(timeout=10).groups[0]

@@ -51,13 +51,14 @@ constexpr char kHelp[] =
     "  --groups SIZES              group sizes, e.g. 1,1,2 (instead of --workers and --tp)\n"
     "  --cp C|auto                 context parallelism: each group's C ranks split every\n"
     "                              sequence's KV blocks, so a group holds sequences C times as\n"
-    "                              long (default 1); with --tp T a group has T x C ranks\n"
+    "                              long (default auto); with --tp T a group has T x C ranks\n"
     "                              (at most 16 in a local cluster).\n"
     "                              auto: a group of more ranks than the model has KV heads\n"
     "                              splits the heads over that many and the blocks over the\n"
     "                              rest (--tp 4 --cp auto on 2 KV heads: 2 x 2), instead of\n"
     "                              replicating heads; each CP rank then holds its TP shard's\n"
-    "                              weights (more weight memory per rank than --tp alone)\n"
+    "                              weights (more weight memory per rank than --tp alone; --cp 1\n"
+    "                              keeps replicated heads). A GGUF model needs --cp C\n"
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --port P                    coordinator port on 127.0.0.1 (default 50051)\n"
@@ -238,22 +239,29 @@ absl::Status Serve(Args& args) {
   // group larger than the model's KV heads splits the heads over num_kv_heads ranks and the
   // blocks over the rest (ranks that would hold replicated heads).
   std::vector<int32_t> cps(groups.size(), 1);
-  if (cp_flag == "auto") {
-    if (dir.extension() == ".gguf") {
-      return absl::InvalidArgumentError("--cp auto: give --cp C for a GGUF model");
-    }
-    absl::StatusOr<model::ModelConfig> config = model::LoadModelConfig(dir);
-    if (!config.ok()) {
+  // auto is the default: only groups larger than the model's KV heads change, and only when
+  // their config says how many heads there are (a GGUF file needs --cp C).
+  const bool groups_exceed_one = std::any_of(groups.begin(), groups.end(),
+                                             [](int32_t g) { return g > 1; });
+  if (cp_flag.value_or("auto") == "auto" && (cp_flag || groups_exceed_one)) {
+    absl::StatusOr<model::ModelConfig> config =
+        dir.extension() == ".gguf"
+            ? absl::StatusOr<model::ModelConfig>(
+                  absl::InvalidArgumentError("give --cp C for a GGUF model"))
+            : model::LoadModelConfig(dir);
+    if (!config.ok() && cp_flag) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--cp auto: needs the model's config.json: ", std::string(config.status().message())));
     }
-    const int32_t kv = static_cast<int32_t>(config->num_key_value_heads);
+    const int32_t kv = config.ok() ? static_cast<int32_t>(config->num_key_value_heads) : 0;
     for (size_t g = 0; g < groups.size(); ++g) {
       if (kv > 0 && groups[g] > kv && groups[g] % kv == 0) {
         cps[g] = groups[g] / kv;
         groups[g] = kv;
         std::fprintf(stderr, "kvgrid serve: --cp auto: group %zu is %d x %d (tp x cp) for %d KV "
-                     "heads\n", g, groups[g], cps[g], kv);
+                     "heads: each rank holds 1/%d of the weights and 1/%d of each sequence's "
+                     "blocks (--cp 1: tensor parallelism with replicated heads)\n", g,
+                     groups[g], cps[g], kv, groups[g], cps[g]);
       } else if (kv > 0 && groups[g] > kv) {
         std::fprintf(stderr, "kvgrid serve: --cp auto: group %zu's %d ranks are not a multiple "
                      "of %d KV heads; it stays tensor-parallel, with replicated heads\n", g,
