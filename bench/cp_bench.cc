@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench/bench_models.h"
+#include "bench/decode_steps.h"
 #include "bench/timed_communicator.h"
 #include "gloo/rendezvous/hash_store.h"
 #include "kernels/cpu/gemm.h"
@@ -32,7 +33,8 @@
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using kvgrid::bench::StepTimes;
+using kvgrid::bench::TimeDecodeSteps;
 using kvgrid::bench::TimedCommunicator;
 using kvgrid::worker::Communicator;
 
@@ -75,11 +77,6 @@ nlohmann::json Capacity() {
   return rows;
 }
 
-struct StepTimes {
-  double step_s = 0;
-  double collective_s = 0;
-};
-
 // Decode steps of `batch` sequences at `context` tokens on rank `rank` of a context-parallel
 // group of `cp` (each rank holds the whole model and every cp-th block of each sequence).
 StepTimes Decode(const kvgrid::model::ModelConfig& config, const kvgrid::worker::LlamaWeights& w,
@@ -99,32 +96,7 @@ StepTimes Decode(const kvgrid::model::ModelConfig& config, const kvgrid::worker:
   auto pool = kvgrid::worker::KvPool::Create(g, per_rank * g.BytesPerBlock());
   if (!pool.ok()) return {};
   kvgrid::worker::BlockManager blocks({.num_blocks = per_rank, .block_size = 16, .cp_size = cp});
-  std::vector<kvgrid::worker::SequenceId> seqs;
-  for (int64_t s = 0; s < batch; ++s) {
-    seqs.push_back(s + 1);
-    if (!blocks.Reserve(s + 1, context + steps).ok()) return {};
-  }
-  // The cache is left as allocated (zeros): decode cost does not depend on its values.
-  std::vector<float> logits;
-  StepTimes t;
-  for (int64_t i = 0; i < steps; ++i) {
-    std::vector<int32_t> tokens;
-    for (int64_t s = 0; s < batch; ++s) {
-      tokens.push_back(static_cast<int32_t>((s * 7919 + i) % config.vocab_size));
-    }
-    const kvgrid::worker::ForwardBatch b =
-        kvgrid::worker::DecodeBatch(blocks, seqs, context + i, tokens);
-    const double before = timed.seconds;
-    const auto t0 = Clock::now();
-    if (!(*model)->Forward(b, **pool, &logits).ok()) return {};
-    if (i > 0) {  // the first step warms caches
-      t.step_s += std::chrono::duration<double>(Clock::now() - t0).count();
-      t.collective_s += timed.seconds - before;
-    }
-  }
-  t.step_s /= static_cast<double>(steps - 1);
-  t.collective_s /= static_cast<double>(steps - 1);
-  return t;
+  return TimeDecodeSteps(**model, **pool, blocks, timed, batch, context, steps);
 }
 
 }  // namespace

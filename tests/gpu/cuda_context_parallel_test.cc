@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/gpu/cuda_engine_setup.h"
 #include "tests/gpu/device_buffer.h"
 #include "tests/gpu/test_models.h"
 #include "tests/unit/comm/gloo_group.h"
@@ -36,10 +37,15 @@ namespace kvgrid::worker {
 namespace {
 
 using kernels::KvDType;
+using ::kvgrid::testing::ExpectClose;
 using ::kvgrid::testing::Greedy;
+using ::kvgrid::testing::GreedyOnOneCudaModel;
 using ::kvgrid::testing::HaveGpu;
 using ::kvgrid::testing::KjvTiny;
 using ::kvgrid::testing::RunGroup;
+using ::kvgrid::testing::kSwapTestKv;
+using ::kvgrid::testing::SwappingEngineOptions;
+using ::kvgrid::testing::SwappingPoolOptions;
 using ::kvgrid::testing::TinyQwen;
 
 constexpr int32_t kBlockSize = 16;
@@ -94,20 +100,6 @@ std::vector<std::vector<float>> RunBatches(CudaLlamaModel& model, KvDType kv,
     out.push_back(logits);
   }
   return out;
-}
-
-void ExpectClose(const std::vector<std::vector<float>>& got,
-                 const std::vector<std::vector<float>>& want, double tolerance) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t s = 0; s < want.size(); ++s) {
-    ASSERT_EQ(got[s].size(), want[s].size()) << "step " << s;
-    double worst = 0, magnitude = 0;
-    for (size_t i = 0; i < want[s].size(); ++i) {
-      worst = std::max(worst, std::fabs(double{got[s][i]} - want[s][i]));
-      magnitude = std::max(magnitude, std::fabs(double{want[s][i]}));
-    }
-    EXPECT_LE(worst, tolerance * std::max(1.0, magnitude)) << "step " << s;
-  }
 }
 
 TEST(CudaContextParallelTest, RanksSplittingTheBlocksGiveOneRanksLogits) {
@@ -188,39 +180,7 @@ TEST(CudaContextParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
   if (!std::filesystem::exists(KjvTiny() / "model.safetensors")) {
     GTEST_SKIP() << KjvTiny() << " not found (set KVGRID_SOURCE_DIR to the repository)";
   }
-  const KvDType kv = KvDType::kF16;
-  EngineOptions options;
-  options.block_size = 8;
-  options.k_dtype = kv;
-  options.v_dtype = kv;
-  options.watermark = 0;
-  options.preemption_mode = PreemptionMode::kSwap;
-  const auto pool_options = [&](const KvGeometry& g, int64_t blocks, int64_t swap_blocks) {
-    return CudaExecutor::PoolOptions{.block_size = 8,
-                                     .k_dtype = kv,
-                                     .v_dtype = kv,
-                                     .kv_cache_memory = blocks * g.BytesPerBlock(),
-                                     .swap_space = swap_blocks * g.BytesPerBlock()};
-  };
-
-  std::map<std::string, std::vector<int32_t>> alone;
-  {
-    auto host = LlamaModel::Load(KjvTiny());
-    ASSERT_TRUE(host.ok()) << host.status();
-    auto model = CudaLlamaModel::FromWeights((*host)->config(), (*host)->weights(),
-                                             model::DType::kF32);
-    ASSERT_TRUE(model.ok()) << model.status();
-    const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
-    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, 5, 16));
-    ASSERT_TRUE(executor.ok()) << executor.status();
-    EngineOptions o = options;
-    o.kv_cache_memory = 5 * g.BytesPerBlock();
-    o.swap_space = 16 * g.BytesPerBlock();
-    auto engine = Engine::Create(std::unique_ptr<Executor>(*std::move(executor)), o);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    alone = Greedy(**engine, 30);
-    EXPECT_GT((*engine)->Stats().num_swap_outs, 0);
-  }
+  const std::map<std::string, std::vector<int32_t>> alone = GreedyOnOneCudaModel(5, 16, 30);
 
   std::map<std::string, std::vector<int32_t>> group;
   RunGroup(2, [&](int rank, Communicator& host) {
@@ -232,18 +192,16 @@ TEST(CudaContextParallelTest, EngineOverTwoRanksGivesTheTokensOfOne) {
                                              model::DType::kF32);
     ASSERT_TRUE(model.ok()) << model.status();
     ASSERT_TRUE((*model)->SetContextParallel(rank, 2, device_comm.get()).ok());
-    const KvGeometry g = (*model)->KvGeometryFor(8, kv, kv);
-    auto executor = CudaExecutor::Create(*std::move(model), pool_options(g, 3, 8), {}, nullptr,
-                                         cp, std::move(device_comm));
+    const KvGeometry g = (*model)->KvGeometryFor(8, kSwapTestKv, kSwapTestKv);
+    auto executor = CudaExecutor::Create(*std::move(model), SwappingPoolOptions(g, 3, 8), {},
+                                         nullptr, cp, std::move(device_comm));
     ASSERT_TRUE(executor.ok()) << executor.status();
     EXPECT_EQ((*executor)->context_parallel().size, 2);
     if (rank != 0) {
       EXPECT_TRUE(RunFollower(**executor, host).ok());
       return;
     }
-    EngineOptions o = options;
-    o.kv_cache_memory = 3 * g.BytesPerBlock();
-    o.swap_space = 8 * g.BytesPerBlock();
+    EngineOptions o = SwappingEngineOptions(g, 3, 8);
     o.group = &host;
     auto engine = Engine::Create(std::unique_ptr<Executor>(*std::move(executor)), o);
     ASSERT_TRUE(engine.ok()) << engine.status();

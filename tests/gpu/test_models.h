@@ -3,6 +3,8 @@
 #ifndef KVGRID_TESTS_GPU_TEST_MODELS_H_
 #define KVGRID_TESTS_GPU_TEST_MODELS_H_
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -67,6 +69,22 @@ inline std::map<std::string, std::vector<int32_t>> Greedy(worker::Engine& engine
   }
   EXPECT_EQ(engine.Stats().blocks_free, engine.Stats().blocks_total) << "KV blocks leaked";
   return out;
+}
+
+// Steps of logits `got` within `tolerance` of `want`, relative to each step's largest
+// magnitude (at least 1).
+inline void ExpectClose(const std::vector<std::vector<float>>& got,
+                        const std::vector<std::vector<float>>& want, double tolerance) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t s = 0; s < want.size(); ++s) {
+    ASSERT_EQ(got[s].size(), want[s].size()) << "step " << s;
+    double worst = 0, magnitude = 0;
+    for (size_t i = 0; i < want[s].size(); ++i) {
+      worst = std::max(worst, std::fabs(double{got[s][i]} - want[s][i]));
+      magnitude = std::max(magnitude, std::fabs(double{want[s][i]}));
+    }
+    EXPECT_LE(worst, tolerance * std::max(1.0, magnitude)) << "step " << s;
+  }
 }
 
 }  // namespace kvgrid::testing

@@ -15,7 +15,7 @@ from kvgrid_client import Client
 
 from .conftest import (MODEL_DIR, Proc, collect, executable, free_port, rpc_error,
                        wait_until)
-from .test_tensor_parallel import FOLLOWING, fixtures_dir, run_json  # noqa: F401 (fixture)
+from .test_tensor_parallel import fixtures_dir, run_json, start_group  # noqa: F401 (fixture)
 
 # llama3-tiny keeps 512 bytes of fp32 KV per token: 512 KiB holds 1024 tokens on one worker,
 # and 2048 across the two ranks of a context-parallel group (each holds half the blocks).
@@ -26,20 +26,7 @@ PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(1400)]
 def start_cp_group(c, size: int, name: str, extra=()):
     """Ranks 0..size-1 of context-parallel group `name` registered with cluster `c`; returns
     the Procs (leader first) once the leader listens and every follower follows."""
-    procs = []
-    for rank in range(size):
-        p = Proc(f"{name}-rank{rank}",
-                 [executable("kvgrid-worker"), "--model", c.model_dir, "--coordinator", c.addr,
-                  "--listen", "127.0.0.1:0", "--group", name, "--context-parallel-size", size,
-                  "--rank", rank, "--threads", "1", *extra],
-                 c.log_dir / f"{name}-rank{rank}.log")
-        c.workers.append(p)  # stopped with the cluster
-        procs.append(p)
-    procs[0].wait_listening()
-    for p in procs[1:]:
-        assert wait_until(lambda: FOLLOWING in p.log() or not p.alive(), timeout=60), p.describe()
-        assert p.alive(), p.describe()
-    return procs
+    return start_group(c, size, name, extra, size_flag="--context-parallel-size")
 
 
 def test_oversize_request_goes_to_the_context_parallel_group(cluster, fixtures_dir):

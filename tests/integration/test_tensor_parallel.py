@@ -34,14 +34,15 @@ def fixtures_dir():
     return Path(d)
 
 
-def start_group(c, size: int, name: str, extra=()):
-    """Starts ranks 0..size-1 of group `name` registered with cluster `c`; returns the Procs
-    (leader first) once the leader listens and every follower follows."""
+def start_group(c, size: int, name: str, extra=(), size_flag="--tensor-parallel-size"):
+    """Starts ranks 0..size-1 of group `name` registered with cluster `c` (a tensor-parallel
+    group, or as `size_flag` says); returns the Procs (leader first) once the leader listens
+    and every follower follows."""
     procs = []
     for rank in range(size):
         p = Proc(f"{name}-rank{rank}",
                  [executable("kvgrid-worker"), "--model", c.model_dir, "--coordinator", c.addr,
-                  "--listen", "127.0.0.1:0", "--group", name, "--tensor-parallel-size", size,
+                  "--listen", "127.0.0.1:0", "--group", name, size_flag, size,
                   "--rank", rank, "--threads", "1", *extra],
                  c.log_dir / f"{name}-rank{rank}.log")
         c.workers.append(p)  # stopped with the cluster
