@@ -1,6 +1,8 @@
 // quant_linear_bench: the quantized linear layer at decode and batched-decode sizes, 8-bit
-// inputs with integer dot products (LinearPrecision::kFast) against fp32 inputs (kExact: the
-// weights decoded in registers up to 4 tokens, SGEMM on decoded tiles above), on a
+// inputs with integer dot products (LinearPrecision::kFast) on row-major blocks and, where the
+// CPU has AVX-512 VNNI, on rows interleaved 16 at a time (kernels/cpu/interleaved_linear.h,
+// what the model runs there), against fp32 inputs (kExact: the weights decoded in registers up
+// to 4 tokens, SGEMM on decoded tiles above), on a
 // Qwen2-0.5B layer's matrices (gate/up 9728 x 896, down 896 x 4864) and its head
 // (151936 x 896, Q8_0), measured interleaved in one run. Each call reads another copy of the
 // weights from a set of >= 512 MiB, so they come from memory as in decode. Reports, per dtype
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu/interleaved_linear.h"
 #include "kernels/cpu/q8_activations.h"
 #include "kernels/cpu/quant_linear.h"
 #include "nlohmann/json.hpp"
@@ -73,18 +76,26 @@ int main(int argc, char** argv) {
       const int64_t bytes = static_cast<int64_t>(q->data.size());
       const int copies = static_cast<int>(std::max<int64_t>(2, (int64_t{512} << 20) / bytes + 1));
       std::vector<QuantMatrix> set(copies, *q);
+      const bool interleave = kvgrid::kernels::cpu::HaveInterleavedInt8();
+      std::vector<QuantMatrix> interleaved;
+      if (interleave) {
+        interleaved.assign(copies, *q);
+        for (QuantMatrix& c : interleaved) kvgrid::kernels::cpu::InterleaveRows(&c);
+      }
       for (int64_t m : token_counts) {
         std::vector<float> x(static_cast<size_t>(m * s.in)), y(static_cast<size_t>(m * s.out));
         for (float& v : x) v = normal(rng) * 20.f;
-        double best[2] = {1e30, 1e30};
+        double best[3] = {1e30, 1e30, 1e30};
         int next = 0;
         for (int r = 0; r < repeats; ++r) {
-          for (int variant = 0; variant < 2; ++variant) {
+          for (int variant = 0; variant < (interleave ? 3 : 2); ++variant) {
             const LinearPrecision precision =
-                variant == 0 ? LinearPrecision::kFast : LinearPrecision::kExact;
+                variant == 1 ? LinearPrecision::kExact : LinearPrecision::kFast;
+            const QuantMatrix* weight =
+                variant == 2 ? &interleaved[next++ % copies] : &set[next++ % copies];
             const auto t0 = Clock::now();
             const absl::Status st = kvgrid::kernels::cpu::QuantLinear(
-                {.input = x.data(), .weight = &set[next++ % copies], .output = y.data(),
+                {.input = x.data(), .weight = weight, .output = y.data(),
                  .num_tokens = m, .precision = precision});
             const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
             if (!st.ok()) return 1;
@@ -101,6 +112,11 @@ int main(int argc, char** argv) {
                         {"int8_weight_gbs", bytes / best[0] / 1e9},
                         {"fp32_inputs_weight_gbs", bytes / best[1] / 1e9},
                         {"speedup", best[1] / best[0]}});
+        if (interleave) {
+          rows.back()["interleaved_ms"] = best[2] * 1e3;
+          rows.back()["interleaved_weight_gbs"] = bytes / best[2] / 1e9;
+          rows.back()["interleaved_vs_fp32_inputs"] = best[1] / best[2];
+        }
       }
     }
   }
@@ -114,11 +130,17 @@ int main(int argc, char** argv) {
     std::printf("%s\n", j.dump().c_str());
   } else {
     for (const auto& r : rows) {
-      std::printf("%-5s %-8s tokens %2lld  int8 %8.3f ms (%5.1f GB/s)  fp32 inputs %8.3f ms  x%.2f\n",
+      std::printf("%-5s %-8s tokens %3lld  int8 %8.3f ms (%5.1f GB/s)  fp32 inputs %8.3f ms  x%.2f",
                   r["dtype"].get<std::string>().c_str(), r["matrix"].get<std::string>().c_str(),
                   static_cast<long long>(r["tokens"].get<int64_t>()), r["int8_ms"].get<double>(),
                   r["int8_weight_gbs"].get<double>(), r["fp32_inputs_ms"].get<double>(),
                   r["speedup"].get<double>());
+      if (r.contains("interleaved_ms")) {
+        std::printf("  interleaved %8.3f ms (%5.1f GB/s) x%.2f", r["interleaved_ms"].get<double>(),
+                    r["interleaved_weight_gbs"].get<double>(),
+                    r["interleaved_vs_fp32_inputs"].get<double>());
+      }
+      std::printf("\n");
     }
   }
   return 0;

@@ -36,7 +36,8 @@ int8_t RoundToInt8(float v) {
   return static_cast<int8_t>(r);
 }
 
-void QuantizeBlockPortable(const float* x, int8_t* q, float* scale, float* scaled_sum) {
+void QuantizeBlockPortable(const float* x, int8_t* q, float* scale, float* scaled_sum,
+                           int32_t* qsum) {
   float amax = 0.f;
   for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float d = amax / 127.f;
@@ -48,6 +49,7 @@ void QuantizeBlockPortable(const float* x, int8_t* q, float* scale, float* scale
   }
   *scale = d;
   *scaled_sum = d * static_cast<float>(sum);
+  *qsum = sum;
 }
 
 #if defined(__x86_64__)
@@ -58,7 +60,8 @@ __attribute__((target("f16c"))) inline float F16AtF16c(const uint8_t* p) {
 }
 
 __attribute__((target("avx2,fma"))) void QuantizeBlockAvx2(const float* x, int8_t* q,
-                                                           float* scale, float* scaled_sum) {
+                                                           float* scale, float* scaled_sum,
+                                                           int32_t* qsum) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[4];
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
@@ -86,7 +89,8 @@ __attribute__((target("avx2,fma"))) void QuantizeBlockAvx2(const float* x, int8_
   const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
   *scale = d;
-  *scaled_sum = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+  *qsum = _mm_cvtsi128_si32(s4);
+  *scaled_sum = d * static_cast<float>(*qsum);
 }
 
 // The 32 weights of one block in element order: Q8_0's int8 as stored, the Q4 formats' unsigned
@@ -206,6 +210,7 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
   out->q.resize(static_cast<size_t>(tokens * cols));
   out->scale.resize(static_cast<size_t>(tokens * blocks));
   out->scaled_sum.resize(static_cast<size_t>(tokens * blocks));
+  out->sum.resize(static_cast<size_t>(tokens * blocks));
 #if defined(__x86_64__)
   static const bool avx2 = HaveAvx2Fma();
 #else
@@ -217,11 +222,11 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
     int8_t* q = out->q.data() + t * cols + b * kQuantBlock;
 #if defined(__x86_64__)
     if (avx2) {
-      QuantizeBlockAvx2(src, q, &out->scale[i], &out->scaled_sum[i]);
+      QuantizeBlockAvx2(src, q, &out->scale[i], &out->scaled_sum[i], &out->sum[i]);
       continue;
     }
 #endif
-    QuantizeBlockPortable(src, q, &out->scale[i], &out->scaled_sum[i]);
+    QuantizeBlockPortable(src, q, &out->scale[i], &out->scaled_sum[i], &out->sum[i]);
   }
 }
 

@@ -30,6 +30,7 @@ struct Q8Activations {
   std::vector<int8_t> q;            // [tokens, cols]
   std::vector<float> scale;         // [tokens, cols / 32]: d of each block
   std::vector<float> scaled_sum;    // [tokens, cols / 32]: d times the sum of the block's q
+  std::vector<int32_t> sum;         // [tokens, cols / 32]: the sum of the block's q
 };
 
 // Quantizes x [tokens, cols] (row-major, cols % 32 == 0) into `out`, reusing its storage.

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/ggml_blocks.h"
+#include "kernels/cpu/interleaved_linear.h"
 #include "kernels/cpu/q8_activations.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/cpu/simd_x86.h"
@@ -409,6 +410,7 @@ absl::StatusOr<QuantMatrix> QuantizeMatrix(const float* w, int64_t rows, int64_t
 
 void DequantizeRow(const QuantMatrix& m, int64_t row, float* out) {
   static const DequantFn dequant = BestDequant();
+  if (m.interleaved) return DequantizeInterleavedRow(m, row, out);
   const uint8_t* src = m.data.data() + row * m.RowBytes();
   if (IsFloat16(m.dtype)) {
 #if defined(__x86_64__)
@@ -474,7 +476,15 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
     }
     input = gathered.data();
   }
-  if (m <= kInt8BatchTokens && p.precision == LinearPrecision::kFast && HasInt8Dot(w.dtype)) {
+  if (w.interleaved && p.precision == LinearPrecision::kFast && HaveInterleavedInt8()) {
+    // Every batch size on 8-bit inputs, 16 rows at a time (kernels/cpu/interleaved_linear.h).
+    thread_local Q8Activations calling_threads;
+    QuantizeActivations(input, m, k, &calling_threads);
+    InterleavedInt8Linear(w, calling_threads, p.bias, p.output, ldo, p.accumulate);
+    return absl::OkStatus();
+  }
+  if (m <= kInt8BatchTokens && p.precision == LinearPrecision::kFast && HasInt8Dot(w.dtype) &&
+      !w.interleaved) {
     // Decode (batched up to kInt8BatchTokens) on 8-bit inputs: quantized once here, each weight
     // row read once as stored and multiplied with up to kInt8DotMaxTokens tokens at a time.
     thread_local Q8Activations calling_threads;
@@ -504,12 +514,12 @@ absl::Status QuantLinear(const QuantLinearParams& p) {
     const VecOps& vec = Vec();
 #pragma omp parallel if (n * k > 32768)
     {
-      std::vector<float> row(avx2 ? 0 : static_cast<size_t>(k));
+      std::vector<float> row(avx2 && !w.interleaved ? 0 : static_cast<size_t>(k));
       float dots[kSmallBatchTokens];
 #pragma omp for schedule(static)
       for (int64_t j = 0; j < n; ++j) {
 #if defined(__x86_64__)
-        if (avx2) {
+        if (avx2 && !w.interleaved) {
           DotRow(w, w.data.data() + j * w.RowBytes(), input, m, dots);
         } else
 #endif

@@ -55,6 +55,10 @@ struct QuantMatrix {
   int64_t cols = 0;
   std::vector<uint8_t> data = {};          // [rows, cols / BlockElements(dtype)] blocks
   std::vector<int32_t> input_perm = {};  // [cols] or empty (identity)
+  // Rows interleaved 16 at a time for the AVX-512 VNNI kernels (kernels/cpu/interleaved_linear.h
+  // has the layout; Q8_0 and Q4_0 only): the same bytes, but row r no longer starts at
+  // r * RowBytes(). DequantizeRow and QuantLinear read either layout.
+  bool interleaved = false;
 
   // Weights per block: 32, 256 for the K-quants, 1 for F16/BF16 (0 for fp32).
   [[nodiscard]] static int64_t BlockElements(WeightDType dtype);

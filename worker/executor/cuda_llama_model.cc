@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/interleaved_linear.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cuda/attention_merge.cuh"
 #include "kernels/cuda/cast.cuh"
@@ -295,7 +296,10 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
       KVGRID_RETURN_IF_ERROR(CheckQuantized(q, out, in, "layer"));
       l.quantized = true;
       l.format = q.dtype;
-      KVGRID_ASSIGN_OR_RETURN(l.storage, UploadVector(q.data));
+      // The card reads row-major blocks (the CPU model may hold them interleaved).
+      cpu::QuantMatrix row_major;
+      if (q.interleaved) row_major = cpu::RowMajor(q);
+      KVGRID_ASSIGN_OR_RETURN(l.storage, UploadVector(q.interleaved ? row_major.data : q.data));
       if (!q.input_perm.empty()) {
         KVGRID_ASSIGN_OR_RETURN(l.input_perm, UploadVector(q.input_perm));
       }
@@ -330,7 +334,10 @@ absl::StatusOr<std::unique_ptr<CudaLlamaModel>> CudaLlamaModel::FromWeights(
       return absl::InvalidArgumentError("CudaLlamaModel: embed_tokens with an input_perm");
     }
     m->embed_format_ = w.embed_q.dtype;
-    KVGRID_ASSIGN_OR_RETURN(m->embed_, UploadVector(w.embed_q.data));
+    cpu::QuantMatrix row_major;
+    if (w.embed_q.interleaved) row_major = cpu::RowMajor(w.embed_q);
+    KVGRID_ASSIGN_OR_RETURN(m->embed_, UploadVector(w.embed_q.interleaved ? row_major.data
+                                                                          : w.embed_q.data));
   } else {
     KVGRID_ASSIGN_OR_RETURN(m->embed_, dense(w.embed));
   }

@@ -14,6 +14,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/interleaved_linear.h"
 #include "kernels/cpu/kv_write.h"
 #include "kernels/cpu/packed_int4.h"
 #include "kernels/cpu/rms_norm.h"
@@ -791,8 +792,41 @@ int64_t LlamaModel::WeightBytes() const {
   return n * static_cast<int64_t>(sizeof(float)) + quantized;
 }
 
+void LlamaModel::InterleaveWeights() {
+  interleaved_ = true;
+  if (!cpu::HaveInterleavedInt8()) return;
+  cpu::InterleaveRows(&w_.embed_q);
+  cpu::InterleaveRows(&w_.lm_head_q);
+  for (LayerWeights& l : w_.layers) {
+    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
+      cpu::InterleaveRows(q);
+    }
+    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
+      for (cpu::QuantMatrix& q : *parts) cpu::InterleaveRows(&q);
+    }
+  }
+}
+
 absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
+  // Matrices interleaved already go back to row-major blocks, which the requantization and
+  // the fp16 path read; Forward interleaves again.
+  if (interleaved_) {
+    for (cpu::QuantMatrix* q : {&w_.embed_q, &w_.lm_head_q}) {
+      if (q->interleaved) *q = cpu::RowMajor(*q);
+    }
+    for (LayerWeights& l : w_.layers) {
+      for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
+        if (q->interleaved) *q = cpu::RowMajor(*q);
+      }
+      for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
+        for (cpu::QuantMatrix& q : *parts) {
+          if (q.interleaved) q = cpu::RowMajor(q);
+        }
+      }
+    }
+    interleaved_ = false;
+  }
   const ShardDims d = ShardDimsOf(config_, tp_);
   auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
                           cpu::QuantMatrix* out) -> absl::Status {
@@ -853,6 +887,7 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   }
   logits->clear();
   if (n == 0) return absl::OkStatus();
+  if (!interleaved_ && linear_precision_ == cpu::LinearPrecision::kFast) InterleaveWeights();
   // Under context parallelism the batch's ids are the group's: this rank writes and reads
   // only its own blocks, in its own pool's ids (-1 elsewhere).
   const int64_t* slots = b.slots.data();

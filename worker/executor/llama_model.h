@@ -280,7 +280,14 @@ class LlamaModel {
                                  const std::vector<float>& bias, int64_t n, int64_t in_features,
                                  int64_t out_features);
 
+  // Interleaves the Q8_0/Q4_0 matrices' rows for the AVX-512 VNNI kernels
+  // (kernels/cpu/interleaved_linear.h), once, before the first kFast Forward on a CPU that has
+  // them: after loading, slicing and QuantizeWeights, which read row-major blocks. weights()
+  // shows the layout (QuantMatrix::interleaved).
+  void InterleaveWeights();
+
   model::ModelConfig config_;
+  bool interleaved_ = false;  // InterleaveWeights has run since the last QuantizeWeights
   kernels::cpu::KvKernelPrecision attention_precision_ = kernels::cpu::KvKernelPrecision::kFast;
   kernels::cpu::LinearPrecision linear_precision_ = kernels::cpu::LinearPrecision::kFast;
   // Attention of one layer over this context-parallel rank's blocks, merged with the other

@@ -55,6 +55,7 @@ TEST(Q8ActivationsTest, QuantizedWithinHalfAStep) {
     }
     EXPECT_EQ(qmax, amax > 0.f ? 127 : 0) << "block " << blk;
     EXPECT_FLOAT_EQ(a.scaled_sum[blk], a.scale[blk] * static_cast<float>(sum)) << "block " << blk;
+    EXPECT_EQ(a.sum[blk], sum) << "block " << blk;
   }
   EXPECT_EQ(a.scale[1], 0.f);
 }

@@ -1,0 +1,266 @@
+#include "kernels/cpu/interleaved_linear.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "model/dtype.h"
+
+namespace kvgrid::kernels::cpu {
+namespace {
+
+constexpr int64_t kScaleBytes = 2 * kInterleaveRows;  // the 16 rows' fp16 scales
+
+// Bytes of one group's block (16 rows' blocks) and of its weight chunks.
+int64_t GroupBlockBytes(WeightDType dtype) {
+  return kInterleaveRows * QuantMatrix::BlockBytes(dtype);
+}
+
+// Where row `row`'s block `b` starts in an interleaved matrix: its group's block.
+const uint8_t* GroupBlock(const QuantMatrix& m, int64_t row, int64_t b) {
+  const int64_t blocks = m.cols / kQuantBlock;
+  const int64_t g = row / kInterleaveRows;
+  return m.data.data() + (g * blocks + b) * GroupBlockBytes(m.dtype);
+}
+
+// Tokens one call of the kernel carries through a group (its accumulators stay in registers).
+constexpr int64_t kTileTokens = 8;
+// Tokens whose activations one pass over the row groups reads (so they stay in L2).
+constexpr int64_t kChunkTokens = 64;
+
+#if defined(__x86_64__)
+#define KVGRID_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+// Activations p[0..3] in every 32-bit lane (one vpbroadcastd, or vpdpbusd's {1to16} operand).
+KVGRID_AVX512_VNNI inline __m512i Broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi32(v);
+}
+
+// The 16 rows of one group against T tokens of `a` from `first`: acc[t] lane r is row r's dot
+// product with token first + t over all the group's blocks.
+template <WeightDType D, int T>
+KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8Activations& a,
+                                 int64_t first, __m512 acc[T]) {
+  constexpr int64_t kGroupBlock = kInterleaveRows * (D == WeightDType::kQ8_0 ? 34 : 18);
+  // The unsigned weights' offset times the activation block's sum, subtracted in integers.
+  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : 8;
+  const int8_t* xq[T];
+  const float* xd[T];
+  const int32_t* xs[T];
+  for (int t = 0; t < T; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    xq[t] = a.q.data() + (first + t) * a.cols;
+    xd[t] = a.scale.data() + (first + t) * blocks;
+    xs[t] = a.sum.data() + (first + t) * blocks;
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = group + b * kGroupBlock;
+    // The maskz forms here and below: GCC 12 warns that the plain conversions read an
+    // undefined vector.
+    const __m512 dw =
+        _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const uint8_t* chunks = blk + kScaleBytes;
+    __m512i dot[T];
+    for (int t = 0; t < T; ++t) {
+      dot[t] = _mm512_set1_epi32(
+          static_cast<int32_t>(0u - kOffset * static_cast<uint32_t>(xs[t][b])));
+    }
+    const int8_t* xb[T];
+    for (int t = 0; t < T; ++t) xb[t] = xq[t] + b * kQuantBlock;
+    if constexpr (D == WeightDType::kQ8_0) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(chunks + 64 * j);
+        for (int t = 0; t < T; ++t) dot[t] = _mm512_dpbusd_epi32(dot[t], w, Broadcast4(xb[t] + 4 * j));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i packed = _mm512_loadu_si512(chunks + 64 * j);
+        const __m512i lo = _mm512_and_si512(packed, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          dot[t] = _mm512_dpbusd_epi32(dot[t], lo, Broadcast4(xb[t] + 4 * j));
+          dot[t] = _mm512_dpbusd_epi32(dot[t], hi, Broadcast4(xb[t] + 16 + 4 * j));
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t][b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot[t]), scale, acc[t]);
+    }
+  }
+}
+
+// Rows [16 g, 16 g + 16) for tokens [first, first + T): written (or added) to the output.
+template <WeightDType D, int T>
+KVGRID_AVX512_VNNI void GroupTile(const uint8_t* group, int64_t blocks, const Q8Activations& a,
+                                  int64_t first, const float* bias, float* out, int64_t ldo,
+                                  bool accumulate) {
+  __m512 acc[T];
+  GroupDot<D, T>(group, blocks, a, first, acc);
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    float* y = out + (first + t) * ldo;
+    __m512 v = _mm512_add_ps(acc[t], b);
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
+    _mm512_storeu_ps(y, v);
+  }
+}
+
+using TileFn = void (*)(const uint8_t*, int64_t, const Q8Activations&, int64_t, const float*,
+                        float*, int64_t, bool);
+
+template <WeightDType D>
+TileFn TileFor(int64_t tokens) {
+  switch (tokens) {
+    case 1: return GroupTile<D, 1>;
+    case 2: return GroupTile<D, 2>;
+    case 3: return GroupTile<D, 3>;
+    case 4: return GroupTile<D, 4>;
+    case 5: return GroupTile<D, 5>;
+    case 6: return GroupTile<D, 6>;
+    case 7: return GroupTile<D, 7>;
+    default: return GroupTile<D, 8>;
+  }
+}
+#endif  // __x86_64__
+
+}  // namespace
+
+bool HaveInterleavedInt8() {
+#if defined(__x86_64__)
+  static const bool have = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return have;
+#else
+  return false;
+#endif
+}
+
+bool CanInterleave(const QuantMatrix& m) {
+  return (m.dtype == WeightDType::kQ8_0 || m.dtype == WeightDType::kQ4_0) && !m.interleaved &&
+         m.rows > 0 && m.rows % kInterleaveRows == 0 && m.input_perm.empty() &&
+         m.cols % kQuantBlock == 0 &&
+         static_cast<int64_t>(m.data.size()) == m.rows * m.RowBytes();
+}
+
+void InterleaveRows(QuantMatrix* m) {
+  if (!CanInterleave(*m)) return;
+  const int64_t blocks = m->cols / kQuantBlock, bb = QuantMatrix::BlockBytes(m->dtype);
+  const int64_t gbb = GroupBlockBytes(m->dtype), row_bytes = m->RowBytes();
+  const bool q8 = m->dtype == WeightDType::kQ8_0;
+  std::vector<uint8_t> out(m->data.size());
+  const int64_t groups = m->rows / kInterleaveRows;
+#pragma omp parallel for schedule(static) if (groups > 64)
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* dst = out.data() + (g * blocks + b) * gbb;
+      for (int64_t r = 0; r < kInterleaveRows; ++r) {
+        const uint8_t* src = m->data.data() + (g * kInterleaveRows + r) * row_bytes + b * bb;
+        std::memcpy(dst + 2 * r, src, 2);  // the fp16 scale
+        uint8_t* chunks = dst + kScaleBytes;
+        if (q8) {
+          for (int j = 0; j < 8; ++j) {
+            for (int i = 0; i < 4; ++i) {
+              chunks[64 * j + 4 * r + i] = static_cast<uint8_t>(src[2 + 4 * j + i] ^ 0x80);
+            }
+          }
+        } else {
+          // Value v is the low nibble of byte v (v < 16) or the high nibble of byte v - 16.
+          const auto nibble = [&](int v) {
+            return v < 16 ? src[2 + v] & 0x0F : src[2 + v - 16] >> 4;
+          };
+          for (int j = 0; j < 4; ++j) {
+            for (int i = 0; i < 4; ++i) {
+              chunks[64 * j + 4 * r + i] =
+                  static_cast<uint8_t>(nibble(4 * j + i) | nibble(16 + 4 * j + i) << 4);
+            }
+          }
+        }
+      }
+    }
+  }
+  m->data = std::move(out);
+  m->interleaved = true;
+}
+
+QuantMatrix RowMajor(const QuantMatrix& m) {
+  if (!m.interleaved) return m;
+  QuantMatrix r{.dtype = m.dtype, .rows = m.rows, .cols = m.cols};
+  const int64_t blocks = m.cols / kQuantBlock, bb = QuantMatrix::BlockBytes(m.dtype);
+  r.data.resize(m.data.size());
+  for (int64_t row = 0; row < m.rows; ++row) {
+    const int64_t lane = row % kInterleaveRows;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src = GroupBlock(m, row, b);
+      uint8_t* dst = r.data.data() + row * r.RowBytes() + b * bb;
+      std::memcpy(dst, src + 2 * lane, 2);
+      const uint8_t* chunks = src + kScaleBytes + 4 * lane;
+      if (m.dtype == WeightDType::kQ8_0) {
+        for (int v = 0; v < 32; ++v) dst[2 + v] = chunks[64 * (v / 4) + v % 4] ^ 0x80;
+      } else {
+        // Byte v of the row's block (values v and v + 16) is kept whole.
+        for (int v = 0; v < 16; ++v) dst[2 + v] = chunks[64 * (v / 4) + v % 4];
+      }
+    }
+  }
+  return r;
+}
+
+void DequantizeInterleavedRow(const QuantMatrix& m, int64_t row, float* out) {
+  const int64_t blocks = m.cols / kQuantBlock, lane = row % kInterleaveRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = GroupBlock(m, row, b);
+    uint16_t h;
+    std::memcpy(&h, blk + 2 * lane, sizeof(h));
+    const float d = model::F16ToF32(h);
+    const uint8_t* chunks = blk + kScaleBytes + 4 * lane;
+    float* o = out + b * kQuantBlock;
+    if (m.dtype == WeightDType::kQ8_0) {
+      for (int v = 0; v < 32; ++v) {
+        o[v] = d * static_cast<float>(static_cast<int>(chunks[64 * (v / 4) + v % 4]) - 128);
+      }
+    } else {
+      for (int v = 0; v < 16; ++v) {
+        const uint8_t byte = chunks[64 * (v / 4) + v % 4];
+        o[v] = d * static_cast<float>((byte & 0x0F) - 8);
+        o[v + 16] = d * static_cast<float>((byte >> 4) - 8);
+      }
+    }
+  }
+}
+
+void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const float* bias,
+                           float* output, int64_t ldo, bool accumulate) {
+#if defined(__x86_64__)
+  const int64_t blocks = w.cols / kQuantBlock, groups = w.rows / kInterleaveRows;
+  const int64_t group_bytes = blocks * GroupBlockBytes(w.dtype);
+  const bool q8 = w.dtype == WeightDType::kQ8_0;
+  for (int64_t c0 = 0; c0 < a.tokens; c0 += kChunkTokens) {
+    const int64_t c1 = std::min(a.tokens, c0 + kChunkTokens);
+#pragma omp parallel for schedule(static) if (groups * blocks * (c1 - c0) > 2048)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* group = w.data.data() + g * group_bytes;
+      const float* b = bias ? bias + g * kInterleaveRows : nullptr;
+      float* out = output + g * kInterleaveRows;
+      for (int64_t t = c0; t < c1; t += kTileTokens) {
+        const int64_t n = std::min(kTileTokens, c1 - t);
+        const TileFn tile = q8 ? TileFor<WeightDType::kQ8_0>(n) : TileFor<WeightDType::kQ4_0>(n);
+        tile(group, blocks, a, t, b, out, ldo, accumulate);
+      }
+    }
+  }
+#else
+  (void)w, (void)a, (void)bias, (void)output, (void)ldo, (void)accumulate;
+#endif
+}
+
+}  // namespace kvgrid::kernels::cpu
