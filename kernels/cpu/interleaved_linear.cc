@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -11,7 +12,19 @@
 namespace kvgrid::kernels::cpu {
 namespace {
 
-constexpr int64_t kScaleBytes = 2 * kInterleaveRows;  // the 16 rows' fp16 scales
+constexpr int64_t kScaleBytes = 2 * kInterleaveRows;  // one fp16 field of the 16 rows
+
+// The 16 rows' fp16 scales, then for Q4_1 and Q4_Z their offsets or zero points.
+int64_t GroupHeaderBytes(WeightDType dtype) {
+  return dtype == WeightDType::kQ4_1 || dtype == WeightDType::kQ4_Z ? 4 * kInterleaveRows
+                                                                     : 2 * kInterleaveRows;
+}
+
+float F16At(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return model::F16ToF32(h);
+}
 
 // Bytes of one group's block (16 rows' blocks) and of its weight chunks.
 int64_t GroupBlockBytes(WeightDType dtype) {
@@ -45,17 +58,22 @@ KVGRID_AVX512_VNNI inline __m512i Broadcast4(const int8_t* p) {
 template <WeightDType D, int T>
 KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8Activations& a,
                                  int64_t first, __m512 acc[T]) {
-  constexpr int64_t kGroupBlock = kInterleaveRows * (D == WeightDType::kQ8_0 ? 34 : 18);
-  // The unsigned weights' offset times the activation block's sum, subtracted in integers.
-  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : 8;
+  constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
+  constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
+  constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
+  // The unsigned weights' offset times the activation block's sum, subtracted in integers
+  // (Q4_1's and Q4_Z's offsets are per row: added in floats, m d_x sum(q_x)).
+  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : D == WeightDType::kQ4_0 ? 8 : 0;
   const int8_t* xq[T];
   const float* xd[T];
   const int32_t* xs[T];
+  const float* xss[T];
   for (int t = 0; t < T; ++t) {
     acc[t] = _mm512_setzero_ps();
     xq[t] = a.q.data() + (first + t) * a.cols;
     xd[t] = a.scale.data() + (first + t) * blocks;
     xs[t] = a.sum.data() + (first + t) * blocks;
+    xss[t] = a.scaled_sum.data() + (first + t) * blocks;
   }
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
@@ -64,11 +82,19 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
     // undefined vector.
     const __m512 dw =
         _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    const uint8_t* chunks = blk + kScaleBytes;
+    const uint8_t* chunks = blk + kHeader;
+    __m512 offset = _mm512_setzero_ps();  // m of w = d q + m, per row
+    if constexpr (kSecondHalf) {
+      const __m512 second = _mm512_maskz_cvtph_ps(
+          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      offset = D == WeightDType::kQ4_1 ? second
+                                       : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dw, second));
+    }
     __m512i dot[T];
     for (int t = 0; t < T; ++t) {
-      dot[t] = _mm512_set1_epi32(
-          static_cast<int32_t>(0u - kOffset * static_cast<uint32_t>(xs[t][b])));
+      dot[t] = kOffset == 0 ? _mm512_setzero_si512()
+                            : _mm512_set1_epi32(static_cast<int32_t>(
+                                  0u - kOffset * static_cast<uint32_t>(xs[t][b])));
     }
     const int8_t* xb[T];
     for (int t = 0; t < T; ++t) xb[t] = xq[t] + b * kQuantBlock;
@@ -91,6 +117,7 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
     for (int t = 0; t < T; ++t) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t][b]));
       acc[t] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot[t]), scale, acc[t]);
+      if constexpr (kSecondHalf) acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss[t][b]), acc[t]);
     }
   }
 }
@@ -127,6 +154,14 @@ TileFn TileFor(int64_t tokens) {
     default: return GroupTile<D, 8>;
   }
 }
+TileFn TileFor(WeightDType dtype, int64_t tokens) {
+  switch (dtype) {
+    case WeightDType::kQ8_0: return TileFor<WeightDType::kQ8_0>(tokens);
+    case WeightDType::kQ4_0: return TileFor<WeightDType::kQ4_0>(tokens);
+    case WeightDType::kQ4_1: return TileFor<WeightDType::kQ4_1>(tokens);
+    default: return TileFor<WeightDType::kQ4_Z>(tokens);
+  }
+}
 #endif  // __x86_64__
 
 }  // namespace
@@ -146,7 +181,9 @@ bool HaveInterleavedInt8() {
 }
 
 bool CanInterleave(const QuantMatrix& m) {
-  return (m.dtype == WeightDType::kQ8_0 || m.dtype == WeightDType::kQ4_0) && !m.interleaved &&
+  return (m.dtype == WeightDType::kQ8_0 || m.dtype == WeightDType::kQ4_0 ||
+          m.dtype == WeightDType::kQ4_1 || m.dtype == WeightDType::kQ4_Z) &&
+         !m.interleaved &&
          m.rows > 0 && m.rows % kInterleaveRows == 0 && m.input_perm.empty() &&
          m.cols % kQuantBlock == 0 &&
          static_cast<int64_t>(m.data.size()) == m.rows * m.RowBytes();
@@ -157,6 +194,7 @@ void InterleaveRows(QuantMatrix* m) {
   const int64_t blocks = m->cols / kQuantBlock, bb = QuantMatrix::BlockBytes(m->dtype);
   const int64_t gbb = GroupBlockBytes(m->dtype), row_bytes = m->RowBytes();
   const bool q8 = m->dtype == WeightDType::kQ8_0;
+  const int64_t header = GroupHeaderBytes(m->dtype), fields = header / kScaleBytes;
   std::vector<uint8_t> out(m->data.size());
   const int64_t groups = m->rows / kInterleaveRows;
 #pragma omp parallel for schedule(static) if (groups > 64)
@@ -165,18 +203,21 @@ void InterleaveRows(QuantMatrix* m) {
       uint8_t* dst = out.data() + (g * blocks + b) * gbb;
       for (int64_t r = 0; r < kInterleaveRows; ++r) {
         const uint8_t* src = m->data.data() + (g * kInterleaveRows + r) * row_bytes + b * bb;
-        std::memcpy(dst + 2 * r, src, 2);  // the fp16 scale
-        uint8_t* chunks = dst + kScaleBytes;
+        for (int64_t f = 0; f < fields; ++f) {  // the fp16 scale (and offset or zero point)
+          std::memcpy(dst + f * kScaleBytes + 2 * r, src + 2 * f, 2);
+        }
+        const uint8_t* values = src + 2 * fields;
+        uint8_t* chunks = dst + header;
         if (q8) {
           for (int j = 0; j < 8; ++j) {
             for (int i = 0; i < 4; ++i) {
-              chunks[64 * j + 4 * r + i] = static_cast<uint8_t>(src[2 + 4 * j + i] ^ 0x80);
+              chunks[64 * j + 4 * r + i] = static_cast<uint8_t>(values[4 * j + i] ^ 0x80);
             }
           }
         } else {
           // Value v is the low nibble of byte v (v < 16) or the high nibble of byte v - 16.
           const auto nibble = [&](int v) {
-            return v < 16 ? src[2 + v] & 0x0F : src[2 + v - 16] >> 4;
+            return v < 16 ? values[v] & 0x0F : values[v - 16] >> 4;
           };
           for (int j = 0; j < 4; ++j) {
             for (int i = 0; i < 4; ++i) {
@@ -202,13 +243,17 @@ QuantMatrix RowMajor(const QuantMatrix& m) {
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* src = GroupBlock(m, row, b);
       uint8_t* dst = r.data.data() + row * r.RowBytes() + b * bb;
-      std::memcpy(dst, src + 2 * lane, 2);
-      const uint8_t* chunks = src + kScaleBytes + 4 * lane;
+      const int64_t header = GroupHeaderBytes(m.dtype), fields = header / kScaleBytes;
+      for (int64_t f = 0; f < fields; ++f) {
+        std::memcpy(dst + 2 * f, src + f * kScaleBytes + 2 * lane, 2);
+      }
+      uint8_t* values = dst + 2 * fields;
+      const uint8_t* chunks = src + header + 4 * lane;
       if (m.dtype == WeightDType::kQ8_0) {
-        for (int v = 0; v < 32; ++v) dst[2 + v] = chunks[64 * (v / 4) + v % 4] ^ 0x80;
+        for (int v = 0; v < 32; ++v) values[v] = chunks[64 * (v / 4) + v % 4] ^ 0x80;
       } else {
         // Byte v of the row's block (values v and v + 16) is kept whole.
-        for (int v = 0; v < 16; ++v) dst[2 + v] = chunks[64 * (v / 4) + v % 4];
+        for (int v = 0; v < 16; ++v) values[v] = chunks[64 * (v / 4) + v % 4];
       }
     }
   }
@@ -219,20 +264,26 @@ void DequantizeInterleavedRow(const QuantMatrix& m, int64_t row, float* out) {
   const int64_t blocks = m.cols / kQuantBlock, lane = row % kInterleaveRows;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = GroupBlock(m, row, b);
-    uint16_t h;
-    std::memcpy(&h, blk + 2 * lane, sizeof(h));
-    const float d = model::F16ToF32(h);
-    const uint8_t* chunks = blk + kScaleBytes + 4 * lane;
+    const float d = F16At(blk + 2 * lane);
+    const uint8_t* chunks = blk + GroupHeaderBytes(m.dtype) + 4 * lane;
     float* o = out + b * kQuantBlock;
     if (m.dtype == WeightDType::kQ8_0) {
       for (int v = 0; v < 32; ++v) {
         o[v] = d * static_cast<float>(static_cast<int>(chunks[64 * (v / 4) + v % 4]) - 128);
       }
-    } else {
+    } else if (m.dtype == WeightDType::kQ4_0) {
       for (int v = 0; v < 16; ++v) {
         const uint8_t byte = chunks[64 * (v / 4) + v % 4];
         o[v] = d * static_cast<float>((byte & 0x0F) - 8);
         o[v + 16] = d * static_cast<float>((byte >> 4) - 8);
+      }
+    } else {  // w = d q + m, fused as DequantizeRow does for the row-major blocks
+      const float second = F16At(blk + kScaleBytes + 2 * lane);
+      const float mn = m.dtype == WeightDType::kQ4_1 ? second : -d * second;
+      for (int v = 0; v < 16; ++v) {
+        const uint8_t byte = chunks[64 * (v / 4) + v % 4];
+        o[v] = std::fma(d, static_cast<float>(byte & 0x0F), mn);
+        o[v + 16] = std::fma(d, static_cast<float>(byte >> 4), mn);
       }
     }
   }
@@ -243,7 +294,6 @@ void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const f
 #if defined(__x86_64__)
   const int64_t blocks = w.cols / kQuantBlock, groups = w.rows / kInterleaveRows;
   const int64_t group_bytes = blocks * GroupBlockBytes(w.dtype);
-  const bool q8 = w.dtype == WeightDType::kQ8_0;
   for (int64_t c0 = 0; c0 < a.tokens; c0 += kChunkTokens) {
     const int64_t c1 = std::min(a.tokens, c0 + kChunkTokens);
 #pragma omp parallel for schedule(static) if (groups * blocks * (c1 - c0) > 2048)
@@ -253,7 +303,7 @@ void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const f
       float* out = output + g * kInterleaveRows;
       for (int64_t t = c0; t < c1; t += kTileTokens) {
         const int64_t n = std::min(kTileTokens, c1 - t);
-        const TileFn tile = q8 ? TileFor<WeightDType::kQ8_0>(n) : TileFor<WeightDType::kQ4_0>(n);
+        const TileFn tile = TileFor(w.dtype, n);
         tile(group, blocks, a, t, b, out, ldo, accumulate);
       }
     }

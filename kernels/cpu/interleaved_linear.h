@@ -1,4 +1,4 @@
-// Q8_0 and Q4_0 matrices with their rows interleaved 16 at a time, multiplied with 8-bit
+// Q8_0, Q4_0, Q4_1 and Q4_Z matrices with their rows interleaved 16 at a time, multiplied with 8-bit
 // activations by AVX-512 VNNI: one 512-bit register holds 4 consecutive weights of each of 16
 // rows, so one vpdpbusd with 4 activation bytes broadcast advances 16 rows' dot products at
 // once, each in its own lane. No horizontal sums, one activation load per 16 rows, and the
@@ -7,16 +7,18 @@
 // repacked CPU layouts do).
 //
 // Layout (QuantMatrix::interleaved): rows in groups of 16; a group holds its blocks in order,
-// block b of the group being the 16 rows' fp16 scales (32 bytes) then the weights in chunks of
-// 64 bytes, chunk j holding 4 bytes per row (row r at bytes 4r..4r+3):
+// block b of the group being the 16 rows' fp16 scales (32 bytes), for Q4_1/Q4_Z their 16 fp16
+// offsets or zero points (32 bytes), then the weights in chunks of 64 bytes, chunk j holding 4
+// bytes per row (row r at bytes 4r..4r+3):
 //   Q8_0: 8 chunks; byte i of row r in chunk j is q[r][4j + i] + 128 (unsigned).
-//   Q4_0: 4 chunks; byte i of row r in chunk j is q[r][4j + i] | q[r][16 + 4j + i] << 4, the
-//         nibbles 0..15 as Q4_0 stores them (w = d (q - 8)).
+//   Q4_*: 4 chunks; byte i of row r in chunk j is q[r][4j + i] | q[r][16 + 4j + i] << 4, the
+//         nibbles 0..15 as the formats store them.
 // A group's block takes 16 times the bytes of one row's block, so the matrix keeps its size.
 //
-// The unsigned weights (q + 128, or the nibble) against signed activations add 128 (8) times
-// the activation block's sum to each dot product, which the kernel subtracts in integers
-// (Q8Activations::sum): the result is exactly Int8DotRow's integer sum.
+// The unsigned weights (q + 128, or Q4_0's nibble for q - 8) against signed activations add
+// 128 (8) times the activation block's sum to each dot product, which the kernel subtracts in
+// integers (Q8Activations::sum): the result is exactly Int8DotRow's integer sum. Q4_1's and
+// Q4_Z's offsets m (w = d q + m) add m d_x sum(q_x) in floats.
 //
 // Thread-safety: stateless.
 #ifndef KVGRID_KERNELS_CPU_INTERLEAVED_LINEAR_H_
@@ -34,8 +36,8 @@ inline constexpr int64_t kInterleaveRows = 16;
 // Whether this CPU runs the interleaved kernels (AVX-512 F, BW, VL and VNNI).
 [[nodiscard]] bool HaveInterleavedInt8();
 
-// Whether `m` can be interleaved: Q8_0 or Q4_0, rows a multiple of 16, no input_perm, not
-// interleaved already.
+// Whether `m` can be interleaved: Q8_0, Q4_0, Q4_1 or Q4_Z, rows a multiple of 16, no
+// input_perm, not interleaved already.
 [[nodiscard]] bool CanInterleave(const QuantMatrix& m);
 
 // Rewrites `m` in the interleaved layout (in place; a transient copy of its data). Does nothing

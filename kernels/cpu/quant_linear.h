@@ -56,7 +56,7 @@ struct QuantMatrix {
   std::vector<uint8_t> data = {};          // [rows, cols / BlockElements(dtype)] blocks
   std::vector<int32_t> input_perm = {};  // [cols] or empty (identity)
   // Rows interleaved 16 at a time for the AVX-512 VNNI kernels (kernels/cpu/interleaved_linear.h
-  // has the layout; Q8_0 and Q4_0 only): the same bytes, but row r no longer starts at
+  // has the layout; Q8_0, Q4_0, Q4_1 and Q4_Z only): the same bytes, but row r no longer starts at
   // r * RowBytes(). DequantizeRow and QuantLinear read either layout.
   bool interleaved = false;
 

@@ -1,4 +1,5 @@
-// Rows interleaved 16 at a time (kernels/cpu/interleaved_linear.h): the layout round-trips to
+// Rows interleaved 16 at a time (kernels/cpu/interleaved_linear.h), Q8_0, Q4_0, Q4_1 and Q4_Z:
+// the layout round-trips to
 // the row-major blocks byte for byte and decodes every row as the row-major blocks do; the
 // AVX-512 VNNI kernel gives the exact integer block sums, scaled, for 1 to 70 tokens (tiles
 // of 8, chunks of 64), with bias, accumulation and a wider output; and QuantLinear on an
@@ -33,7 +34,13 @@ QuantMatrix Quantized(WeightDType dtype, int64_t rows, int64_t cols, uint64_t se
   return *m;
 }
 
-constexpr WeightDType kFormats[] = {WeightDType::kQ8_0, WeightDType::kQ4_0};
+// Bytes before a block's values: the fp16 scale, and Q4_1's offset or Q4_Z's zero point.
+int64_t Header(WeightDType dtype) {
+  return dtype == WeightDType::kQ4_1 || dtype == WeightDType::kQ4_Z ? 4 : 2;
+}
+
+constexpr WeightDType kFormats[] = {WeightDType::kQ8_0, WeightDType::kQ4_0, WeightDType::kQ4_1,
+                                    WeightDType::kQ4_Z};
 
 TEST(InterleavedLinearTest, LayoutRoundTripsAndDecodesEveryRow) {
   for (WeightDType dtype : kFormats) {
@@ -41,7 +48,7 @@ TEST(InterleavedLinearTest, LayoutRoundTripsAndDecodesEveryRow) {
     // Every byte pattern, -128 weights included: the layout must carry all of them.
     std::mt19937 rng(5);
     for (int64_t i = 0; i < static_cast<int64_t>(m.data.size()); ++i) {
-      if (i % QuantMatrix::BlockBytes(dtype) >= 2) m.data[i] = static_cast<uint8_t>(rng());
+      if (i % QuantMatrix::BlockBytes(dtype) >= Header(dtype)) m.data[i] = static_cast<uint8_t>(rng());
     }
     const QuantMatrix original = m;
     ASSERT_TRUE(CanInterleave(m));
@@ -63,10 +70,10 @@ TEST(InterleavedLinearTest, LayoutRoundTripsAndDecodesEveryRow) {
   }
 }
 
-TEST(InterleavedLinearTest, OnlyWholeGroupsOfTheTwoFormats) {
+TEST(InterleavedLinearTest, OnlyWholeGroupsOfTheFourFormats) {
   EXPECT_FALSE(CanInterleave(Quantized(WeightDType::kQ8_0, 40, 64, 1)));  // 40 % 16 != 0
-  EXPECT_FALSE(CanInterleave(Quantized(WeightDType::kQ4_1, 32, 64, 1)));
-  QuantMatrix m = Quantized(WeightDType::kQ4_1, 32, 64, 1);
+  EXPECT_FALSE(CanInterleave(Quantized(WeightDType::kF16, 32, 64, 1)));
+  QuantMatrix m = Quantized(WeightDType::kF16, 32, 64, 1);
   const std::vector<uint8_t> before = m.data;
   InterleaveRows(&m);  // a no-op
   EXPECT_FALSE(m.interleaved);
@@ -84,19 +91,31 @@ double Reference(const QuantMatrix& rowmajor, int64_t row, const Q8Activations& 
     uint16_t h;
     std::memcpy(&h, block, 2);
     const double dw = model::F16ToF32(h);
-    int64_t dot = 0;
+    const WeightDType dtype = rowmajor.dtype;
+    const uint8_t* values = block + Header(dtype);
+    int64_t dot = 0, xsum = 0;
     for (int i = 0; i < 32; ++i) {
       int w;
-      if (rowmajor.dtype == WeightDType::kQ8_0) {
-        w = static_cast<int8_t>(block[2 + i]);
+      if (dtype == WeightDType::kQ8_0) {
+        w = static_cast<int8_t>(values[i]);
       } else {
-        w = (i < 16 ? block[2 + i] & 0x0F : block[2 + i - 16] >> 4) - 8;
+        w = (i < 16 ? values[i] & 0x0F : values[i - 16] >> 4) - (dtype == WeightDType::kQ4_0 ? 8 : 0);
       }
       dot += static_cast<int64_t>(w) * a.q[t * a.cols + b * 32 + i];
+      xsum += a.q[t * a.cols + b * 32 + i];
     }
-    const double term = dw * a.scale[t * blocks + b] * static_cast<double>(dot);
+    const double dx = a.scale[t * blocks + b];
+    double term = dw * dx * static_cast<double>(dot);
+    if (dtype == WeightDType::kQ4_1 || dtype == WeightDType::kQ4_Z) {  // + m d_x sum(q_x)
+      std::memcpy(&h, block + 2, 2);
+      const double second = model::F16ToF32(h);
+      const double m = dtype == WeightDType::kQ4_1 ? second : -dw * second;
+      const double offset = m * dx * static_cast<double>(xsum);
+      *magnitude += std::fabs(offset);
+      term += offset;
+    }
     sum += term;
-    *magnitude += std::fabs(term);
+    *magnitude += std::fabs(dw * dx * static_cast<double>(dot));
   }
   return sum;
 }
@@ -108,7 +127,7 @@ TEST(InterleavedLinearTest, KernelGivesTheIntegerBlockSums) {
     QuantMatrix m = Quantized(dtype, rows, cols, 7);
     std::mt19937 rng(9);
     for (int64_t i = 0; i < static_cast<int64_t>(m.data.size()); ++i) {
-      if (i % QuantMatrix::BlockBytes(dtype) >= 2) m.data[i] = static_cast<uint8_t>(rng());
+      if (i % QuantMatrix::BlockBytes(dtype) >= Header(dtype)) m.data[i] = static_cast<uint8_t>(rng());
     }
     const QuantMatrix rowmajor = m;
     InterleaveRows(&m);
