@@ -693,6 +693,29 @@ std::string ToJson(Interp& in, const Value& v, bool ensure_ascii, const Value& i
 // ---------------------------------------------------------------------------------------------
 // %-formatting
 
+namespace {
+
+// A run of decimal digits as a number, saturating at 10^15 (past any output limit).
+int64_t DigitsValue(const std::string& digits) {
+  int64_t v = 0;
+  for (char c : digits) v = std::min<int64_t>(v * 10 + (c - '0'), int64_t{1'000'000'000'000'000});
+  return v;
+}
+
+// printf's output for one value, however long (the caller has bounded its width and
+// precision by the output limit).
+template <typename T>
+std::string Printf(const std::string& spec, T value) {
+  const int n = std::snprintf(nullptr, 0, spec.c_str(), value);
+  if (n <= 0) return "";
+  std::string out(static_cast<size_t>(n) + 1, '\0');
+  std::snprintf(out.data(), out.size(), spec.c_str(), value);
+  out.resize(static_cast<size_t>(n));
+  return out;
+}
+
+}  // namespace
+
 std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args) {
   std::vector<Value> positional;
   const Value* mapping = nullptr;
@@ -742,8 +765,11 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
       if (next >= positional.size()) TypeError(in, "not enough arguments for format string");
       arg = &positional[next++];
     }
-    const int64_t w = width.empty() ? 0 : std::atoll(width.c_str());
-    const int prec = precision.empty() ? 0 : std::atoi(precision.c_str());
+    // Python pads to any width; here one past the output limit fails at once (the piece could
+    // not fit), before printf spends time and memory on it. Numbers check their precision too.
+    const int64_t w = DigitsValue(width);
+    const int64_t prec = DigitsValue(precision);
+    in.CheckSize(static_cast<size_t>(w));
     const bool left = flags.find('-') != std::string::npos;
     std::string piece;
     switch (conv) {
@@ -786,8 +812,8 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
           TypeError(in, absl::StrCat("%", std::string(1, conv), " format: a real number is required, not ",
                                      arg->TypeName()));
         }
+        in.CheckSize(static_cast<size_t>(prec));
         std::string spec = "%" + flags + width;
-        char buf[512];
         const bool integral = conv == 'd' || conv == 'i' || conv == 'u' || conv == 'x' || conv == 'X' || conv == 'o';
         if (integral) {
           if ((conv == 'x' || conv == 'X' || conv == 'o') && arg->is_float()) {
@@ -804,8 +830,7 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
             std::string f2 = "%" + flags;
             f2.erase(std::remove(f2.begin(), f2.end(), '-'), f2.end());
             f2.erase(std::remove(f2.begin(), f2.end(), '0'), f2.end());
-            std::snprintf(buf, sizeof buf, (f2 + (has_precision ? "." + precision : "") + "ll" + std::string(1, conv)).c_str(), -v);
-            std::string digits = buf;
+            std::string digits = Printf(f2 + (has_precision ? "." + precision : "") + "ll" + std::string(1, conv), -v);
             if (conv != 'o' && flags.find('#') != std::string::npos) {}
             piece = "-" + digits;
             if (flags.find('0') != std::string::npos && !left && static_cast<int64_t>(piece.size()) < w) {
@@ -818,18 +843,16 @@ std::string PercentFormat(Interp& in, const std::string& fmt, const Value& args)
             // Python's alternate octal form is 0o17, C's is 017.
             std::string f2 = flags;
             f2.erase(std::remove(f2.begin(), f2.end(), '#'), f2.end());
-            std::snprintf(buf, sizeof buf, ("%" + f2 + "llo").c_str(), v < 0 ? -v : v);
-            piece = (v < 0 ? "-0o" : "0o") + std::string(buf);
+            piece = (v < 0 ? "-0o" : "0o") + Printf("%" + f2 + "llo", v < 0 ? -v : v);
             piece = Pad(in, piece, w, left ? '<' : '>', " ");
             break;
           }
-          std::snprintf(buf, sizeof buf, spec.c_str(), v);
+          piece = Printf(spec, v);
         } else {
           spec += "." + (has_precision ? precision : std::string("6"));
           spec.push_back(conv);
-          std::snprintf(buf, sizeof buf, spec.c_str(), arg->as_float());
+          piece = Printf(spec, arg->as_float());
         }
-        piece = buf;
         break;
       }
       default:
