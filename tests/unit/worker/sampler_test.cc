@@ -28,6 +28,36 @@ TEST(SamplerTest, TopKOneIsGreedy) {
   }
 }
 
+TEST(SamplerTest, SampledCandidatesBreakTiesLowAcrossSignedZeros) {
+  // The candidates' order (logit descending, ties by id) decides which token a draw lands on:
+  // with top-k 1 the first candidate always wins, whatever the draw. -0 and +0 tie.
+  std::mt19937_64 rng(4);
+  SamplingParams p;
+  p.top_k = 1;
+  for (int i = 0; i < 10; ++i) {
+    std::vector<float> zeros = {-1.f, 0.f, -0.f, 0.f, -2.f};
+    EXPECT_EQ(SampleToken(zeros, p, {}, rng), 1);
+    std::vector<float> negative_zero_first = {-1.f, -0.f, 0.f, -3.f};
+    EXPECT_EQ(SampleToken(negative_zero_first, p, {}, rng), 1);
+    std::vector<float> negatives = {-5.f, -2.5f, -7.f, -2.5f};
+    EXPECT_EQ(SampleToken(negatives, p, {}, rng), 1);
+    std::vector<float> infinities = {-std::numeric_limits<float>::infinity(), -1e30f, 1e30f,
+                                     std::numeric_limits<float>::infinity(), 1e30f};
+    EXPECT_EQ(SampleToken(infinities, p, {}, rng), 3);
+  }
+  // Top-k 2 over equal logits keeps the two lowest ids, so only they are ever drawn.
+  SamplingParams two;
+  two.top_k = 2;
+  std::map<int32_t, int> seen;
+  for (int i = 0; i < 200; ++i) {
+    std::vector<float> flat(6, 0.25f);
+    ++seen[SampleToken(flat, two, {}, rng)];
+  }
+  EXPECT_EQ(seen.size(), 2u);
+  EXPECT_GT(seen[0], 0);
+  EXPECT_GT(seen[1], 0);
+}
+
 TEST(SamplerTest, TinyTopPKeepsOnlyTheBestToken) {
   std::mt19937_64 rng(3);
   SamplingParams p;
