@@ -87,13 +87,22 @@ def log(msg):
     print(f"peer_bench: {msg}", file=sys.stderr, flush=True)
 
 
+class Failed(RuntimeError):
+    """A command exited non-zero; returncode < 0 is the signal that ended it."""
+
+    def __init__(self, message, returncode):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def run(cmd, env=None, timeout=7200, cwd=None):
-    """Runs `cmd`; returns the CompletedProcess, raising with the tail of stderr on failure."""
+    """Runs `cmd`; returns the CompletedProcess, raising Failed with the tail of stderr on
+    failure."""
     cmd = [str(c) for c in cmd]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=cwd)
     if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {r.returncode}:\n"
-                           f"{(r.stderr or r.stdout)[-3000:]}")
+        raise Failed(f"{' '.join(cmd)} exited {r.returncode}:\n"
+                     f"{(r.stderr or r.stdout)[-3000:]}", r.returncode)
     return r
 
 
@@ -334,15 +343,42 @@ class Kvgrid:
 
 
 class LlamaCpp:
+    """llama.cpp's own tools, with their defaults (weight repacking on). Where a run with
+    repacking dies of a signal (llama.cpp 0c1e57098b's AMX matrix product does, at batches above
+    one, on Sapphire Rapids-class CPUs whose AMX it detects), that kind of figure is measured
+    with repacking off (llama-bench --repack 0, llama-batched-bench --no-repack) and the
+    fallback is recorded in `fallbacks`, so the table says which llama.cpp it compares with."""
+
     def __init__(self, bindir, threads):
         self.bindir, self.threads = bindir, threads
         self.env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.settings = None  # what llama-bench reports it ran with (first run)
+        self.no_repack = set()  # (model, kind) measured with repacking off
+        self.fallbacks = []     # why, as text
 
-    def _bench(self, model, *args):
-        r = run([self.bindir / "llama-bench", "-m", model, "-t", self.threads, "-r", 1,
-                 "-ctk", "f16", "-ctv", "f16", "-o", "json", *args], env=self.env)
+    def _with_fallback(self, model, kind, cmd, off_flags):
+        """Runs cmd; on death by a signal with repacking on, again with `off_flags`."""
+        key = (str(model), kind)
+        if key in self.no_repack:
+            return run([*cmd, *off_flags], env=self.env), False
+        try:
+            return run(cmd, env=self.env), True
+        except Failed as e:
+            if e.returncode >= 0:
+                raise
+            self.no_repack.add(key)
+            self.fallbacks.append(f"{Path(model).stem} {kind}: llama.cpp died of signal "
+                                  f"{-e.returncode} with weight repacking on; measured with "
+                                  f"{' '.join(off_flags)}")
+            log(self.fallbacks[-1])
+            return run([*cmd, *off_flags], env=self.env), False
+
+    def _bench(self, model, kind, *args):
+        r, repacked = self._with_fallback(
+            model, kind, [self.bindir / "llama-bench", "-m", model, "-t", self.threads, "-r", 1,
+                          "-ctk", "f16", "-ctv", "f16", "-o", "json", *args], ["--repack", 0])
         res = json.loads(r.stdout)[0]
+        res["weights_repacked"] = repacked
         if self.settings is None:
             self.settings = {k: res.get(k) for k in (
                 "build_commit", "build_number", "cpu_info", "backends", "type_k", "type_v",
@@ -353,7 +389,8 @@ class LlamaCpp:
     def probe(self, model):
         """What llama.cpp resolves for this file: flash attention (auto), the K/V types, and
         the weights it repacks (CPU_REPACK) or reads where mapped. From its own log."""
-        r = run([self.bindir / "llama-batched-bench", "-m", model, "-c", 256, "-npp", 8,
+        # One-token steps only: what this reads must not depend on the batch paths.
+        r = run([self.bindir / "llama-batched-bench", "-m", model, "-c", 256, "-npp", 1,
                  "-ntg", 1, "-npl", 1, "-t", self.threads, "-tb", self.threads, "-ctk", "f16",
                  "-ctv", "f16", "-v"], env=self.env)
         found = {}
@@ -368,28 +405,33 @@ class LlamaCpp:
         return found
 
     def prefill(self, model, n):
-        res = self._bench(model, "-p", n, "-n", 0)
-        return res["avg_ts"], {"samples_ts": res.get("samples_ts")}
+        res = self._bench(model, "prefill", "-p", n, "-n", 0)
+        return res["avg_ts"], {"samples_ts": res.get("samples_ts"),
+                               "weights_repacked": res["weights_repacked"]}
 
     def decode(self, model, depth, n):
-        res = self._bench(model, "-p", 0, "-n", n, "-d", depth)
+        res = self._bench(model, "decode", "-p", 0, "-n", n, "-d", depth)
         assert res.get("n_depth", depth) == depth, res
-        return res["avg_ts"], {"samples_ts": res.get("samples_ts")}
+        return res["avg_ts"], {"samples_ts": res.get("samples_ts"),
+                               "weights_repacked": res["weights_repacked"]}
 
     def batched(self, model, batch, prompt_len, n):
         # Room for every sequence's prompt and tokens, and slack for llama.cpp's padding of
         # the context (a test that does not fit is silently left out).
         ctx = batch * (prompt_len + n) + 256
-        r = run([self.bindir / "llama-batched-bench", "-m", model, "-c", ctx, "-b", 2048,
-                 "-ub", 512, "-npp", prompt_len, "-ntg", n, "-npl", batch, "-t", self.threads,
-                 "-tb", self.threads, "-ctk", "f16", "-ctv", "f16", "--output-format", "jsonl"],
-                env=self.env)
+        r, repacked = self._with_fallback(
+            model, "batched",
+            [self.bindir / "llama-batched-bench", "-m", model, "-c", ctx, "-b", 2048, "-ub", 512,
+             "-npp", prompt_len, "-ntg", n, "-npl", batch, "-t", self.threads, "-tb",
+             self.threads, "-ctk", "f16", "-ctv", "f16", "--output-format", "jsonl"],
+            ["--no-repack"])
         for line in (r.stdout + "\n" + r.stderr).splitlines():
             line = line.strip()
             if line.startswith("{") and "speed_tg" in line:
                 j = json.loads(line)
                 return j["speed_tg"], {"speed_pp": j["speed_pp"], "t_tg": j["t_tg"],
-                                       "flash_attn": j.get("flash_attn")}
+                                       "flash_attn": j.get("flash_attn"),
+                                       "weights_repacked": repacked}
         raise RuntimeError(f"llama-batched-bench printed no result:\n{r.stderr[-2000:]}")
 
 
@@ -495,6 +537,10 @@ def print_table(out):
           f"load average "
           f"{out['loadavg']['before']:.2f} -> {out['loadavg']['after']:.2f}; "
           f"{out['elapsed_s'] / 60:.1f} min\n")
+    for line in out["llama_cpp"].get("fallbacks", []):
+        print(f"llama.cpp fallback: {line}")
+    if out["llama_cpp"].get("fallbacks"):
+        print()
     print("| file | token_embd | MB read/token | " + " | ".join(figs) + " |")
     print("|---|---|---|" + "---|" * len(figs))
     for f in out["files"]:
@@ -641,6 +687,7 @@ def main():
                    "kv_cache_dtype": args.kv_cache_dtype,
                    "timings": "kvgrid run --json timings (model load excluded, no warm-up)"},
         "llama_cpp": {**llama_info, "bin": str(llama_bin), "settings": lc.settings or {},
+                      "fallbacks": lc.fallbacks,
                       "timings": "llama-bench -r 1 (after its warm-up pass), "
                                  "llama-batched-bench S_TG"},
         "figures": {fig: kind for fig, kind, _ in figure_plan(args)},
