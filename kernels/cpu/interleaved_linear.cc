@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/huge_pages.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -195,7 +196,10 @@ void InterleaveRows(QuantMatrix* m) {
   const int64_t gbb = GroupBlockBytes(m->dtype), row_bytes = m->RowBytes();
   const bool q8 = m->dtype == WeightDType::kQ8_0;
   const int64_t header = GroupHeaderBytes(m->dtype), fields = header / kScaleBytes;
-  std::vector<uint8_t> out(m->data.size());
+  std::vector<uint8_t> out;
+  out.reserve(m->data.size());
+  AdviseHugePages(out.data(), m->data.size());
+  out.resize(m->data.size());
   const int64_t groups = m->rows / kInterleaveRows;
 #pragma omp parallel for schedule(static) if (groups > 64)
   for (int64_t g = 0; g < groups; ++g) {

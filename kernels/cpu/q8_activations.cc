@@ -216,6 +216,9 @@ void QuantizeActivations(const float* x, int64_t tokens, int64_t cols, Q8Activat
 #else
   constexpr bool avx2 = false;
 #endif
+  // A prefill's inputs (hundreds of tokens) are quantized by the team; a decode step's by the
+  // calling thread.
+#pragma omp parallel for schedule(static) if (tokens * cols >= (1 << 16))
   for (int64_t i = 0; i < tokens * blocks; ++i) {
     const int64_t t = i / blocks, b = i % blocks;
     const float* src = x + t * cols + b * kQuantBlock;

@@ -14,6 +14,7 @@
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/huge_pages.h"
 #include "kernels/cpu/interleaved_linear.h"
 #include "kernels/cpu/kv_write.h"
 #include "kernels/cpu/packed_int4.h"
@@ -736,7 +737,9 @@ LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
       tp_(tp),
       w_(std::move(weights)),
       inv_freq_(std::move(inv_freq)),
-      rope_scale_(cpu::RopeAttentionFactor(config)) {}
+      rope_scale_(cpu::RopeAttentionFactor(config)) {
+  PrepareWeights();
+}
 
 LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t seed) {
   const ShardDims d = ShardDimsOf(c);
@@ -792,40 +795,43 @@ int64_t LlamaModel::WeightBytes() const {
   return n * static_cast<int64_t>(sizeof(float)) + quantized;
 }
 
-void LlamaModel::InterleaveWeights() {
-  interleaved_ = true;
-  if (!cpu::HaveInterleavedInt8()) return;
-  cpu::InterleaveRows(&w_.embed_q);
-  cpu::InterleaveRows(&w_.lm_head_q);
+void LlamaModel::PrepareWeights() {
+  static const bool interleave = cpu::HaveInterleavedInt8();
+  const auto prepare = [](cpu::QuantMatrix& q) {
+    if (interleave) cpu::InterleaveRows(&q);  // on huge pages already when it moves
+    if (!q.interleaved) cpu::MoveToHugePages(&q.data);
+  };
+  prepare(w_.embed_q);
+  prepare(w_.lm_head_q);
+  cpu::MoveToHugePages(&w_.embed);
+  cpu::MoveToHugePages(&w_.lm_head);
   for (LayerWeights& l : w_.layers) {
-    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
-      cpu::InterleaveRows(q);
-    }
+    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) prepare(*q);
     for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-      for (cpu::QuantMatrix& q : *parts) cpu::InterleaveRows(&q);
+      for (cpu::QuantMatrix& q : *parts) prepare(q);
+    }
+    for (std::vector<float>* fp32 : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      cpu::MoveToHugePages(fp32);
     }
   }
 }
 
 absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
-  // Matrices interleaved already go back to row-major blocks, which the requantization and
-  // the fp16 path read; Forward interleaves again.
-  if (interleaved_) {
-    for (cpu::QuantMatrix* q : {&w_.embed_q, &w_.lm_head_q}) {
+  // The requantization and the fp16 path read row-major blocks; they are interleaved again
+  // at the end.
+  for (cpu::QuantMatrix* q : {&w_.embed_q, &w_.lm_head_q}) {
+    if (q->interleaved) *q = cpu::RowMajor(*q);
+  }
+  for (LayerWeights& l : w_.layers) {
+    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
       if (q->interleaved) *q = cpu::RowMajor(*q);
     }
-    for (LayerWeights& l : w_.layers) {
-      for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
-        if (q->interleaved) *q = cpu::RowMajor(*q);
-      }
-      for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-        for (cpu::QuantMatrix& q : *parts) {
-          if (q.interleaved) q = cpu::RowMajor(q);
-        }
+    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
+      for (cpu::QuantMatrix& q : *parts) {
+        if (q.interleaved) q = cpu::RowMajor(q);
       }
     }
-    interleaved_ = false;
   }
   const ShardDims d = ShardDimsOf(config_, tp_);
   auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
@@ -860,6 +866,7 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
     KVGRID_RETURN_IF_ERROR(quantize(l.gate_up, 2 * d.inter, d.hidden, &l.gate_up_q));
     KVGRID_RETURN_IF_ERROR(quantize(l.down, d.hidden, d.inter, &l.down_q));
   }
+  PrepareWeights();
   return absl::OkStatus();
 }
 
@@ -887,7 +894,6 @@ absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vecto
   }
   logits->clear();
   if (n == 0) return absl::OkStatus();
-  if (!interleaved_ && linear_precision_ == cpu::LinearPrecision::kFast) InterleaveWeights();
   // Under context parallelism the batch's ids are the group's: this rank writes and reads
   // only its own blocks, in its own pool's ids (-1 elsewhere).
   const int64_t* slots = b.slots.data();

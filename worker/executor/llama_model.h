@@ -280,14 +280,15 @@ class LlamaModel {
                                  const std::vector<float>& bias, int64_t n, int64_t in_features,
                                  int64_t out_features);
 
-  // Interleaves the Q8_0/Q4_0 matrices' rows for the AVX-512 VNNI kernels
-  // (kernels/cpu/interleaved_linear.h), once, before the first kFast Forward on a CPU that has
-  // them: after loading, slicing and QuantizeWeights, which read row-major blocks. weights()
-  // shows the layout (QuantMatrix::interleaved).
-  void InterleaveWeights();
+  // Readies the weights for the CPU kernels when the model is built (after loading and
+  // slicing, which read row-major blocks) and after QuantizeWeights: the Q8_0/Q4_0/Q4_1/Q4_Z
+  // matrices' rows interleaved for the AVX-512 VNNI kernels on a CPU that has them
+  // (kernels/cpu/interleaved_linear.h; weights() shows the layout, QuantMatrix::interleaved,
+  // and kExact reads it too, row by row), and every large weight buffer moved onto huge pages
+  // (kernels/cpu/huge_pages.h).
+  void PrepareWeights();
 
   model::ModelConfig config_;
-  bool interleaved_ = false;  // InterleaveWeights has run since the last QuantizeWeights
   kernels::cpu::KvKernelPrecision attention_precision_ = kernels::cpu::KvKernelPrecision::kFast;
   kernels::cpu::LinearPrecision linear_precision_ = kernels::cpu::LinearPrecision::kFast;
   // Attention of one layer over this context-parallel rank's blocks, merged with the other
