@@ -4,7 +4,8 @@
 // what the model runs there), against fp32 inputs (kExact: the weights decoded in registers up
 // to 4 tokens, SGEMM on decoded tiles above), on a
 // Qwen2-0.5B layer's matrices (gate/up 9728 x 896, down 896 x 4864) and its head
-// (151936 x 896, Q8_0), measured interleaved in one run. Each call reads another copy of the
+// (151936 x 896, Q8_0), and the small q/k/v (1152 x 896) and o (896 x 896) matrices whose
+// fixed cost per call shows, measured interleaved in one run. Each call reads another copy of the
 // weights from a set of >= 512 MiB, so they come from memory as in decode. Reports, per dtype
 // and token count, the milliseconds of one call, the weight bandwidth it reached and the ratio.
 //
@@ -59,7 +60,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  const Shape shapes[] = {{"gate_up", 9728, 896, WeightDType::kF32},
+  const Shape shapes[] = {{"qkv", 1152, 896, WeightDType::kF32},
+                          {"o", 896, 896, WeightDType::kF32},
+                          {"gate_up", 9728, 896, WeightDType::kF32},
                           {"down", 896, 4864, WeightDType::kF32},
                           {"head", 151936, 896, WeightDType::kQ8_0}};
   std::mt19937 rng(1);
