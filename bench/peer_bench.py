@@ -369,7 +369,7 @@ class LlamaCpp:
             self.no_repack.add(key)
             self.fallbacks.append(f"{Path(model).stem} {kind}: llama.cpp died of signal "
                                   f"{-e.returncode} with weight repacking on; measured with "
-                                  f"{' '.join(off_flags)}")
+                                  f"{' '.join(map(str, off_flags))}")
             log(self.fallbacks[-1])
             return run([*cmd, *off_flags], env=self.env), False
 
