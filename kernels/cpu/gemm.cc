@@ -3,9 +3,11 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <limits>
 
+#include "kernels/cpu/simd_x86.h"
 #include "kernels/cpu/vec.h"
 
 namespace kvgrid::kernels::cpu {
@@ -22,26 +24,136 @@ absl::Status LinearParams::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+#if defined(__x86_64__)
+// One weight row dotted with T (<= 4) tokens' inputs: each 8 weights loaded once for all T.
+// With fewer tokens each keeps more accumulators, so the FMA latency stays hidden.
+template <int T>
+__attribute__((target("avx2,fma"))) void DotRowF32(const float* w, const float* x, int64_t k,
+                                                   float* y) {
+  constexpr int A = T == 1 ? 4 : 2;  // accumulators per token: two chains of FMAs at least
+  __m256 acc[T][A];
+  for (int t = 0; t < T; ++t) {
+    for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
+  }
+  int64_t c = 0;
+  for (; c + 8 * A <= k; c += 8 * A) {
+    for (int a = 0; a < A; ++a) {
+      const __m256 wv = _mm256_loadu_ps(w + c + 8 * a);
+      for (int t = 0; t < T; ++t) {
+        acc[t][a] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * k + c + 8 * a), acc[t][a]);
+      }
+    }
+  }
+  for (; c + 8 <= k; c += 8) {
+    const __m256 wv = _mm256_loadu_ps(w + c);
+    for (int t = 0; t < T; ++t) acc[t][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + t * k + c), acc[t][0]);
+  }
+  for (int t = 0; t < T; ++t) {
+    __m256 sum = acc[t][0];
+    for (int a = 1; a < A; ++a) sum = _mm256_add_ps(sum, acc[t][a]);
+    float tail = 0.f;
+    for (int64_t j = c; j < k; ++j) tail += w[j] * x[t * k + j];
+    y[t] = HorizontalSum(sum) + tail;
+  }
+}
+
+using DotRowFn = void (*)(const float*, const float*, int64_t, float*);
+constexpr DotRowFn kDotRows[] = {DotRowF32<1>, DotRowF32<2>, DotRowF32<3>, DotRowF32<4>};
+
+// AVX-512: 4 weight rows against 4 tokens at once, 16 accumulators, so each 16 weights and
+// each 16 inputs loaded serve 4 products (the 1-row kernel loads an input per product).
+// y[t * 4 + r] = w_r . x_t; k % 16 == 0.
+__attribute__((target("avx512f,fma"))) void Dot4x4Avx512(const float* w, const float* x,
+                                                         int64_t k, float* y) {
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r) {
+    for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < k; c += 16) {
+    __m512 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_ps(w + r * k + c);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 xv = _mm512_loadu_ps(x + t * k + c);
+      for (int r = 0; r < 4; ++r) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
+    }
+  }
+  for (int t = 0; t < 4; ++t) {
+    for (int r = 0; r < 4; ++r) y[t * 4 + r] = _mm512_reduce_add_ps(acc[r][t]);
+  }
+}
+
+bool HaveAvx512() {
+  static const bool have = __builtin_cpu_supports("avx512f") && HaveAvx2Fma();
+  return have;
+}
+#endif
+
+}  // namespace
+
 absl::Status LinearSmallBatch(const LinearParams& p) {
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   const VecOps& vec = Vec();
+  static const bool avx2 = HaveAvx2Fma();
   const int64_t m = p.num_tokens, n = p.out_features, k = p.in_features;
+#if defined(__x86_64__)
+  // Four tokens or more: blocks of 4 rows x 4 tokens where AVX-512 has the registers.
+  static const bool avx512 = HaveAvx512();
+  if (avx512 && m >= 4 && k % 16 == 0 && n % 4 == 0) {
+#pragma omp parallel for schedule(static) if (n * k > 32768)
+    for (int64_t j = 0; j < n; j += 4) {
+      for (int64_t t0 = 0; t0 < m; t0 += 4) {
+        float dots[16];
+        const int64_t count = std::min<int64_t>(4, m - t0);
+        if (count == 4) {
+          Dot4x4Avx512(p.weight + j * k, p.input + t0 * k, k, dots);
+        } else {
+          for (int r = 0; r < 4; ++r) {
+            float row[4];
+            kDotRows[count - 1](p.weight + (j + r) * k, p.input + t0 * k, k, row);
+            for (int64_t t = 0; t < count; ++t) dots[t * 4 + r] = row[t];
+          }
+        }
+        for (int64_t t = 0; t < count; ++t) {
+          for (int r = 0; r < 4; ++r) {
+            float* y = p.output + (t0 + t) * n + j + r;
+            const float v = dots[t * 4 + r] + (p.bias ? p.bias[j + r] : 0.f);
+            *y = p.accumulate ? *y + v : v;
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+#endif
   // Each weight row is streamed from memory once and stays in L1 for the m dot products.
 #pragma omp parallel for schedule(static) if (n * k > 32768)
   for (int64_t j = 0; j < n; ++j) {
     const float* w = p.weight + j * k;
     const float b = p.bias ? p.bias[j] : 0.f;
-    for (int64_t t = 0; t < m; ++t) {
-      float* y = p.output + t * n + j;
-      const float dot = vec.dot(p.input + t * k, w, k) + b;
-      *y = p.accumulate ? *y + dot : dot;
+    for (int64_t t0 = 0; t0 < m; t0 += 4) {
+      const int64_t count = std::min<int64_t>(4, m - t0);
+      float dots[4];
+#if defined(__x86_64__)
+      if (avx2) {
+        kDotRows[count - 1](w, p.input + t0 * k, k, dots);
+      } else
+#endif
+      {
+        for (int64_t t = 0; t < count; ++t) dots[t] = vec.dot(p.input + (t0 + t) * k, w, k);
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        float* y = p.output + (t0 + t) * n + j;
+        *y = p.accumulate ? *y + dots[t] + b : dots[t] + b;
+      }
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status Linear(const LinearParams& p) {
-  if (p.num_tokens <= kSmallBatchTokens) return LinearSmallBatch(p);
+  if (p.num_tokens <= kStreamTokens) return LinearSmallBatch(p);
   if (absl::Status s = p.Validate(); !s.ok()) return s;
   if (p.num_tokens == 0) return absl::OkStatus();
   const int m = static_cast<int>(p.num_tokens);

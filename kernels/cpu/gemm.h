@@ -22,9 +22,15 @@ struct LinearParams {
   absl::Status Validate() const;
 };
 
-// Up to this many tokens, Linear streams each weight row once through SIMD dot products
-// (decode is bound by reading the weights); above it, OpenBLAS SGEMM (compute-bound).
+// Up to this many tokens, the quantized layers (quant_linear.h) stream each weight row once
+// through SIMD dot products (decode is bound by reading the weights).
 inline constexpr int64_t kSmallBatchTokens = 4;
+
+// Up to this many tokens, Linear streams each fp32 weight row once, dotted with the tokens
+// four at a time in registers; above it, OpenBLAS SGEMM. SGEMM packs the whole weight matrix
+// on every call, which at a batch of 16 decode steps cost more than the products themselves
+// (bench/RESULTS.md).
+inline constexpr int64_t kStreamTokens = 16;
 
 // Dispatches on num_tokens as above. Parallel over every core.
 absl::Status Linear(const LinearParams& params);

@@ -115,7 +115,7 @@ __attribute__((target("avx2,fma,f16c"))) void Float16RowAvx2(WeightDType dtype,
 template <int T, bool kBf16>
 __attribute__((target("avx2,fma,f16c"))) void DotRow16Avx2(const uint8_t* row, int64_t k,
                                                             const float* x, float* y) {
-  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per token
+  constexpr int A = T == 1 ? 4 : 2;  // accumulators per token: two chains of FMAs at least
   __m256 acc[T][A];
   for (int t = 0; t < T; ++t) {
     for (int a = 0; a < A; ++a) acc[t][a] = _mm256_setzero_ps();
@@ -206,7 +206,7 @@ __attribute__((target("avx2,fma,f16c"))) void DequantRowAvx2(const QuantMatrix& 
 template <int T>
 __attribute__((target("avx2,fma,f16c"))) void DotRowAvx2(const QuantMatrix& m, const uint8_t* row,
                                                            const float* x, float* y) {
-  constexpr int A = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per token
+  constexpr int A = T == 1 ? 4 : 2;  // accumulators per token: two chains of FMAs at least
   const int64_t blocks = m.cols / kQuantBlock;
   const int64_t bb = QuantMatrix::BlockBytes(m.dtype);
   const int64_t k = m.cols;

@@ -5,6 +5,7 @@
 #include <random>
 #include <cfloat>
 #include <iterator>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -28,8 +29,11 @@ std::vector<float> Random(int64_t n, uint64_t seed) {
 }
 
 TEST(LinearTest, MatchesLoopsForGemvAndGemmWithBiasAndAccumulate) {
-  for (int64_t m : {1, 3, 17}) {
-    const int64_t k = 37, n = 29;
+  // Streamed four tokens at a time up to kStreamTokens (1, 3, 6, 16), SGEMM above (17).
+  // k = 64 and n = 28: the AVX-512 blocks of 4 rows x 4 tokens, with a tail of tokens.
+  for (auto [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{1, 37, 29}, {3, 37, 29},
+                         {6, 37, 29}, {16, 37, 29}, {17, 37, 29}, {4, 64, 28}, {7, 64, 28},
+                         {16, 64, 28}}) {
     std::vector<float> x = Random(m * k, 1), w = Random(n * k, 2), bias = Random(n, 3);
     std::vector<float> y = Random(m * n, 4), y0 = y;
     ASSERT_TRUE(Linear({.input = x.data(), .weight = w.data(), .bias = bias.data(),
@@ -229,12 +233,12 @@ namespace kvgrid::kernels::cpu {
 namespace {
 
 TEST(LinearTest, SmallBatchPathEqualsGemmPath) {
-  const int64_t m = 9, k = 64, n = 40;
+  const int64_t m = kStreamTokens + 5, k = 68, n = 40;
   std::vector<float> x = Random(m * k, 11), w = Random(n * k, 12), bias = Random(n, 13);
   std::vector<float> a(m * n), b(m * n);
   LinearParams p{.input = x.data(), .weight = w.data(), .bias = bias.data(), .output = a.data(),
                  .num_tokens = m, .in_features = k, .out_features = n};
-  ASSERT_TRUE(Linear(p).ok());  // 9 tokens: SGEMM
+  ASSERT_TRUE(Linear(p).ok());  // above kStreamTokens: SGEMM
   p.output = b.data();
   ASSERT_TRUE(LinearSmallBatch(p).ok());
   for (int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(a[i], b[i], 1e-4);
