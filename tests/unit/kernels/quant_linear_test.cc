@@ -154,6 +154,41 @@ TEST(QuantLinearTest, MatchesDequantizeThenMatmul) {
   }
 }
 
+// 16-bit weights at batched-decode sizes (4 to 16 tokens: blocks of 4 rows x 4 tokens on
+// AVX-512, with a tail of tokens), with bias, accumulation and a wider output, equal to the
+// product with the decoded matrix.
+TEST(QuantLinearTest, Float16BatchesMatchTheDecodedMatrix) {
+  const int64_t n = 64, k = 192, ldo = 70;
+  const std::vector<float> w = Random(n * k, 31), bias = Random(n, 32);
+  for (WeightDType dtype : {WeightDType::kF16, WeightDType::kBF16}) {
+    auto q = QuantizeMatrix(w.data(), n, k, dtype);
+    ASSERT_TRUE(q.ok());
+    const std::vector<float> dq = DequantizeMatrix(*q);
+    for (int64_t m : {4, 5, 8, 15, 16}) {
+      const std::vector<float> x = Random(m * k, 40 + m);
+      for (bool accumulate : {false, true}) {
+        std::vector<float> got(m * ldo, 0.5f);
+        ASSERT_TRUE(QuantLinear({.input = x.data(), .weight = &*q, .bias = bias.data(),
+                                 .output = got.data(), .num_tokens = m, .accumulate = accumulate,
+                                 .output_stride = ldo})
+                        .ok());
+        for (int64_t t = 0; t < m; ++t) {
+          for (int64_t j = 0; j < ldo; ++j) {
+            if (j >= n) {
+              ASSERT_EQ(got[t * ldo + j], 0.5f) << "past the rows";
+              continue;
+            }
+            double want = bias[j] + (accumulate ? 0.5 : 0.0);
+            for (int64_t i = 0; i < k; ++i) want += double(x[t * k + i]) * dq[j * k + i];
+            ASSERT_NEAR(got[t * ldo + j], want, 1e-4 * (1.0 + std::fabs(want)))
+                << WeightDTypeName(dtype) << " m=" << m << " t=" << t << " j=" << j;
+          }
+        }
+      }
+    }
+  }
+}
+
 // F16/BF16 matrices: each weight the nearest 16-bit float (rows decoded to exactly
 // model::F16ToF32/BF16ToF32 of the stored bits), at any width (here not a multiple of the
 // 8-wide vectors), and QuantLinear equal to the product with the decoded matrix at decode and
