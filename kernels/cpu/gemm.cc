@@ -80,7 +80,7 @@ __attribute__((target("avx512f,fma"))) void Dot4x4Avx512(const float* w, const f
     }
   }
   for (int t = 0; t < 4; ++t) {
-    for (int r = 0; r < 4; ++r) y[t * 4 + r] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int r = 0; r < 4; ++r) y[t * 4 + r] = HorizontalSum16(acc[r][t]);
   }
 }
 

@@ -1,10 +1,12 @@
 // What the CPU kernels' AVX2 paths share: the one check that selects them (AVX2, FMA and F16C,
-// which every AVX2 kernel assumes together) and the sum of a vector's lanes.
+// which every AVX2 kernel assumes together), the sums of a vector's lanes and exp.
 #ifndef KVGRID_KERNELS_CPU_SIMD_X86_H_
 #define KVGRID_KERNELS_CPU_SIMD_X86_H_
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include <cmath>
 #endif
 
 namespace kvgrid::kernels::cpu {
@@ -31,6 +33,45 @@ __attribute__((target("avx"))) inline float HorizontalSum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+
+// The sum of the 16 lanes: the halves added (a swap by shuffle: GCC 12 warns that the
+// extracts _mm512_reduce_add_ps uses read an undefined vector), then as HorizontalSum.
+__attribute__((target("avx512f"))) inline float HorizontalSum16(__m512 v) {
+  const __m512 halves = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  return HorizontalSum(_mm512_castps512_ps256(halves));
+}
+
+// exp(x) for 8 floats within a few ulp of std::exp (ops_test checks 4 through SiLU): x =
+// n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' polynomial, 2^n put into the exponent in two
+// factors. Overflow gives +inf as expf does; below -87.34 (where expf goes subnormal) it gives
+// 0, and NaN gives exp(-87.34) (callers keep a NaN visible through their other operands).
+// Needs only AVX2 and FMA, so every AVX2 kernel can inline it.
+__attribute__((target("avx2,fma"))) inline __m256 Exp8Avx2(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.72283905206835f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 overflow = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  // n in [-126, 128]: 2^n as two factors so that n = 128 does not overflow the exponent.
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+  __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+  e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), underflow);
 }
 #endif
 

@@ -94,41 +94,20 @@ KVGRID_AVX2 void F32ToF16Avx2(const float* src, uint16_t* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = model::F32ToF16(src[i]);
 }
 
-// exp(x) = 2^k * e^r with k = round(x / ln 2) and |r| <= ln 2 / 2, e^r by a degree-6
-// polynomial (minimax coefficients, relative error about 1e-7).
-KVGRID_AVX2 inline __m256 ExpAvx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);  // ln 2, split in two
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
   const __m256 vs = _mm256_set1_ps(scale);
   const __m256 vshift = _mm256_set1_ps(shift);
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = ExpAvx2(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vs, vshift));
+    const __m256 e = Exp8Avx2(_mm256_fmsub_ps(_mm256_loadu_ps(x + i), vs, vshift));
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
   if (i < n) {  // the tail through the same polynomial, so every element is computed alike
     alignas(32) float tail[8] = {};
     std::memcpy(tail, x + i, sizeof(float) * (n - i));
-    const __m256 e = ExpAvx2(_mm256_fmsub_ps(_mm256_load_ps(tail), vs, vshift));
+    const __m256 e = Exp8Avx2(_mm256_fmsub_ps(_mm256_load_ps(tail), vs, vshift));
     _mm256_store_ps(tail, e);
     for (int64_t j = 0; j < n - i; ++j) x[i + j] = tail[j];
     const __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
