@@ -84,10 +84,6 @@ __attribute__((target("avx512f,fma"))) void Dot4x4Avx512(const float* w, const f
   }
 }
 
-bool HaveAvx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") && HaveAvx2Fma();
-  return have;
-}
 #endif
 
 }  // namespace

@@ -184,12 +184,6 @@ __attribute__((target("avx512f,avx512bw,fma,f16c"))) void Dot4x4Float16Avx512(
   }
 }
 
-bool HaveAvx512() {
-  static const bool have = __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") && HaveAvx2Fma();
-  return have;
-}
-
 // The 32 weights of one block as fp32 (scale and offset applied), in four vectors of 8.
 __attribute__((target("avx2,fma,f16c"))) inline void DecodeBlockAvx2(WeightDType dtype,
                                                                       const uint8_t* block,

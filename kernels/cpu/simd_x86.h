@@ -25,6 +25,17 @@ inline bool HaveAvx2Fma() {
 #endif
 }
 
+// Whether this CPU runs the AVX-512 kernels (F and BW, with the AVX2 set). Checked once.
+inline bool HaveAvx512() {
+#if defined(__x86_64__)
+  static const bool have = HaveAvx2Fma() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw");
+  return have;
+#else
+  return false;
+#endif
+}
+
 #if defined(__x86_64__)
 // The sum of the 8 lanes, pairwise (lane i + lane i+4, then halves). Needs only AVX, so every
 // AVX2 kernel can inline it.

@@ -795,21 +795,33 @@ int64_t LlamaModel::WeightBytes() const {
   return n * static_cast<int64_t>(sizeof(float)) + quantized;
 }
 
+namespace {
+
+// Calls f on every matrix `w` holds in blocks or 16-bit floats: the embedding, the head and
+// each layer's projections and their parts.
+template <typename F>
+void ForEachQuantMatrix(LlamaWeights& w, F f) {
+  f(w.embed_q);
+  f(w.lm_head_q);
+  for (LayerWeights& l : w.layers) {
+    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) f(*q);
+    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
+      for (cpu::QuantMatrix& q : *parts) f(q);
+    }
+  }
+}
+
+}  // namespace
+
 void LlamaModel::PrepareWeights() {
   static const bool interleave = cpu::HaveInterleavedInt8();
-  const auto prepare = [](cpu::QuantMatrix& q) {
+  ForEachQuantMatrix(w_, [](cpu::QuantMatrix& q) {
     if (interleave) cpu::InterleaveRows(&q);  // on huge pages already when it moves
     if (!q.interleaved) cpu::MoveToHugePages(&q.data);
-  };
-  prepare(w_.embed_q);
-  prepare(w_.lm_head_q);
+  });
   cpu::MoveToHugePages(&w_.embed);
   cpu::MoveToHugePages(&w_.lm_head);
   for (LayerWeights& l : w_.layers) {
-    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) prepare(*q);
-    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-      for (cpu::QuantMatrix& q : *parts) prepare(q);
-    }
     for (std::vector<float>* fp32 : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       cpu::MoveToHugePages(fp32);
     }
@@ -820,19 +832,9 @@ absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
   // The requantization and the fp16 path read row-major blocks; they are interleaved again
   // at the end.
-  for (cpu::QuantMatrix* q : {&w_.embed_q, &w_.lm_head_q}) {
-    if (q->interleaved) *q = cpu::RowMajor(*q);
-  }
-  for (LayerWeights& l : w_.layers) {
-    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
-      if (q->interleaved) *q = cpu::RowMajor(*q);
-    }
-    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-      for (cpu::QuantMatrix& q : *parts) {
-        if (q.interleaved) q = cpu::RowMajor(q);
-      }
-    }
-  }
+  ForEachQuantMatrix(w_, [](cpu::QuantMatrix& q) {
+    if (q.interleaved) q = cpu::RowMajor(q);
+  });
   const ShardDims d = ShardDimsOf(config_, tp_);
   auto quantize = [dtype](std::vector<float>& w, int64_t rows, int64_t cols,
                           cpu::QuantMatrix* out) -> absl::Status {
