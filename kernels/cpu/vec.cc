@@ -43,6 +43,18 @@ float ExpSumPortable(float* x, int64_t n, float scale, float shift) {
   return sum;
 }
 
+int64_t ArgmaxPortable(const float* x, int64_t n) {
+  int64_t best = 0;
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] > top) {  // strict, and false for NaN
+      top = x[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
 #if defined(__x86_64__)
 #define KVGRID_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -116,10 +128,36 @@ KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
   }
   return HorizontalSum(acc);
 }
+
+// Two passes, both streaming: the maximum (NaN skipped: vmaxps returns its second operand
+// when the first is NaN), then the first index holding it (NaN never compares equal).
+KVGRID_AVX2 int64_t ArgmaxAvx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
+    m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  float top = -INFINITY;
+  for (float v : lanes) top = v > top ? v : top;
+  for (; i < n; ++i) top = x[i] > top ? x[i] : top;
+  if (top == -INFINITY) return 0;
+  const __m256 vt = _mm256_set1_ps(top);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_EQ_OQ));
+    if (hits != 0) return i + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+  for (; i < n; ++i) {
+    if (x[i] == top) return i;
+  }
+  return 0;  // not reached: top is one of the elements
+}
 #endif
 
-constexpr VecOps kPortable = {DotPortable,      AxpyPortable,   F16ToF32Portable,
-                              F32ToF16Portable, ExpSumPortable, "portable"};
+constexpr VecOps kPortable = {DotPortable,    AxpyPortable,   F16ToF32Portable, F32ToF16Portable,
+                              ExpSumPortable, ArgmaxPortable, "portable"};
 
 }  // namespace
 
@@ -128,7 +166,7 @@ const VecOps& PortableVec() { return kPortable; }
 const VecOps& Vec() {
 #if defined(__x86_64__)
   static const VecOps ops = HaveAvx2Fma() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
-                                               ExpSumAvx2, "avx2"}
+                                               ExpSumAvx2, ArgmaxAvx2, "avx2"}
                                       : kPortable;
   return ops;
 #else

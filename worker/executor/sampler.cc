@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/vec.h"
 
 namespace kvgrid::worker {
 
@@ -69,14 +70,6 @@ absl::Status SamplingParams::Validate() const {
 
 namespace {
 
-int32_t Argmax(std::span<const float> logits) {
-  int32_t best = 0;
-  for (int32_t i = 1; i < static_cast<int32_t>(logits.size()); ++i) {
-    if (logits[i] > logits[best]) best = i;  // strict: ties keep the lower id
-  }
-  return best;
-}
-
 // A float's bits mapped so that unsigned order is the floats' order (NaN excluded); -0 maps
 // as +0, which compares equal to it.
 uint32_t OrderedBits(float x) {
@@ -125,13 +118,17 @@ int32_t SampleToken(std::span<float> logits, const SamplingParams& p,
                     const TokenHistory& history, std::mt19937_64& rng) {
   const int32_t vocab = static_cast<int32_t>(logits.size());
   ApplyPenalties(logits, p, history);
+  // Very low temperatures are greedy: exp((l - max) / T) would underflow or produce NaN. One
+  // vectorized pass over the row (NaN as -inf, ties to the lower id): the argmax of a 152k
+  // vocabulary is serial work in every decode step, once per sequence.
+  if (IsGreedy(p)) {
+    return static_cast<int32_t>(kernels::cpu::Vec().argmax(logits.data(), vocab));
+  }
   // NaN would break the orderings below; it can only come from a broken checkpoint or an
   // overflowing cache, and such a token must never be picked.
   for (float& x : logits) {
     if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
   }
-  // Very low temperatures are greedy: exp((l - max) / T) would underflow or produce NaN.
-  if (IsGreedy(p)) return Argmax(logits);
   // Exactly one draw per sampled token, whatever the logits, so a resumed stream can skip
   // ahead by the number of tokens (see Engine's resume_tokens).
   const double unit = UniformUnit(rng);

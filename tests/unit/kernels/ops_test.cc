@@ -6,6 +6,7 @@
 #include <cfloat>
 #include <iterator>
 #include <tuple>
+#include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -223,6 +224,49 @@ TEST(VecTest, SimdMatchesPortable) {
     fast.f16_to_f32(h1.data(), f1.data(), n);
     slow.f16_to_f32(h1.data(), f2.data(), n);
     EXPECT_EQ(f1, f2);
+  }
+}
+
+// Each case's answer is written out, and both implementations must give it: NaN is -inf, ties
+// (+0 and -0 included) go to the lowest index, nothing above -inf gives 0, and the maximum may
+// sit in the SIMD body, the scalar tail or both.
+TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    std::vector<float> x;
+    int64_t want;
+  };
+  std::vector<Case> cases = {
+      {{1.f}, 0},
+      {{nan}, 0},
+      {{-inf, -inf, -inf}, 0},
+      {{nan, -inf, nan}, 0},
+      {{nan, -inf, -3.f}, 2},
+      {{-0.f, 0.f, -1.f}, 0},
+      {{-1.f, 0.f, -0.f}, 1},
+      {{1.f, inf, 2.f, inf}, 1},
+  };
+  for (int64_t n : {9, 16, 17, 31, 32, 33, 1000}) {
+    std::vector<float> x = Random(n, n + 5);
+    for (float& v : x) v -= 10.f;                 // all below the peaks placed next
+    std::vector<float> tie = x, last = x, nans = x, big = x;
+    tie[n / 2] = 7.f, tie[n - 1] = 7.f;           // two equal peaks: the first wins
+    cases.push_back({tie, n / 2});
+    last[n - 1] = 3.f;                            // in the tail the SIMD loop leaves
+    cases.push_back({last, n - 1});
+    nans[0] = nan, nans[n - 1] = nan, nans[n / 3] = 1.f;
+    cases.push_back({nans, n / 3});
+    std::fill(big.begin(), big.end(), nan);
+    big[n - 2] = -inf, big[n - 1] = -1e30f;
+    cases.push_back({big, n - 1});
+  }
+  for (const VecOps* ops : {&Vec(), &PortableVec()}) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      EXPECT_EQ(ops->argmax(cases[c].x.data(), static_cast<int64_t>(cases[c].x.size())),
+                cases[c].want)
+          << ops->name << " case " << c << " (n " << cases[c].x.size() << ")";
+    }
   }
 }
 
