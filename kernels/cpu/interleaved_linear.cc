@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -39,6 +40,12 @@ const uint8_t* GroupBlock(const QuantMatrix& m, int64_t row, int64_t b) {
   return m.data.data() + (g * blocks + b) * GroupBlockBytes(m.dtype);
 }
 
+// How far ahead of the block it reads the first tile of a group prefetches (software: this
+// machine's hardware prefetch did not overlap the weights' stream with the dot products once a
+// tile has several tokens; quant_linear_bench: gate_up at 8 tokens 13 -> 18 GB/s on Q4_0).
+// Later tiles read the group from cache. Past the matrix's end it reads nothing (a prefetch
+// never faults).
+constexpr int64_t kPrefetchBytes = 2048;
 // Tokens one call of the kernel carries through a group (its accumulators stay in registers).
 constexpr int64_t kTileTokens = 8;
 // Tokens whose activations one pass over the row groups reads (so they stay in L2).
@@ -58,7 +65,7 @@ KVGRID_AVX512_VNNI inline __m512i Broadcast4(const int8_t* p) {
 // product with token first + t over all the group's blocks.
 template <WeightDType D, int T>
 KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8Activations& a,
-                                 int64_t first, __m512 acc[T]) {
+                                 int64_t first, bool prefetch, __m512 acc[T]) {
   constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
   constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
   constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
@@ -79,6 +86,12 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlock;
+    if (prefetch) {  // an address, not a pointer: it may lie past the matrix
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(blk) + kPrefetchBytes;
+      for (int64_t o = 0; o < kGroupBlock; o += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+      }
+    }
     // The maskz forms here and below: GCC 12 warns that the plain conversions read an
     // undefined vector.
     const __m512 dw =
@@ -126,10 +139,10 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
 // Rows [16 g, 16 g + 16) for tokens [first, first + T): written (or added) to the output.
 template <WeightDType D, int T>
 KVGRID_AVX512_VNNI void GroupTile(const uint8_t* group, int64_t blocks, const Q8Activations& a,
-                                  int64_t first, const float* bias, float* out, int64_t ldo,
-                                  bool accumulate) {
+                                  int64_t first, bool prefetch, const float* bias, float* out,
+                                  int64_t ldo, bool accumulate) {
   __m512 acc[T];
-  GroupDot<D, T>(group, blocks, a, first, acc);
+  GroupDot<D, T>(group, blocks, a, first, prefetch, acc);
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int t = 0; t < T; ++t) {
     float* y = out + (first + t) * ldo;
@@ -139,8 +152,8 @@ KVGRID_AVX512_VNNI void GroupTile(const uint8_t* group, int64_t blocks, const Q8
   }
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, const Q8Activations&, int64_t, const float*,
-                        float*, int64_t, bool);
+using TileFn = void (*)(const uint8_t*, int64_t, const Q8Activations&, int64_t, bool,
+                        const float*, float*, int64_t, bool);
 
 template <WeightDType D>
 TileFn TileFor(int64_t tokens) {
@@ -308,7 +321,7 @@ void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const f
       for (int64_t t = c0; t < c1; t += kTileTokens) {
         const int64_t n = std::min(kTileTokens, c1 - t);
         const TileFn tile = TileFor(w.dtype, n);
-        tile(group, blocks, a, t, b, out, ldo, accumulate);
+        tile(group, blocks, a, t, /*prefetch=*/t == c0, b, out, ldo, accumulate);
       }
     }
   }
