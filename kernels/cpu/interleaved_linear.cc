@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "kernels/cpu/huge_pages.h"
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -40,12 +40,6 @@ const uint8_t* GroupBlock(const QuantMatrix& m, int64_t row, int64_t b) {
   return m.data.data() + (g * blocks + b) * GroupBlockBytes(m.dtype);
 }
 
-// How far ahead of the block it reads the first tile of a group prefetches (software: this
-// machine's hardware prefetch did not overlap the weights' stream with the dot products once a
-// tile has several tokens; quant_linear_bench: gate_up at 8 tokens 13 -> 18 GB/s on Q4_0).
-// Later tiles read the group from cache. Past the matrix's end it reads nothing (a prefetch
-// never faults).
-constexpr int64_t kPrefetchBytes = 2048;
 // Tokens one call of the kernel carries through a group (its accumulators stay in registers).
 constexpr int64_t kTileTokens = 8;
 // Tokens whose activations one pass over the row groups reads (so they stay in L2).
@@ -86,11 +80,10 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlock;
-    if (prefetch) {  // an address, not a pointer: it may lie past the matrix
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(blk) + kPrefetchBytes;
-      for (int64_t o = 0; o < kGroupBlock; o += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
-      }
+    // The first tile of a group streams it from memory (simd_x86.h's kStreamPrefetchBytes);
+    // later tiles read it from cache.
+    if (prefetch) {
+      for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
     }
     // The maskz forms here and below: GCC 12 warns that the plain conversions read an
     // undefined vector.

@@ -122,6 +122,7 @@ __attribute__((target("avx2,fma,f16c"))) void DotRow16Avx2(const uint8_t* row, i
   }
   int64_t c = 0;
   for (; c + 8 * A <= k; c += 8 * A) {
+    if (2 * c % 64 == 0) PrefetchAhead(row + 2 * c, kStreamPrefetchBytes);  // once a line
     for (int a = 0; a < A; ++a) {
       const __m256 w = Load8Float16<kBf16>(row + 2 * (c + 8 * a));
       for (int t = 0; t < T; ++t) {
@@ -166,6 +167,9 @@ __attribute__((target("avx512f,avx512bw,fma,f16c"))) void Dot4x4Float16Avx512(
   }
   for (int64_t c = 0; c < k; c += 16) {
     __m512 wv[4];
+    if (c % 32 == 0) {  // a cache line of each row every other step
+      for (int r = 0; r < 4; ++r) PrefetchAhead(w + r * row_bytes + 2 * c, kStreamPrefetchBytes);
+    }
     for (int r = 0; r < 4; ++r) {
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + 2 * c));
       if constexpr (kBf16) {

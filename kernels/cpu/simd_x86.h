@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
 #endif
 
 namespace kvgrid::kernels::cpu {
@@ -37,6 +38,18 @@ inline bool HaveAvx512() {
 }
 
 #if defined(__x86_64__)
+// How far ahead of what they read the weight-streaming kernels that do arithmetic on each byte
+// (16-bit and 8-bit weights) prefetch. Measured on a Sapphire Rapids-class machine: its
+// hardware prefetch did not overlap such a stream with the arithmetic (F16 decode +8-13%,
+// batched F16 +15-19%, 8-bit batched +9-12%), while plain fp32 rows gained nothing.
+inline constexpr int64_t kStreamPrefetchBytes = 2048;
+
+// Prefetches the cache line `bytes` past `p` into L1. An address, not a pointer: it may lie
+// past the end of the array (a prefetch never faults).
+inline void PrefetchAhead(const void* p, int64_t bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + bytes), _MM_HINT_T0);
+}
+
 // The sum of the 8 lanes, pairwise (lane i + lane i+4, then halves). Needs only AVX, so every
 // AVX2 kernel can inline it.
 __attribute__((target("avx"))) inline float HorizontalSum(__m256 v) {
