@@ -288,5 +288,26 @@ TEST(LinearTest, SmallBatchPathEqualsGemmPath) {
   for (int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(a[i], b[i], 1e-4);
 }
 
+// Prefill-sized products on AVX-512 stream in chunks of tokens (1 MiB of inputs each: 16
+// tokens of 16384 inputs here, so 37 tokens are three chunks, the last of 5), through
+// Linear's dispatch; each output against a double-precision sum, bias and accumulation
+// included.
+TEST(LinearTest, ChunkedStreamingMatchesDoublePrecision) {
+  const int64_t m = 37, k = 16384, n = 8;
+  std::vector<float> x = Random(m * k, 21), w = Random(n * k, 22), bias = Random(n, 23);
+  std::vector<float> y = Random(m * n, 24);
+  const std::vector<float> before = y;
+  LinearParams p{.input = x.data(), .weight = w.data(), .bias = bias.data(), .output = y.data(),
+                 .num_tokens = m, .in_features = k, .out_features = n, .accumulate = true};
+  ASSERT_TRUE(Linear(p).ok());
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < n; ++j) {
+      double want = before[t * n + j] + bias[j];
+      for (int64_t c = 0; c < k; ++c) want += double{x[t * k + c]} * w[j * k + c];
+      EXPECT_NEAR(y[t * n + j], want, 2e-3) << "token " << t << " row " << j;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvgrid::kernels::cpu
