@@ -30,7 +30,9 @@ What it does, all under --work (default ~/.cache/kvgrid-peer; reused between run
    measured one; kvgrid's process runs cold). Both use --threads threads and F16 K/V:
    llama.cpp's default cache type, kvgrid's --kv-cache-dtype fp16 (--kv-cache-dtype changes
    kvgrid's). llama.cpp's flash attention is left at its default (auto) and recorded.
-4. The machine's memory bandwidth (a numpy "add" over 3 x 256 MiB arrays, --threads threads;
+4. For each batched figure, each engine's median over its own batch-1 decode at depth 0
+   (tg64@d0 of the same file and run): how far batching multiplies its throughput.
+5. The machine's memory bandwidth (a numpy "add" over 3 x 256 MiB arrays, --threads threads;
    the same bytes as STREAM's triad) before and after, and for batch-1 decode each engine's
    fraction of the roofline: bandwidth / bytes a step reads (the file's tensor bytes, less the
    embedding table when the head is a separate tensor, since the lookup reads one row; plus
@@ -515,6 +517,15 @@ def measure_file(name, path, layout, kv, lc, args, bandwidth, work):
         if errors:
             f["errors"] = errors
         figures[fig] = f
+    # Batched decode over each engine's own batch-1 decode (the issue's "6x kvgrid's own
+    # batch-1 throughput"): the medians of bB and tg@d0 of this file, measured in this run.
+    d0 = figures.get(f"tg{args.decode_tokens}@d0")
+    for fig, f in figures.items():
+        if not fig.startswith("b") or d0 is None:
+            continue
+        for engine in ("kvgrid", "llama_cpp"):
+            batch, one = f[f"{engine}_median"], d0[f"{engine}_median"]
+            f[f"{engine}_over_batch1"] = batch / one if batch and one else None
     return figures
 
 
@@ -564,6 +575,15 @@ def print_table(out):
                 print(f"| {f['name']} | {g} | {v['roofline_tokens_per_s']:.1f} | "
                       f"{fmt(v['kvgrid_fraction_of_roofline'])} | "
                       f"{fmt(v['llama_cpp_fraction_of_roofline'])} |")
+    scaled = [(f, g, v) for f in out["files"] for g, v in f["figures"].items()
+              if "kvgrid_over_batch1" in v]
+    if scaled:
+        print("\nbatched decode over the same engine's batch-1 decode (tg@d0), medians:\n")
+        print("| file | figure | kvgrid | llama.cpp |")
+        print("|---|---|---|---|")
+        for f, g, v in scaled:
+            print(f"| {f['name']} | {g} | {fmt(v['kvgrid_over_batch1'])} | "
+                  f"{fmt(v['llama_cpp_over_batch1'])} |")
     for f in out["files"]:
         for g, v in f["figures"].items():
             for e in v.get("errors", []):
