@@ -44,6 +44,13 @@ def campaign(target: str, runs: int, niceness: int, max_seconds: int, timeout: i
     before = len(list(corpus.iterdir()))
     log = work / "log"
     t0 = time.monotonic()
+    # ASan records the stack of every allocation in a depot that only grows: over hours of a
+    # target that allocates on many distinct paths (grpc_request_fuzz's recursive wire scan),
+    # its inserts took 52% of the time and the rate fell from ~5,000 to ~1,000 per second.
+    # Eight frames name an allocation site as well for a report, with far fewer distinct
+    # stacks. An ASAN_OPTIONS of the caller's own is kept as given.
+    env = dict(os.environ)
+    env.setdefault("ASAN_OPTIONS", "malloc_context_size=8")
     with open(log, "wb") as out:
         rc = subprocess.run(
             ["nice", "-n", str(niceness), str(exe), f"-runs={runs}",
@@ -51,7 +58,7 @@ def campaign(target: str, runs: int, niceness: int, max_seconds: int, timeout: i
              f"-timeout={timeout}",
              "-rss_limit_mb=2048", "-max_len=65536", "-print_final_stats=1",
              f"-artifact_prefix={artifacts}/", str(corpus)],
-            stdout=out, stderr=subprocess.STDOUT).returncode
+            stdout=out, stderr=subprocess.STDOUT, env=env).returncode
     seconds = time.monotonic() - t0
     text = log.read_text(errors="replace")
     m = re.search(r"^stat::number_of_executed_units:\s*(\d+)", text, re.M)
