@@ -104,30 +104,30 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
     // weights are read once per chunk).
     const int64_t chunk = std::max<int64_t>(4, kChunkInputBytes / (k * 4) / 4 * 4);
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-    const int64_t c1 = std::min(m, c0 + chunk);
+      const int64_t c1 = std::min(m, c0 + chunk);
 #pragma omp parallel for schedule(static) if (n * k > 32768)
-    for (int64_t j = 0; j < n; j += 4) {
-      for (int64_t t0 = c0; t0 < c1; t0 += 4) {
-        float dots[16];
-        const int64_t count = std::min<int64_t>(4, c1 - t0);
-        if (count == 4) {
-          Dot4x4Avx512(p.weight + j * k, p.input + t0 * k, k, dots);
-        } else {
-          for (int r = 0; r < 4; ++r) {
-            float row[4];
-            kDotRows[count - 1](p.weight + (j + r) * k, p.input + t0 * k, k, row);
-            for (int64_t t = 0; t < count; ++t) dots[t * 4 + r] = row[t];
+      for (int64_t j = 0; j < n; j += 4) {
+        for (int64_t t0 = c0; t0 < c1; t0 += 4) {
+          float dots[16];
+          const int64_t count = std::min<int64_t>(4, c1 - t0);
+          if (count == 4) {
+            Dot4x4Avx512(p.weight + j * k, p.input + t0 * k, k, dots);
+          } else {
+            for (int r = 0; r < 4; ++r) {
+              float row[4];
+              kDotRows[count - 1](p.weight + (j + r) * k, p.input + t0 * k, k, row);
+              for (int64_t t = 0; t < count; ++t) dots[t * 4 + r] = row[t];
+            }
           }
-        }
-        for (int64_t t = 0; t < count; ++t) {
-          for (int r = 0; r < 4; ++r) {
-            float* y = p.output + (t0 + t) * n + j + r;
-            const float v = dots[t * 4 + r] + (p.bias ? p.bias[j + r] : 0.f);
-            *y = p.accumulate ? *y + v : v;
+          for (int64_t t = 0; t < count; ++t) {
+            for (int r = 0; r < 4; ++r) {
+              float* y = p.output + (t0 + t) * n + j + r;
+              const float v = dots[t * 4 + r] + (p.bias ? p.bias[j + r] : 0.f);
+              *y = p.accumulate ? *y + v : v;
+            }
           }
         }
       }
-    }
     }
     return absl::OkStatus();
   }
