@@ -520,8 +520,9 @@ def measure_file(name, path, layout, kv, lc, args, bandwidth, work):
     # Batched decode over each engine's own batch-1 decode (the issue's "6x kvgrid's own
     # batch-1 throughput"): the medians of bB and tg@d0 of this file, measured in this run.
     d0 = figures.get(f"tg{args.decode_tokens}@d0")
+    batched = [fig for fig, kind, _ in figure_plan(args) if kind == "batched"]
     for fig, f in figures.items():
-        if not fig.startswith("b") or d0 is None:
+        if fig not in batched or d0 is None:
             continue
         for engine in ("kvgrid", "llama_cpp"):
             batch, one = f[f"{engine}_median"], d0[f"{engine}_median"]

@@ -59,7 +59,8 @@ __attribute__((target("avx2,fma"))) void DotRowF32(const float* w, const float* 
   }
 }
 
-// The inputs one pass of the 4 x 4 kernel keeps in L2 (of 2 MiB per core here).
+// The inputs one pass of the 4 x 4 kernel keeps in L2 (of 2 MiB per core where it was
+// measured; 1 MiB keeps half of a 2 MiB L2 for the weights' row tiles and the outputs).
 constexpr int64_t kChunkInputBytes = int64_t{1} << 20;
 
 using DotRowFn = void (*)(const float*, const float*, int64_t, float*);
@@ -102,7 +103,8 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
   if (avx512 && m >= 4 && k % 16 == 0 && n % 4 == 0) {
     // Tokens in chunks whose inputs stay in L2 while every row tile passes over them (the
     // weights are read once per chunk).
-    const int64_t chunk = std::max<int64_t>(4, kChunkInputBytes / (k * 4) / 4 * 4);
+    // A batched decode step (up to kStreamTokens) is never split: it reads the weights once.
+    const int64_t chunk = std::max<int64_t>(kStreamTokens, kChunkInputBytes / (k * 4) / 4 * 4);
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
 #pragma omp parallel for schedule(static) if (n * k > 32768)
@@ -165,12 +167,15 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
 // smallest (266-293 against 158-181).
 constexpr int64_t kStreamPrefillTokens = 128;
 constexpr int64_t kStreamMaxRows = 4096;
+// And at most this many inputs per row (measured up to 4864): chunks of at least 32 tokens,
+// so 128 tokens read the weights at most four times.
+constexpr int64_t kStreamMaxInputs = 8192;
 
 absl::Status Linear(const LinearParams& p) {
   if (p.num_tokens <= kStreamTokens) return LinearSmallBatch(p);
   static const bool avx512 = HaveAvx512();
   if (avx512 && p.num_tokens <= kStreamPrefillTokens && p.out_features <= kStreamMaxRows &&
-      p.in_features % 16 == 0 && p.out_features % 4 == 0) {
+      p.in_features <= kStreamMaxInputs && p.in_features % 16 == 0 && p.out_features % 4 == 0) {
     return LinearSmallBatch(p);
   }
   if (absl::Status s = p.Validate(); !s.ok()) return s;

@@ -122,7 +122,7 @@ __attribute__((target("avx2,fma,f16c"))) void DotRow16Avx2(const uint8_t* row, i
   }
   int64_t c = 0;
   for (; c + 8 * A <= k; c += 8 * A) {
-    if (2 * c % 64 == 0) PrefetchAhead(row + 2 * c, kStreamPrefetchBytes);  // once a line
+    if (c % 32 == 0) PrefetchAhead(row + 2 * c, kStreamPrefetchBytes);  // once a 64-byte line
     for (int a = 0; a < A; ++a) {
       const __m256 w = Load8Float16<kBf16>(row + 2 * (c + 8 * a));
       for (int t = 0; t < T; ++t) {

@@ -129,8 +129,9 @@ KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
   return HorizontalSum(acc);
 }
 
-// Two passes, both streaming: the maximum (NaN skipped: vmaxps returns its second operand
-// when the first is NaN), then the first index holding it (NaN never compares equal).
+// Two passes, both streaming: the maximum, then the first index holding it (NaN never
+// compares equal). NaN is skipped because the running maximum is vmaxps' second operand,
+// which it returns when either is NaN (the running maximum never is).
 KVGRID_AVX2 int64_t ArgmaxAvx2(const float* x, int64_t n) {
   __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
   int64_t i = 0;

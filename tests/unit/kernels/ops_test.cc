@@ -1,12 +1,13 @@
 // The elementwise and GEMM kernels against straightforward loops, and the SIMD vector
 // primitives against their portable versions.
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <iterator>
+#include <limits>
 #include <numbers>
 #include <random>
-#include <cfloat>
-#include <iterator>
 #include <tuple>
-#include <limits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -251,14 +252,18 @@ TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
     std::vector<float> x = Random(n, n + 5);
     for (float& v : x) v -= 10.f;                 // all below the peaks placed next
     std::vector<float> tie = x, last = x, nans = x, big = x;
-    tie[n / 2] = 7.f, tie[n - 1] = 7.f;           // two equal peaks: the first wins
+    tie[n / 2] = 7.f;  // two equal peaks: the first wins
+    tie[n - 1] = 7.f;
     cases.push_back({tie, n / 2});
-    last[n - 1] = 3.f;                            // in the tail the SIMD loop leaves
+    last[n - 1] = 3.f;  // in the tail the SIMD loop leaves
     cases.push_back({last, n - 1});
-    nans[0] = nan, nans[n - 1] = nan, nans[n / 3] = 1.f;
+    nans[0] = nan;
+    nans[n - 1] = nan;
+    nans[n / 3] = 1.f;
     cases.push_back({nans, n / 3});
     std::fill(big.begin(), big.end(), nan);
-    big[n - 2] = -inf, big[n - 1] = -1e30f;
+    big[n - 2] = -inf;
+    big[n - 1] = -1e30f;
     cases.push_back({big, n - 1});
   }
   for (const VecOps* ops : {&Vec(), &PortableVec()}) {
@@ -266,6 +271,31 @@ TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
       EXPECT_EQ(ops->argmax(cases[c].x.data(), static_cast<int64_t>(cases[c].x.size())),
                 cases[c].want)
           << ops->name << " case " << c << " (n " << cases[c].x.size() << ")";
+    }
+  }
+  // Rows drawn from a few values, NaN, +-0 and +-inf among them, so that ties and the special
+  // values land in every SIMD lane: the answer of the sampler's earlier greedy code (NaN
+  // rewritten to -inf, then a strict scan from index 0).
+  const float pool[] = {nan, -inf, 0.f, -0.f, -1.f, 1.f, 2.f, inf};
+  std::mt19937_64 rng(7);
+  for (int64_t n : {16, 17, 31, 64, 1000}) {
+    for (int trial = 0; trial < 200; ++trial) {
+      std::vector<float> x(n);
+      // Rows from the first 8, 6, 4 or 2 values, so that +inf, 1, +-0 and -inf (or NaN
+      // alone) each get to be the maximum.
+      const int spread = 8 - 2 * (trial % 4);
+      for (float& v : x) v = pool[rng() % spread];
+      // Every fifth row also has one peak above the pool in its first half, which a SIMD lane
+      // that let a later NaN displace its maximum would lose (later values then replace the
+      // NaN).
+      if (trial % 5 == 4) x[rng() % (n / 2)] = 3.f;
+      std::vector<float> rewritten = x;
+      for (float& v : rewritten) v = std::isnan(v) ? -inf : v;
+      int64_t want = 0;
+      for (int64_t i = 1; i < n; ++i) {
+        if (rewritten[i] > rewritten[want]) want = i;
+      }
+      EXPECT_EQ(Vec().argmax(x.data(), n), want) << "n " << n << " trial " << trial;
     }
   }
 }
@@ -288,23 +318,28 @@ TEST(LinearTest, SmallBatchPathEqualsGemmPath) {
   for (int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(a[i], b[i], 1e-4);
 }
 
-// Prefill-sized products on AVX-512 stream in chunks of tokens (1 MiB of inputs each: 16
-// tokens of 16384 inputs here, so 37 tokens are three chunks, the last of 5), through
-// Linear's dispatch; each output against a double-precision sum, bias and accumulation
-// included.
+// The small-batch path on AVX-512 walks tokens in chunks (1 MiB of inputs, at least 16
+// tokens: 16 tokens of 16384 inputs here, so 37 tokens are three chunks, the last of 5); each
+// output against a double-precision sum, bias and accumulation included, through it and
+// through Linear's dispatch (SGEMM for this shape).
 TEST(LinearTest, ChunkedStreamingMatchesDoublePrecision) {
   const int64_t m = 37, k = 16384, n = 8;
   std::vector<float> x = Random(m * k, 21), w = Random(n * k, 22), bias = Random(n, 23);
-  std::vector<float> y = Random(m * n, 24);
-  const std::vector<float> before = y;
-  LinearParams p{.input = x.data(), .weight = w.data(), .bias = bias.data(), .output = y.data(),
-                 .num_tokens = m, .in_features = k, .out_features = n, .accumulate = true};
-  ASSERT_TRUE(Linear(p).ok());
-  for (int64_t t = 0; t < m; ++t) {
-    for (int64_t j = 0; j < n; ++j) {
-      double want = before[t * n + j] + bias[j];
-      for (int64_t c = 0; c < k; ++c) want += double{x[t * k + c]} * w[j * k + c];
-      EXPECT_NEAR(y[t * n + j], want, 2e-3) << "token " << t << " row " << j;
+  const std::vector<float> before = Random(m * n, 24);
+  for (auto* linear : {&Linear, &LinearSmallBatch}) {
+    std::vector<float> y = before;
+    LinearParams p{.input = x.data(), .weight = w.data(), .bias = bias.data(),
+                   .output = y.data(), .num_tokens = m, .in_features = k, .out_features = n,
+                   .accumulate = true};
+    ASSERT_TRUE(linear(p).ok());
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t j = 0; j < n; ++j) {
+        double want = before[t * n + j] + bias[j];
+        for (int64_t c = 0; c < k; ++c) want += double{x[t * k + c]} * w[j * k + c];
+        EXPECT_NEAR(y[t * n + j], want, 2e-3)
+            << (linear == &Linear ? "Linear" : "LinearSmallBatch") << " token " << t
+            << " row " << j;
+      }
     }
   }
 }
