@@ -451,7 +451,8 @@ def measure_file(name, path, layout, kv, lc, args, bandwidth, work):
     # Ids below the tokenizer's special tokens (151643 and up), the same for every pair.
     ids = rng.integers(100, 150000, size=max(args.prompt_lengths + args.depths + [1]))
     figures = {}
-    for fig, kind, p in figure_plan(args):
+    plan = figure_plan(args)
+    for fig, kind, p in plan:
         if kind == "batched":
             pf = work / f"batch-{p['batch']}x{args.batch_prompt}.txt"
             words = [BATCH_WORDS[i % len(BATCH_WORDS)] for i in range(p["batch"])]
@@ -520,7 +521,7 @@ def measure_file(name, path, layout, kv, lc, args, bandwidth, work):
     # Batched decode over each engine's own batch-1 decode (the issue's "6x kvgrid's own
     # batch-1 throughput"): the medians of bB and tg@d0 of this file, measured in this run.
     d0 = figures.get(f"tg{args.decode_tokens}@d0")
-    batched = [fig for fig, kind, _ in figure_plan(args) if kind == "batched"]
+    batched = [fig for fig, kind, _ in plan if kind == "batched"]
     for fig, f in figures.items():
         if fig not in batched or d0 is None:
             continue

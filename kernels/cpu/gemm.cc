@@ -99,8 +99,7 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
   const int64_t m = p.num_tokens, n = p.out_features, k = p.in_features;
 #if defined(__x86_64__)
   // Four tokens or more: blocks of 4 rows x 4 tokens where AVX-512 has the registers.
-  static const bool avx512 = HaveAvx512();
-  if (avx512 && m >= 4 && k % 16 == 0 && n % 4 == 0) {
+  if (HaveAvx512() && m >= 4 && k % 16 == 0 && n % 4 == 0) {
     // Tokens in chunks whose inputs stay in L2 while every row tile passes over them (the
     // weights are read once per chunk).
     // A batched decode step (up to kStreamTokens) is never split: it reads the weights once.
@@ -173,8 +172,7 @@ constexpr int64_t kStreamMaxInputs = 8192;
 
 absl::Status Linear(const LinearParams& p) {
   if (p.num_tokens <= kStreamTokens) return LinearSmallBatch(p);
-  static const bool avx512 = HaveAvx512();
-  if (avx512 && p.num_tokens <= kStreamPrefillTokens && p.out_features <= kStreamMaxRows &&
+  if (HaveAvx512() && p.num_tokens <= kStreamPrefillTokens && p.out_features <= kStreamMaxRows &&
       p.in_features <= kStreamMaxInputs && p.in_features % 16 == 0 && p.out_features % 4 == 0) {
     return LinearSmallBatch(p);
   }

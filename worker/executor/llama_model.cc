@@ -777,41 +777,39 @@ LlamaWeights LlamaModel::RandomWeights(const model::ModelConfig& c, uint64_t see
   return w;
 }
 
-int64_t LlamaModel::WeightBytes() const {
-  int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
-  int64_t quantized = static_cast<int64_t>(w_.embed_q.data.size());
-  for (const LayerWeights& l : w_.layers) {
-    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
-         l.post_norm.size() + l.gate_up.size() + l.down.size() + l.q_norm.size() +
-         l.k_norm.size();
-    for (const cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) {
-      quantized += static_cast<int64_t>(q->data.size());
-    }
-    for (const std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-      for (const cpu::QuantMatrix& q : *parts) quantized += static_cast<int64_t>(q.data.size());
-    }
-  }
-  quantized += static_cast<int64_t>(w_.lm_head_q.data.size());
-  return n * static_cast<int64_t>(sizeof(float)) + quantized;
-}
-
 namespace {
 
-// Calls f on every matrix `w` holds in blocks or 16-bit floats: the embedding, the head and
-// each layer's projections and their parts.
-template <typename F>
-void ForEachQuantMatrix(LlamaWeights& w, F f) {
+// Calls f on every matrix `w` (LlamaWeights, const or not) holds in blocks or 16-bit floats:
+// the embedding, the head and each layer's projections and their parts.
+template <typename Weights, typename F>
+void ForEachQuantMatrix(Weights& w, F f) {
   f(w.embed_q);
   f(w.lm_head_q);
-  for (LayerWeights& l : w.layers) {
-    for (cpu::QuantMatrix* q : {&l.qkv_q, &l.o_q, &l.gate_up_q, &l.down_q}) f(*q);
-    for (std::vector<cpu::QuantMatrix>* parts : {&l.qkv_parts, &l.gate_up_parts}) {
-      for (cpu::QuantMatrix& q : *parts) f(q);
-    }
+  for (auto& l : w.layers) {
+    f(l.qkv_q);
+    f(l.o_q);
+    f(l.gate_up_q);
+    f(l.down_q);
+    for (auto& q : l.qkv_parts) f(q);
+    for (auto& q : l.gate_up_parts) f(q);
   }
 }
 
 }  // namespace
+
+int64_t LlamaModel::WeightBytes() const {
+  int64_t n = w_.embed.size() + w_.final_norm.size() + w_.lm_head.size();
+  for (const LayerWeights& l : w_.layers) {
+    n += l.input_norm.size() + l.qkv.size() + l.qkv_bias.size() + l.o.size() + l.o_bias.size() +
+         l.post_norm.size() + l.gate_up.size() + l.down.size() + l.q_norm.size() +
+         l.k_norm.size();
+  }
+  int64_t quantized = 0;
+  ForEachQuantMatrix(w_, [&quantized](const cpu::QuantMatrix& q) {
+    quantized += static_cast<int64_t>(q.data.size());
+  });
+  return n * static_cast<int64_t>(sizeof(float)) + quantized;
+}
 
 void LlamaModel::PrepareWeights() {
   static const bool interleave = cpu::HaveInterleavedInt8();
