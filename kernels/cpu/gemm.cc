@@ -39,6 +39,7 @@ __attribute__((target("avx2,fma"))) void DotRowF32(const float* w, const float* 
   }
   int64_t c = 0;
   for (; c + 8 * A <= k; c += 8 * A) {
+    for (int a = 0; a < A; a += 2) PrefetchAhead(w + c + 8 * a, kStreamPrefetchBytes);  // a line
     for (int a = 0; a < A; ++a) {
       const __m256 wv = _mm256_loadu_ps(w + c + 8 * a);
       for (int t = 0; t < T; ++t) {

@@ -44,6 +44,11 @@ const uint8_t* GroupBlock(const QuantMatrix& m, int64_t row, int64_t b) {
 constexpr int64_t kTileTokens = 8;
 // Tokens whose activations one pass over the row groups reads (so they stay in L2).
 constexpr int64_t kChunkTokens = 64;
+// Above this many 16-row blocks times tokens (64 Ki weight-token products, as the other
+// kernels), a call runs on all threads: one core streams about half of the machine's memory
+// bandwidth, so a batch-1 q/k/v or o matrix (2,016 and 1,568 blocks in Qwen2-0.5B) ran at
+// ~10 GB/s on one thread and ~20 GB/s on two (decode +8-10%, bench/RESULTS.md).
+constexpr int64_t kParallelBlocks = 128;
 
 #if defined(__x86_64__)
 #define KVGRID_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
@@ -306,7 +311,7 @@ void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const f
   const int64_t group_bytes = blocks * GroupBlockBytes(w.dtype);
   for (int64_t c0 = 0; c0 < a.tokens; c0 += kChunkTokens) {
     const int64_t c1 = std::min(a.tokens, c0 + kChunkTokens);
-#pragma omp parallel for schedule(static) if (groups * blocks * (c1 - c0) > 2048)
+#pragma omp parallel for schedule(static) if (groups * blocks * (c1 - c0) > kParallelBlocks)
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* group = w.data.data() + g * group_bytes;
       const float* b = bias ? bias + g * kInterleaveRows : nullptr;

@@ -38,16 +38,19 @@ inline bool HaveAvx512() {
 }
 
 #if defined(__x86_64__)
-// How far ahead of what they read the weight-streaming kernels that do arithmetic on each byte
-// (16-bit and 8-bit weights) prefetch. Measured on a Sapphire Rapids-class machine: its
-// hardware prefetch did not overlap such a stream with the arithmetic (F16 decode +8-13%,
-// batched F16 +15-19%, 8-bit batched +9-12%), while plain fp32 rows gained nothing.
-inline constexpr int64_t kStreamPrefetchBytes = 2048;
+// How far ahead of what they read the weight-streaming kernels prefetch, and into which level.
+// Measured on a 2-vCPU Sapphire Rapids-class VM (bench/RESULTS.md, "Prefetching into L2"): one
+// core's demand misses and L1 prefetches reach about half the machine's read bandwidth, and
+// its hardware prefetch did not keep such a stream ahead of the arithmetic. Prefetching into
+// L2 (which does not hold one of L1's few fill buffers for the whole trip to memory) 3 KiB
+// ahead beat prefetching into L1 2 KiB ahead in batch-1 decode: fp32 rows 12.0 -> 16.3
+// tokens/s, F16 25 -> 30.7, Q4_0 74 -> 79, Q8_0 52 -> 54 (1, 2, 4 and 6 KiB were each slower).
+inline constexpr int64_t kStreamPrefetchBytes = 3072;
 
-// Prefetches the cache line `bytes` past `p` into L1. An address, not a pointer: it may lie
+// Prefetches the cache line `bytes` past `p` into L2. An address, not a pointer: it may lie
 // past the end of the array (a prefetch never faults).
 inline void PrefetchAhead(const void* p, int64_t bytes) {
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + bytes), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) + bytes), _MM_HINT_T1);
 }
 
 // The sum of the 8 lanes, pairwise (lane i + lane i+4, then halves). Needs only AVX, so every
