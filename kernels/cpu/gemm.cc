@@ -69,15 +69,19 @@ constexpr DotRowFn kDotRows[] = {DotRowF32<1>, DotRowF32<2>, DotRowF32<3>, DotRo
 
 // AVX-512: 4 weight rows against 4 tokens at once, 16 accumulators, so each 16 weights and
 // each 16 inputs loaded serve 4 products (the 1-row kernel loads an input per product).
-// y[t * 4 + r] = w_r . x_t; k % 16 == 0.
+// y[t * 4 + r] = w_r . x_t; k % 16 == 0. The first token tile over the rows (`prefetch`)
+// streams them from memory, the later ones read them from L1.
 __attribute__((target("avx512f,fma"))) void Dot4x4Avx512(const float* w, const float* x,
-                                                         int64_t k, float* y) {
+                                                         int64_t k, bool prefetch, float* y) {
   __m512 acc[4][4];
   for (int r = 0; r < 4; ++r) {
     for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_ps();
   }
   for (int64_t c = 0; c < k; c += 16) {
     __m512 wv[4];
+    if (prefetch) {  // a line of each row
+      for (int r = 0; r < 4; ++r) PrefetchAhead(w + r * k + c, kStreamPrefetchBytes);
+    }
     for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_ps(w + r * k + c);
     for (int t = 0; t < 4; ++t) {
       const __m512 xv = _mm512_loadu_ps(x + t * k + c);
@@ -113,7 +117,7 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
           float dots[16];
           const int64_t count = std::min<int64_t>(4, c1 - t0);
           if (count == 4) {
-            Dot4x4Avx512(p.weight + j * k, p.input + t0 * k, k, dots);
+            Dot4x4Avx512(p.weight + j * k, p.input + t0 * k, k, /*prefetch=*/t0 == c0, dots);
           } else {
             for (int r = 0; r < 4; ++r) {
               float row[4];
