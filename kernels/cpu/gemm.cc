@@ -163,17 +163,19 @@ absl::Status LinearSmallBatch(const LinearParams& p) {
   return absl::OkStatus();
 }
 
-// Prefill-sized products the 4 x 4 kernel runs faster than OpenBLAS 0.3.21's SGEMM on AVX-512
-// (2 threads, Sapphire Rapids-class, GFLOP/s): up to 128 tokens on matrices of at most
-// kStreamMaxRows rows, where SGEMM fell to 33-43 on a Qwen2-0.5B down projection (896 x 4864)
-// against 120-150, and ran 33-175 against 170-190 on q/k/v (1152 x 896). On 9728 rows it keeps
-// SGEMM (139-239 against 159-193 at 64-128 tokens), and from 256 tokens SGEMM on all but the
-// smallest (266-293 against 158-181).
-constexpr int64_t kStreamPrefillTokens = 128;
+// Prefill-sized products, measured against OpenBLAS 0.3.21's SGEMM (SkylakeX kernels) on AVX-512
+// (2 threads, Sapphire Rapids-class, weights from memory, GFLOP/s; bench/RESULTS.md): the 4 x 4
+// kernel wins up to 32 tokens on matrices of at most kStreamMaxRows rows (q/k/v 1152 x 896 at
+// 32 tokens 218 against 142-158), SGEMM from 48 (at 128 tokens 274-282 against 163-204).
+constexpr int64_t kStreamPrefillTokens = 32;
 constexpr int64_t kStreamMaxRows = 4096;
-// And at most this many inputs per row (measured up to 4864): chunks of at least 32 tokens,
-// so 128 tokens read the weights at most four times.
+// And at most this many inputs per row (measured up to 4864).
 constexpr int64_t kStreamMaxInputs = 8192;
+// Up to this many tokens each thread runs SGEMM on its own share of the rows (single-threaded
+// inside the parallel region) instead of OpenBLAS splitting the product: split over the few
+// tokens, every thread packs the whole weight matrix, and a down projection (896 x 4864) at
+// 64-128 tokens ran at 33-43 GFLOP/s where the row split holds 207-280.
+constexpr int64_t kRowSplitTokens = 128;
 
 absl::Status Linear(const LinearParams& p) {
   if (p.num_tokens <= kStreamTokens) return LinearSmallBatch(p);
@@ -193,6 +195,20 @@ absl::Status Linear(const LinearParams& p) {
       for (int j = 0; j < n; ++j) row[j] = (p.accumulate ? row[j] : 0.f) + p.bias[j];
     }
     beta = 1.f;
+  }
+  if (m <= kRowSplitTokens) {
+#pragma omp parallel
+    {
+      // Shares of whole 16-row panels, in order.
+      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int per = (n / threads + 15) / 16 * 16;
+      const int j0 = std::min(n, t * per), j1 = t == threads - 1 ? n : std::min(n, j0 + per);
+      if (j0 < j1) {
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, j1 - j0, k, 1.f, p.input, k,
+                    p.weight + static_cast<int64_t>(j0) * k, k, beta, p.output + j0, n);
+      }
+    }
+    return absl::OkStatus();
   }
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.f, p.input, k, p.weight, k,
               beta, p.output, n);

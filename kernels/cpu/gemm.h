@@ -32,9 +32,9 @@ inline constexpr int64_t kSmallBatchTokens = 4;
 // (bench/RESULTS.md).
 inline constexpr int64_t kStreamTokens = 16;
 
-// Dispatches on num_tokens as above, except that on AVX-512 prefill chunks of up to 128 tokens
-// stream too on matrices of up to 4096 rows and 8192 inputs, where that measured faster than
-// SGEMM (gemm.cc).
+// Dispatches on num_tokens as above, except that on AVX-512 chunks of up to 32 tokens stream
+// too on matrices of up to 4096 rows and 8192 inputs, where that measured faster than SGEMM;
+// up to 128 tokens each thread runs SGEMM on its share of the rows (gemm.cc).
 // Parallel over every core.
 absl::Status Linear(const LinearParams& params);
 
