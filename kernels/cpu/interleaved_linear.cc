@@ -1,6 +1,11 @@
 #include "kernels/cpu/interleaved_linear.h"
 
 #include <immintrin.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -174,6 +179,143 @@ TileFn TileFor(WeightDType dtype, int64_t tokens) {
     default: return TileFor<WeightDType::kQ4_Z>(tokens);
   }
 }
+
+// AMX (Sapphire Rapids and later): one tile product per block multiplies kAmxTokens tokens'
+// 32 activations with the group's 16 rows. The interleaved chunks are the B tile's layout (row
+// j of the tile: 4 consecutive inputs of each of the 16 rows), written out signed first (Q8_0's
+// bytes less 128, Q4_0's nibbles less 8; Q4_1's and Q4_Z's unsigned nibbles as they are); the
+// activations are the A tile, read in place (one row per token, a row of `a` apart). The sums
+// are then exactly GroupDot's integer sums and take its scale and accumulation in the same
+// order, so the results are bit-identical to the VNNI kernel's; only the integer products move
+// to the tile unit (16 x 16 x 32 per instruction; vpdpbusd: 16 x 4). Two blocks are in flight
+// on separate tiles, since each block's tile product, store and reload form a chain.
+#define KVGRID_AMX \
+  __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+
+constexpr int64_t kAmxTokens = 16;
+
+// Tiles 0 and 1: two blocks' int32 sums (16 tokens x 16 rows); 2 and 3: their activations (16
+// tokens x 32 bytes); 4 and 5: their weights (8 rows of 64 bytes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
+  uint8_t rows[16] = {kAmxTokens, kAmxTokens, kAmxTokens, kAmxTokens, 8, 8};
+};
+
+KVGRID_AMX void ConfigureTiles() {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+}
+
+KVGRID_AMX void ReleaseTiles() { _tile_release(); }
+
+// Block `blk`'s integer sums with the activations at `xq` (rows `stride` apart) into `sums`
+// [token][row], on tiles C (sums), A (activations) and W (weights, staged in `staged`).
+template <WeightDType D, int C, int A, int W>
+KVGRID_AMX inline void TileBlockSums(const uint8_t* chunks, const int8_t* xq, int64_t stride,
+                                     uint8_t* staged, int32_t* sums) {
+  _tile_zero(C);
+  _tile_loadd(A, xq, stride);
+  if constexpr (D == WeightDType::kQ8_0) {
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j) {
+      _mm512_store_si512(staged + 64 * j, _mm512_xor_si512(_mm512_loadu_si512(chunks + 64 * j), bias));
+    }
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i eight = _mm512_set1_epi8(D == WeightDType::kQ4_0 ? 8 : 0);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(chunks + 64 * j);
+      _mm512_store_si512(staged + 64 * j, _mm512_sub_epi8(_mm512_and_si512(packed, low4), eight));
+      _mm512_store_si512(staged + 64 * (4 + j),
+                         _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight));
+    }
+  }
+  _tile_loadd(W, staged, 64);
+  if constexpr (D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z) {
+    _tile_dpbsud(C, A, W);  // unsigned nibbles; their offsets are added in floats
+  } else {
+    _tile_dpbssd(C, A, W);
+  }
+  _tile_stored(C, sums, 64);
+}
+
+template <WeightDType D>
+KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activations& a,
+                             int64_t first, bool prefetch, const float* bias, float* out,
+                             int64_t ldo, bool accumulate) {
+  constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
+  constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
+  constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
+  constexpr int T = kAmxTokens;
+  alignas(64) int32_t sums[2][T * kInterleaveRows];
+  alignas(64) uint8_t staged[2][8 * 64];
+  const int8_t* xq = a.q.data() + first * a.cols;
+  const float* xd = a.scale.data() + first * blocks;
+  const float* xss = a.scaled_sum.data() + first * blocks;
+  __m512 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  // Block b's sums into the accumulators, as GroupDot scales them.
+  const auto scale_block = [&](const int32_t* s, int64_t b) KVGRID_AMX {
+    const uint8_t* blk = group + b * kGroupBlock;
+    const __m512 dw =
+        _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 offset = _mm512_setzero_ps();
+    if constexpr (kSecondHalf) {
+      const __m512 second = _mm512_maskz_cvtph_ps(
+          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+      offset = D == WeightDType::kQ4_1 ? second
+                                       : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dw, second));
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m512 dot = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_load_si512(s + t * kInterleaveRows));
+      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * blocks + b])), acc[t]);
+      if constexpr (kSecondHalf) {
+        acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss[t * blocks + b]), acc[t]);
+      }
+    }
+  };
+  const auto fetch = [&](int64_t b) {
+    if (!prefetch) return;
+    const uint8_t* blk = group + b * kGroupBlock;
+    for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    fetch(b);
+    fetch(b + 1);
+    TileBlockSums<D, 0, 2, 4>(group + b * kGroupBlock + kHeader, xq + b * kQuantBlock, a.cols,
+                              staged[0], sums[0]);
+    TileBlockSums<D, 1, 3, 5>(group + (b + 1) * kGroupBlock + kHeader,
+                              xq + (b + 1) * kQuantBlock, a.cols, staged[1], sums[1]);
+    scale_block(sums[0], b);
+    scale_block(sums[1], b + 1);
+  }
+  if (b < blocks) {
+    fetch(b);
+    TileBlockSums<D, 0, 2, 4>(group + b * kGroupBlock + kHeader, xq + b * kQuantBlock, a.cols,
+                              staged[0], sums[0]);
+    scale_block(sums[0], b);
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    float* y = out + (first + t) * ldo;
+    __m512 v = _mm512_add_ps(acc[t], bv);
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
+    _mm512_storeu_ps(y, v);
+  }
+}
+
+TileFn AmxTileFor(WeightDType dtype) {
+  switch (dtype) {
+    case WeightDType::kQ8_0: return GroupTileAmx<WeightDType::kQ8_0>;
+    case WeightDType::kQ4_0: return GroupTileAmx<WeightDType::kQ4_0>;
+    case WeightDType::kQ4_1: return GroupTileAmx<WeightDType::kQ4_1>;
+    default: return GroupTileAmx<WeightDType::kQ4_Z>;
+  }
+}
 #endif  // __x86_64__
 
 }  // namespace
@@ -185,6 +327,24 @@ bool HaveInterleavedInt8() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return have;
+#else
+  return false;
+#endif
+}
+
+bool HaveAmxInt8() {
+#if defined(__x86_64__)
+  static const bool have = [] {
+    if (!HaveInterleavedInt8()) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 25)) == 0) return false;  // AMX-TILE, AMX-INT8
+    // Linux hands out the tile registers' state only on request (5.16 and later); a kernel
+    // or a tool (valgrind) that refuses leaves the VNNI kernels.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtileData) == 0;
   }();
   return have;
 #else
@@ -306,25 +466,43 @@ void DequantizeInterleavedRow(const QuantMatrix& m, int64_t row, float* out) {
 
 void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const float* bias,
                            float* output, int64_t ldo, bool accumulate) {
+  InterleavedInt8LinearOn(HaveAmxInt8() ? Int8TileUnit::kAmx : Int8TileUnit::kVnni, w, a, bias,
+                          output, ldo, accumulate);
+}
+
+void InterleavedInt8LinearOn(Int8TileUnit unit, const QuantMatrix& w, const Q8Activations& a,
+                             const float* bias, float* output, int64_t ldo, bool accumulate) {
 #if defined(__x86_64__)
   const int64_t blocks = w.cols / kQuantBlock, groups = w.rows / kInterleaveRows;
   const int64_t group_bytes = blocks * GroupBlockBytes(w.dtype);
+  const TileFn amx_tile = unit == Int8TileUnit::kAmx ? AmxTileFor(w.dtype) : nullptr;
   for (int64_t c0 = 0; c0 < a.tokens; c0 += kChunkTokens) {
     const int64_t c1 = std::min(a.tokens, c0 + kChunkTokens);
-#pragma omp parallel for schedule(static) if (groups * blocks * (c1 - c0) > kParallelBlocks)
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* group = w.data.data() + g * group_bytes;
-      const float* b = bias ? bias + g * kInterleaveRows : nullptr;
-      float* out = output + g * kInterleaveRows;
-      for (int64_t t = c0; t < c1; t += kTileTokens) {
-        const int64_t n = std::min(kTileTokens, c1 - t);
-        const TileFn tile = TileFor(w.dtype, n);
-        tile(group, blocks, a, t, /*prefetch=*/t == c0, b, out, ldo, accumulate);
+    // Whole tiles of kAmxTokens on the tile unit, the rest (and all of it without AMX) by VNNI.
+    const int64_t amx_end = amx_tile ? c0 + (c1 - c0) / kAmxTokens * kAmxTokens : c0;
+#pragma omp parallel if (groups * blocks * (c1 - c0) > kParallelBlocks)
+    {
+      if (amx_end > c0) ConfigureTiles();  // per thread
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* group = w.data.data() + g * group_bytes;
+        const float* b = bias ? bias + g * kInterleaveRows : nullptr;
+        float* out = output + g * kInterleaveRows;
+        int64_t t = c0;
+        for (; t < amx_end; t += kAmxTokens) {
+          amx_tile(group, blocks, a, t, /*prefetch=*/t == c0, b, out, ldo, accumulate);
+        }
+        for (; t < c1; t += kTileTokens) {
+          const int64_t n = std::min(kTileTokens, c1 - t);
+          const TileFn tile = TileFor(w.dtype, n);
+          tile(group, blocks, a, t, /*prefetch=*/t == c0, b, out, ldo, accumulate);
+        }
       }
+      if (amx_end > c0) ReleaseTiles();
     }
   }
 #else
-  (void)w, (void)a, (void)bias, (void)output, (void)ldo, (void)accumulate;
+  (void)unit, (void)w, (void)a, (void)bias, (void)output, (void)ldo, (void)accumulate;
 #endif
 }
 

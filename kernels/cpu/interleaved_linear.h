@@ -51,11 +51,24 @@ void InterleaveRows(QuantMatrix* m);
 // out[0, cols) = row `row` of interleaved `m` as fp32 (as DequantizeRow for row-major blocks).
 void DequantizeInterleavedRow(const QuantMatrix& m, int64_t row, float* out);
 
+// Whether this CPU and kernel give the process AMX-INT8 tiles (Sapphire Rapids and later, Linux
+// 5.16 and later; asked once, arch_prctl ARCH_REQ_XCOMP_PERM).
+[[nodiscard]] bool HaveAmxInt8();
+
+// Where the integer products of InterleavedInt8LinearOn run: vpdpbusd (AVX-512 VNNI) for every
+// token, or AMX tile products for each whole 16 tokens (the rest by VNNI). The results are
+// bit-identical: only the integer sums move.
+enum class Int8TileUnit : uint8_t { kVnni, kAmx };
+
 // output[t * ldo + j] (+)= sum over blocks of d_w d_x,t (q_w . q_x,t) (+ bias[j]) for every
 // token t of `a` and row j of interleaved `w` (a.cols == w.cols). Requires
-// HaveInterleavedInt8(). Parallel over row groups (OpenMP).
+// HaveInterleavedInt8(); uses AMX where HaveAmxInt8(). Parallel over row groups (OpenMP).
 void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const float* bias,
                            float* output, int64_t ldo, bool accumulate);
+
+// The same on `unit` (kAmx requires HaveAmxInt8()): for tests and benchmarks comparing them.
+void InterleavedInt8LinearOn(Int8TileUnit unit, const QuantMatrix& w, const Q8Activations& a,
+                             const float* bias, float* output, int64_t ldo, bool accumulate);
 
 }  // namespace kvgrid::kernels::cpu
 
