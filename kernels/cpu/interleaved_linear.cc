@@ -139,6 +139,19 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
   }
 }
 
+// acc[t] (+ the 16 rows' bias) written, or added, to out[t * ldo, t * ldo + 16) for t < T.
+template <int T>
+KVGRID_AVX512_VNNI inline void StoreTile(const __m512 acc[T], const float* bias, float* out,
+                                         int64_t ldo, bool accumulate) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) {
+    float* y = out + t * ldo;
+    __m512 v = _mm512_add_ps(acc[t], b);
+    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
+    _mm512_storeu_ps(y, v);
+  }
+}
+
 // Rows [16 g, 16 g + 16) for tokens [first, first + T): written (or added) to the output.
 template <WeightDType D, int T>
 KVGRID_AVX512_VNNI void GroupTile(const uint8_t* group, int64_t blocks, const Q8Activations& a,
@@ -146,13 +159,7 @@ KVGRID_AVX512_VNNI void GroupTile(const uint8_t* group, int64_t blocks, const Q8
                                   int64_t ldo, bool accumulate) {
   __m512 acc[T];
   GroupDot<D, T>(group, blocks, a, first, prefetch, acc);
-  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) {
-    float* y = out + (first + t) * ldo;
-    __m512 v = _mm512_add_ps(acc[t], b);
-    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
-    _mm512_storeu_ps(y, v);
-  }
+  StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, const Q8Activations&, int64_t, bool,
@@ -299,13 +306,7 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
                               staged[0], sums[0]);
     scale_block(sums[0], b);
   }
-  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) {
-    float* y = out + (first + t) * ldo;
-    __m512 v = _mm512_add_ps(acc[t], bv);
-    if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(y));
-    _mm512_storeu_ps(y, v);
-  }
+  StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
 }
 
 TileFn AmxTileFor(WeightDType dtype) {
