@@ -70,7 +70,7 @@ constexpr DotRowFn kDotRows[] = {DotRowF32<1>, DotRowF32<2>, DotRowF32<3>, DotRo
 // AVX-512: 4 weight rows against 4 tokens at once, 16 accumulators, so each 16 weights and
 // each 16 inputs loaded serve 4 products (the 1-row kernel loads an input per product).
 // y[t * 4 + r] = w_r . x_t; k % 16 == 0. The first token tile over the rows (`prefetch`)
-// streams them from memory, the later ones read them from L1.
+// streams them from memory, the later ones read them from L1 or L2.
 __attribute__((target("avx512f,fma"))) void Dot4x4Avx512(const float* w, const float* x,
                                                          int64_t k, bool prefetch, float* y) {
   __m512 acc[4][4];
@@ -196,16 +196,19 @@ absl::Status Linear(const LinearParams& p) {
     }
     beta = 1.f;
   }
-  if (m <= kRowSplitTokens) {
+  // (An OpenMP or single-threaded OpenBLAS runs one thread inside the region; a pthreads build
+  // would start its own pool in each, so it keeps its own split.)
+  if (m <= kRowSplitTokens && openblas_get_parallel() != 1) {
 #pragma omp parallel
     {
       // Shares of whole 16-row panels, in order.
-      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-      const int per = (n / threads + 15) / 16 * 16;
-      const int j0 = std::min(n, t * per), j1 = t == threads - 1 ? n : std::min(n, j0 + per);
+      const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t per = (n / threads + 15) / 16 * 16;
+      const int64_t j0 = std::min<int64_t>(n, t * per);
+      const int64_t j1 = t == threads - 1 ? n : std::min<int64_t>(n, j0 + per);
       if (j0 < j1) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, j1 - j0, k, 1.f, p.input, k,
-                    p.weight + static_cast<int64_t>(j0) * k, k, beta, p.output + j0, n);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, static_cast<int>(j1 - j0), k,
+                    1.f, p.input, k, p.weight + j0 * k, k, beta, p.output + j0, n);
       }
     }
     return absl::OkStatus();

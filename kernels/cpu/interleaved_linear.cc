@@ -240,6 +240,8 @@ KVGRID_AMX inline void TileBlockSums(const uint8_t* chunks, const int8_t* xq, in
                          _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight));
     }
   }
+  // GCC's tile load is an asm that names no memory: keep the staged stores before it.
+  asm volatile("" ::: "memory");
   _tile_loadd(W, staged, 64);
   if constexpr (D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z) {
     _tile_dpbsud(C, A, W);  // unsigned nibbles; their offsets are added in floats
@@ -476,7 +478,8 @@ void InterleavedInt8LinearOn(Int8TileUnit unit, const QuantMatrix& w, const Q8Ac
 #if defined(__x86_64__)
   const int64_t blocks = w.cols / kQuantBlock, groups = w.rows / kInterleaveRows;
   const int64_t group_bytes = blocks * GroupBlockBytes(w.dtype);
-  const TileFn amx_tile = unit == Int8TileUnit::kAmx ? AmxTileFor(w.dtype) : nullptr;
+  const TileFn amx_tile =
+      unit == Int8TileUnit::kAmx && HaveAmxInt8() ? AmxTileFor(w.dtype) : nullptr;
   for (int64_t c0 = 0; c0 < a.tokens; c0 += kChunkTokens) {
     const int64_t c1 = std::min(a.tokens, c0 + kChunkTokens);
     // Whole tiles of kAmxTokens on the tile unit, the rest (and all of it without AMX) by VNNI.

@@ -66,7 +66,8 @@ enum class Int8TileUnit : uint8_t { kVnni, kAmx };
 void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const float* bias,
                            float* output, int64_t ldo, bool accumulate);
 
-// The same on `unit` (kAmx requires HaveAmxInt8()): for tests and benchmarks comparing them.
+// The same on `unit` (kAmx runs VNNI where !HaveAmxInt8()): for tests and benchmarks comparing
+// them.
 void InterleavedInt8LinearOn(Int8TileUnit unit, const QuantMatrix& w, const Q8Activations& a,
                              const float* bias, float* output, int64_t ldo, bool accumulate);
 

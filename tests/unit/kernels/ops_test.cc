@@ -303,34 +303,40 @@ TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
 }
 
 // 33 to 128 tokens: each thread's SGEMM on its share of 16-row panels (the last share short,
-// or empty where the rows are fewer than the threads' panels), with bias and accumulation.
+// or empty where the rows are fewer than the threads' panels), with and without bias and
+// accumulation.
 TEST(LinearTest, RowSplitSgemmMatchesDoublePrecision) {
   const int64_t k = 96;
-  const int restore = omp_get_max_threads();
+  struct RestoreThreads {
+    int threads = omp_get_max_threads();
+    ~RestoreThreads() { omp_set_num_threads(threads); }
+  } restore;
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
     for (int64_t m : {33, 64, 128}) {
       for (int64_t n : {8, 50, 96}) {
-        std::vector<float> x = Random(m * k, 31), w = Random(n * k, 32), bias = Random(n, 33);
-        const std::vector<float> before = Random(m * n, 34);
-        std::vector<float> y = before;
-        ASSERT_TRUE(Linear({.input = x.data(), .weight = w.data(), .bias = bias.data(),
-                            .output = y.data(), .num_tokens = m, .in_features = k,
-                            .out_features = n, .accumulate = true})
-                        .ok());
-        for (int64_t t = 0; t < m; ++t) {
-          for (int64_t j = 0; j < n; ++j) {
-            double want = before[t * n + j] + bias[j];
-            for (int64_t c = 0; c < k; ++c) want += double{x[t * k + c]} * w[j * k + c];
-            ASSERT_NEAR(y[t * n + j], want, 1e-4)
-                << threads << " threads, " << m << " tokens, " << n << " rows: token " << t
-                << " row " << j;
+        for (bool accumulate : {false, true}) {
+          std::vector<float> x = Random(m * k, 31), w = Random(n * k, 32), bias = Random(n, 33);
+          const std::vector<float> before = Random(m * n, 34);
+          std::vector<float> y = before;
+          ASSERT_TRUE(Linear({.input = x.data(), .weight = w.data(),
+                              .bias = accumulate ? bias.data() : nullptr, .output = y.data(),
+                              .num_tokens = m, .in_features = k, .out_features = n,
+                              .accumulate = accumulate})
+                          .ok());
+          for (int64_t t = 0; t < m; ++t) {
+            for (int64_t j = 0; j < n; ++j) {
+              double want = accumulate ? before[t * n + j] + bias[j] : 0.0;
+              for (int64_t c = 0; c < k; ++c) want += double{x[t * k + c]} * w[j * k + c];
+              ASSERT_NEAR(y[t * n + j], want, 1e-4 * (1.0 + std::fabs(want)))
+                  << threads << " threads, " << m << " tokens, " << n << " rows, accumulate "
+                  << accumulate << ": token " << t << " row " << j;
+            }
           }
         }
       }
     }
   }
-  omp_set_num_threads(restore);
 }
 
 }  // namespace
