@@ -188,27 +188,28 @@ TileFn TileFor(WeightDType dtype, int64_t tokens) {
 }
 
 // AMX (Sapphire Rapids and later): one tile product per block multiplies kAmxTokens tokens'
-// 32 activations with the group's 16 rows. The interleaved chunks are the B tile's layout (row
-// j of the tile: 4 consecutive inputs of each of the 16 rows), written out signed first (Q8_0's
-// bytes less 128, Q4_0's nibbles less 8; Q4_1's and Q4_Z's unsigned nibbles as they are); the
-// activations are the A tile, read in place (one row per token, a row of `a` apart). The sums
-// are then exactly GroupDot's integer sums and take its scale and accumulation in the same
-// order, so the results are bit-identical to the VNNI kernel's; only the integer products move
-// to the tile unit (16 x 16 x 32 per instruction; vpdpbusd: 16 x 4). Two blocks are in flight
-// on separate tiles, since each block's tile product, store and reload form a chain.
+// 32 activations with the group's 16 rows. The interleaved chunks are the B tile's layout as
+// they stand (row j of the tile: 4 consecutive inputs of each of the 16 rows; Q4_*'s nibbles
+// are unpacked into 8 such rows first); the activations are the A tile, read in place (one row
+// per token, a row of `a` apart). The tile's int32 sums then take GroupDot's offset, scale and
+// accumulation in the same order, so the results are bit-identical to the VNNI kernel's; only
+// the integer products move to the tile unit (16 x 16 x 32 per instruction; vpdpbusd: 16 x 4).
+// (Measured slower, bench/RESULTS.md: staging Q8_0's weights signed to drop the offset, and
+// two blocks in flight on two tile sets.)
 #define KVGRID_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 constexpr int64_t kAmxTokens = 16;
 
-// Tiles 0 and 1: two blocks' int32 sums (16 tokens x 16 rows); 2 and 3: their activations (16
-// tokens x 32 bytes); 4 and 5: their weights (8 rows of 64 bytes).
+// Tile 0: the int32 sums (16 tokens x 16 rows); 1: activations (16 tokens x 32 bytes); 2: one
+// block's weights (8 rows of 64 bytes). GCC's tile intrinsics paste these numbers into the
+// instructions' text, so they are literals below.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
-  uint8_t rows[16] = {kAmxTokens, kAmxTokens, kAmxTokens, kAmxTokens, 8, 8};
+  uint16_t colsb[16] = {64, 32, 64};
+  uint8_t rows[16] = {kAmxTokens, kAmxTokens, 8};
 };
 
 KVGRID_AMX void ConfigureTiles() {
@@ -218,39 +219,6 @@ KVGRID_AMX void ConfigureTiles() {
 
 KVGRID_AMX void ReleaseTiles() { _tile_release(); }
 
-// Block `blk`'s integer sums with the activations at `xq` (rows `stride` apart) into `sums`
-// [token][row], on tiles C (sums), A (activations) and W (weights, staged in `staged`).
-template <WeightDType D, int C, int A, int W>
-KVGRID_AMX inline void TileBlockSums(const uint8_t* chunks, const int8_t* xq, int64_t stride,
-                                     uint8_t* staged, int32_t* sums) {
-  _tile_zero(C);
-  _tile_loadd(A, xq, stride);
-  if constexpr (D == WeightDType::kQ8_0) {
-    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int j = 0; j < 8; ++j) {
-      _mm512_store_si512(staged + 64 * j, _mm512_xor_si512(_mm512_loadu_si512(chunks + 64 * j), bias));
-    }
-  } else {
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i eight = _mm512_set1_epi8(D == WeightDType::kQ4_0 ? 8 : 0);
-    for (int j = 0; j < 4; ++j) {
-      const __m512i packed = _mm512_loadu_si512(chunks + 64 * j);
-      _mm512_store_si512(staged + 64 * j, _mm512_sub_epi8(_mm512_and_si512(packed, low4), eight));
-      _mm512_store_si512(staged + 64 * (4 + j),
-                         _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight));
-    }
-  }
-  // GCC's tile load is an asm that names no memory: keep the staged stores before it.
-  asm volatile("" ::: "memory");
-  _tile_loadd(W, staged, 64);
-  if constexpr (D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z) {
-    _tile_dpbsud(C, A, W);  // unsigned nibbles; their offsets are added in floats
-  } else {
-    _tile_dpbssd(C, A, W);
-  }
-  _tile_stored(C, sums, 64);
-}
-
 template <WeightDType D>
 KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activations& a,
                              int64_t first, bool prefetch, const float* bias, float* out,
@@ -258,17 +226,39 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
   constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
   constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
   constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
+  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : D == WeightDType::kQ4_0 ? 8 : 0;
   constexpr int T = kAmxTokens;
-  alignas(64) int32_t sums[2][T * kInterleaveRows];
-  alignas(64) uint8_t staged[2][8 * 64];
+  alignas(64) int32_t sums[T * kInterleaveRows];
+  alignas(64) uint8_t unpacked[8 * 64];
   const int8_t* xq = a.q.data() + first * a.cols;
   const float* xd = a.scale.data() + first * blocks;
+  const int32_t* xs = a.sum.data() + first * blocks;
   const float* xss = a.scaled_sum.data() + first * blocks;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  // Block b's sums into the accumulators, as GroupDot scales them.
-  const auto scale_block = [&](const int32_t* s, int64_t b) KVGRID_AMX {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlock;
+    if (prefetch) {
+      for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
+    }
+    _tile_zero(0);
+    _tile_loadd(1, xq + b * kQuantBlock, a.cols);
+    if constexpr (D == WeightDType::kQ8_0) {
+      _tile_loadd(2, blk + kHeader, 64);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i packed = _mm512_loadu_si512(blk + kHeader + 64 * j);
+        _mm512_store_si512(unpacked + 64 * j, _mm512_and_si512(packed, low4));
+        _mm512_store_si512(unpacked + 64 * (4 + j),
+                           _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+      }
+      // GCC's tile load is an asm statement that names no memory: keep the stores before it.
+      asm volatile("" ::: "memory");
+      _tile_loadd(2, unpacked, 64);
+    }
+    _tile_dpbsud(0, 1, 2);  // signed activations (A) times unsigned weights (B)
+    _tile_stored(0, sums, 64);
     const __m512 dw =
         _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     __m512 offset = _mm512_setzero_ps();
@@ -279,34 +269,17 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
                                        : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dw, second));
     }
     for (int t = 0; t < T; ++t) {
-      const __m512 dot = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_load_si512(s + t * kInterleaveRows));
-      acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * blocks + b])), acc[t]);
+      __m512i dot = _mm512_load_si512(sums + t * kInterleaveRows);
+      if constexpr (kOffset != 0) {
+        dot = _mm512_add_epi32(dot, _mm512_set1_epi32(static_cast<int32_t>(
+                                        0u - kOffset * static_cast<uint32_t>(xs[t * blocks + b]))));
+      }
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * blocks + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot), scale, acc[t]);
       if constexpr (kSecondHalf) {
         acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss[t * blocks + b]), acc[t]);
       }
     }
-  };
-  const auto fetch = [&](int64_t b) {
-    if (!prefetch) return;
-    const uint8_t* blk = group + b * kGroupBlock;
-    for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
-  };
-  int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    fetch(b);
-    fetch(b + 1);
-    TileBlockSums<D, 0, 2, 4>(group + b * kGroupBlock + kHeader, xq + b * kQuantBlock, a.cols,
-                              staged[0], sums[0]);
-    TileBlockSums<D, 1, 3, 5>(group + (b + 1) * kGroupBlock + kHeader,
-                              xq + (b + 1) * kQuantBlock, a.cols, staged[1], sums[1]);
-    scale_block(sums[0], b);
-    scale_block(sums[1], b + 1);
-  }
-  if (b < blocks) {
-    fetch(b);
-    TileBlockSums<D, 0, 2, 4>(group + b * kGroupBlock + kHeader, xq + b * kQuantBlock, a.cols,
-                              staged[0], sums[0]);
-    scale_block(sums[0], b);
   }
   StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
 }
