@@ -67,15 +67,71 @@ KVGRID_AVX512_VNNI inline __m512i Broadcast4(const int8_t* p) {
 
 // The 16 rows of one group against T tokens of `a` from `first`: acc[t] lane r is row r's dot
 // product with token first + t over all the group's blocks.
+// Format D's block in an interleaved group (the header's layout).
+template <WeightDType D>
+struct GroupFormat {
+  // Q4_1's and Q4_Z's second fp16 field per row: their offsets or zero points.
+  static constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
+  static constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
+  static constexpr int64_t kGroupBlock =
+      kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
+  // The unsigned weights' offset times the activation block's sum, subtracted in integers
+  // (Q4_1's and Q4_Z's offsets are per row: added in floats, m d_x sum(q_x)).
+  static constexpr uint32_t kOffset =
+      D == WeightDType::kQ8_0 ? 128 : D == WeightDType::kQ4_0 ? 8 : 0;
+};
+
+// The first tile over a group streams it from memory (simd_x86.h's kStreamPrefetchBytes);
+// later tiles read it from cache.
+template <WeightDType D>
+inline void PrefetchBlock(const uint8_t* blk) {
+  for (int64_t o = 0; o < GroupFormat<D>::kGroupBlock; o += 64) {
+    PrefetchAhead(blk + o, kStreamPrefetchBytes);
+  }
+}
+
+// What the integer sum of a block starts from: minus the weights' offset times the activation
+// block's sum `xsum` (int32 arithmetic, as the sums wrap).
+template <WeightDType D>
+KVGRID_AVX512_VNNI inline __m512i OffsetStart(int32_t xsum) {
+  return _mm512_set1_epi32(
+      static_cast<int32_t>(0u - GroupFormat<D>::kOffset * static_cast<uint32_t>(xsum)));
+}
+
+// The 16 rows' scales d of block `blk` and, for Q4_1/Q4_Z, their offsets m of w = d q + m
+// (zero otherwise). The maskz forms: GCC 12 warns that the plain conversions read an
+// undefined vector.
+template <WeightDType D>
+KVGRID_AVX512_VNNI inline void BlockScales(const uint8_t* blk, __m512* dw, __m512* offset) {
+  *dw = _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+  *offset = _mm512_setzero_ps();
+  if constexpr (GroupFormat<D>::kSecondHalf) {
+    const __m512 second = _mm512_maskz_cvtph_ps(
+        0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    *offset = D == WeightDType::kQ4_1 ? second
+                                      : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(*dw, second));
+  }
+}
+
+// One token's block into its accumulator: d_w d_x times the integer sum `dot`, and for
+// Q4_1/Q4_Z m d_x sum(q_x) (`xss`).
+template <WeightDType D>
+KVGRID_AVX512_VNNI inline __m512 AddBlock(__m512 acc, __m512i dot, __m512 dw, __m512 offset,
+                                          float xd, float xss) {
+  acc = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot),
+                        _mm512_mul_ps(dw, _mm512_set1_ps(xd)), acc);
+  if constexpr (GroupFormat<D>::kSecondHalf) {
+    acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss), acc);
+  }
+  return acc;
+}
+
 template <WeightDType D, int T>
 KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8Activations& a,
                                  int64_t first, bool prefetch, __m512 acc[T]) {
-  constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
-  constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
-  constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
-  // The unsigned weights' offset times the activation block's sum, subtracted in integers
-  // (Q4_1's and Q4_Z's offsets are per row: added in floats, m d_x sum(q_x)).
-  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : D == WeightDType::kQ4_0 ? 8 : 0;
+  constexpr int64_t kHeader = GroupFormat<D>::kHeader;
+  constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
+  constexpr uint32_t kOffset = GroupFormat<D>::kOffset;
   const int8_t* xq[T];
   const float* xd[T];
   const int32_t* xs[T];
@@ -90,28 +146,13 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlock;
-    // The first tile of a group streams it from memory (simd_x86.h's kStreamPrefetchBytes);
-    // later tiles read it from cache.
-    if (prefetch) {
-      for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
-    }
-    // The maskz forms here and below: GCC 12 warns that the plain conversions read an
-    // undefined vector.
-    const __m512 dw =
-        _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    if (prefetch) PrefetchBlock<D>(blk);
+    __m512 dw, offset;
+    BlockScales<D>(blk, &dw, &offset);
     const uint8_t* chunks = blk + kHeader;
-    __m512 offset = _mm512_setzero_ps();  // m of w = d q + m, per row
-    if constexpr (kSecondHalf) {
-      const __m512 second = _mm512_maskz_cvtph_ps(
-          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-      offset = D == WeightDType::kQ4_1 ? second
-                                       : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dw, second));
-    }
     __m512i dot[T];
     for (int t = 0; t < T; ++t) {
-      dot[t] = kOffset == 0 ? _mm512_setzero_si512()
-                            : _mm512_set1_epi32(static_cast<int32_t>(
-                                  0u - kOffset * static_cast<uint32_t>(xs[t][b])));
+      dot[t] = kOffset == 0 ? _mm512_setzero_si512() : OffsetStart<D>(xs[t][b]);
     }
     const int8_t* xb[T];
     for (int t = 0; t < T; ++t) xb[t] = xq[t] + b * kQuantBlock;
@@ -131,11 +172,7 @@ KVGRID_AVX512_VNNI void GroupDot(const uint8_t* group, int64_t blocks, const Q8A
         }
       }
     }
-    for (int t = 0; t < T; ++t) {
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t][b]));
-      acc[t] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot[t]), scale, acc[t]);
-      if constexpr (kSecondHalf) acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss[t][b]), acc[t]);
-    }
+    for (int t = 0; t < T; ++t) acc[t] = AddBlock<D>(acc[t], dot[t], dw, offset, xd[t][b], xss[t][b]);
   }
 }
 
@@ -223,10 +260,8 @@ template <WeightDType D>
 KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activations& a,
                              int64_t first, bool prefetch, const float* bias, float* out,
                              int64_t ldo, bool accumulate) {
-  constexpr bool kSecondHalf = D == WeightDType::kQ4_1 || D == WeightDType::kQ4_Z;
-  constexpr int64_t kHeader = (kSecondHalf ? 4 : 2) * kInterleaveRows;
-  constexpr int64_t kGroupBlock = kHeader + kInterleaveRows * (D == WeightDType::kQ8_0 ? 32 : 16);
-  constexpr uint32_t kOffset = D == WeightDType::kQ8_0 ? 128 : D == WeightDType::kQ4_0 ? 8 : 0;
+  constexpr int64_t kHeader = GroupFormat<D>::kHeader;
+  constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
   constexpr int T = kAmxTokens;
   alignas(64) int32_t sums[T * kInterleaveRows];
   alignas(64) uint8_t unpacked[8 * 64];
@@ -239,9 +274,7 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = group + b * kGroupBlock;
-    if (prefetch) {
-      for (int64_t o = 0; o < kGroupBlock; o += 64) PrefetchAhead(blk + o, kStreamPrefetchBytes);
-    }
+    if (prefetch) PrefetchBlock<D>(blk);
     _tile_zero(0);
     _tile_loadd(1, xq + b * kQuantBlock, a.cols);
     if constexpr (D == WeightDType::kQ8_0) {
@@ -259,26 +292,14 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
     }
     _tile_dpbsud(0, 1, 2);  // signed activations (A) times unsigned weights (B)
     _tile_stored(0, sums, 64);
-    const __m512 dw =
-        _mm512_maskz_cvtph_ps(0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512 offset = _mm512_setzero_ps();
-    if constexpr (kSecondHalf) {
-      const __m512 second = _mm512_maskz_cvtph_ps(
-          0xFFFF, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-      offset = D == WeightDType::kQ4_1 ? second
-                                       : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dw, second));
-    }
+    __m512 dw, offset;
+    BlockScales<D>(blk, &dw, &offset);
     for (int t = 0; t < T; ++t) {
       __m512i dot = _mm512_load_si512(sums + t * kInterleaveRows);
-      if constexpr (kOffset != 0) {
-        dot = _mm512_add_epi32(dot, _mm512_set1_epi32(static_cast<int32_t>(
-                                        0u - kOffset * static_cast<uint32_t>(xs[t * blocks + b]))));
+      if constexpr (GroupFormat<D>::kOffset != 0) {
+        dot = _mm512_add_epi32(dot, OffsetStart<D>(xs[t * blocks + b]));
       }
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[t * blocks + b]));
-      acc[t] = _mm512_fmadd_ps(_mm512_maskz_cvtepi32_ps(0xFFFF, dot), scale, acc[t]);
-      if constexpr (kSecondHalf) {
-        acc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xss[t * blocks + b]), acc[t]);
-      }
+      acc[t] = AddBlock<D>(acc[t], dot, dw, offset, xd[t * blocks + b], xss[t * blocks + b]);
     }
   }
   StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
@@ -442,8 +463,8 @@ void DequantizeInterleavedRow(const QuantMatrix& m, int64_t row, float* out) {
 
 void InterleavedInt8Linear(const QuantMatrix& w, const Q8Activations& a, const float* bias,
                            float* output, int64_t ldo, bool accumulate) {
-  InterleavedInt8LinearOn(HaveAmxInt8() ? Int8TileUnit::kAmx : Int8TileUnit::kVnni, w, a, bias,
-                          output, ldo, accumulate);
+  // kAmx runs VNNI where the tiles are not there.
+  InterleavedInt8LinearOn(Int8TileUnit::kAmx, w, a, bias, output, ldo, accumulate);
 }
 
 void InterleavedInt8LinearOn(Int8TileUnit unit, const QuantMatrix& w, const Q8Activations& a,
