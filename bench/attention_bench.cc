@@ -10,9 +10,10 @@
 //
 //   build/bin/attention_bench [--json] [--contexts 1024,4096,8192] [--total-tokens 32768]
 //                             [--min-seconds 0.3] [--repeats 3] [--dtypes fp16,int8,int8/int4]
-//                             [--huge-pages]
+//                             [--huge-pages] [--heads 32] [--kv-heads 8] [--head-dim 128]
 // (--huge-pages: madvise the arena planes MADV_HUGEPAGE, which KvPool does not do)
 // (--dtypes: K dtype, or K/V; default fp32, fp16, bf16, int8, int4, int8/int4 and fp8_e4m3)
+// (--heads/--kv-heads/--head-dim: another shape, e.g. Qwen2-0.5B's 14/2/64)
 #include <omp.h>
 #include <sys/mman.h>
 
@@ -42,9 +43,10 @@ using kvgrid::kernels::KvRowLayout;
 using kvgrid::kernels::KvRowLayoutFor;
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kHeads = 32;
-constexpr int64_t kKvHeads = 8;
-constexpr int64_t kHeadDim = 128;
+// The attention shape: Llama-3-8B's unless --heads/--kv-heads/--head-dim say otherwise.
+int64_t kHeads = 32;
+int64_t kKvHeads = 8;
+int64_t kHeadDim = 128;
 constexpr int64_t kBlockSize = 16;
 
 // An arena plane allocated as KvPool allocates it: an anonymous mapping, zero-filled (and,
@@ -249,6 +251,12 @@ int main(int argc, char** argv) {
       min_seconds = std::stod(next());
     } else if (a == "--repeats") {
       repeats = std::max(1, std::stoi(next()));
+    } else if (a == "--heads") {
+      kHeads = std::stoll(next());
+    } else if (a == "--kv-heads") {
+      kKvHeads = std::stoll(next());
+    } else if (a == "--head-dim") {
+      kHeadDim = std::stoll(next());
     } else if (a == "--huge-pages") {
       g_huge_pages = true;
     } else if (a == "--dtypes") {
@@ -269,7 +277,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--contexts 1024,4096,8192] "
                    "[--total-tokens N] [--min-seconds S] [--repeats R] [--dtypes K[/V],...] "
-                   "[--huge-pages]\n");
+                   "[--huge-pages] [--heads 32] [--kv-heads 8] [--head-dim 128]\n");
       return 2;
     }
   }

@@ -279,8 +279,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       maxes.resize(heads);
       for (int64_t h = 0; h < heads; ++h) {
         float* sc = scores.data() + h * len;
-        float max = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < len; ++j) max = std::max(max, sc[j]);
+        const float max = vec.max(sc, len);
         maxes[h] = max;
         if (p.cp_size > 1 && max == -std::numeric_limits<float>::infinity()) {
           // No position of this rank (a NaN score keeps max at -inf too, and without context

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string_view>
 
+#include "kernels/cpu/kv_float_avx512.h"
 #include "kernels/cpu/kv_int8_vnni.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/cpu/simd_x86.h"
@@ -583,6 +584,13 @@ constexpr KvRowKernels kInt8VnniKernels = {DotInt8Vnni512,
                                            DotInt8Prepared,
                                            sizeof(Int8Query)};
 
+// Float rows on AVX-512 (kernels/cpu/kv_float_avx512.h); dequantize stays the AVX2 one.
+template <KvDType D>
+constexpr KvRowKernels kFloatAvx512Kernels = {
+    D == KvDType::kF32 ? DotF32Avx512 : D == KvDType::kF16 ? DotF16Avx512 : DotBf16Avx512,
+    D == KvDType::kF32 ? AxpyF32Avx512 : D == KvDType::kF16 ? AxpyF16Avx512 : AxpyBf16Avx512,
+    DequantizeAvx2<D>, "avx512", false};
+
 #endif  // __x86_64__
 
 template <KvDType D>
@@ -592,6 +600,10 @@ KvRowKernels Best(KvKernelPrecision precision) {
   if constexpr (D == KvDType::kInt8) {
     static const bool vnni = avx2 && HaveInt8Vnni();
     if (vnni && precision == KvKernelPrecision::kFast) return kInt8VnniKernels;
+  }
+  if constexpr (D == KvDType::kF32 || D == KvDType::kF16 || D == KvDType::kBF16) {
+    static const bool avx512 = avx2 && HaveFloatAvx512();
+    if (avx512) return kFloatAvx512Kernels<D>;
   }
   if (avx2) return kAvx2Kernels<D>;
 #endif

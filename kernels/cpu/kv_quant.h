@@ -56,7 +56,7 @@ struct KvRowKernels {
                int64_t num_q, int64_t p_stride, float* out);
   // out[r * n + i] = x̂_r[i]; bit-identical to DequantizeRow row by row.
   void (*dequantize)(const void* values, const void* meta, int64_t n, int64_t rows, float* out);
-  const char* name;  // "avx512-vnni", "avx2" or "portable"
+  const char* name;  // "avx512-vnni", "avx512", "avx2" or "portable"
   // True when dot/axpy round their float operand to int8 (kernels/cpu/kv_int8_vnni.h).
   bool rounds_operands = false;
   // Optional (null when absent), for callers that run many dots over the same queries:

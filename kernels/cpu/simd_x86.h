@@ -100,6 +100,34 @@ __attribute__((target("avx2,fma"))) inline __m256 Exp8Avx2(__m256 x) {
   e = _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), overflow);
   return _mm256_blendv_ps(e, _mm256_setzero_ps(), underflow);
 }
+
+// Exp8Avx2 for 16 floats, the same operations in the same order (so the same results).
+__attribute__((target("avx512f"))) inline __m512 Exp16Avx512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.72283905206835f), lo = _mm512_set1_ps(-87.3365478515625f);
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i ni = _mm512_cvtps_epi32(n);
+  const __m512i half = _mm512_srai_epi32(ni, 1);
+  const __m512 s1 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+  const __m512 s2 = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+  __m512 e = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+  e = _mm512_mask_blend_ps(overflow, e, _mm512_set1_ps(INFINITY));
+  return _mm512_mask_blend_ps(underflow, e, _mm512_setzero_ps());
+}
 #endif
 
 }  // namespace kvgrid::kernels::cpu

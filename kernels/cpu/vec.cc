@@ -43,6 +43,12 @@ float ExpSumPortable(float* x, int64_t n, float scale, float shift) {
   return sum;
 }
 
+float MaxPortable(const float* x, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) top = x[i] > top ? x[i] : top;  // false for NaN
+  return top;
+}
+
 int64_t ArgmaxPortable(const float* x, int64_t n) {
   int64_t best = 0;
   float top = -INFINITY;
@@ -129,24 +135,51 @@ KVGRID_AVX2 float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
   return HorizontalSum(acc);
 }
 
-// Two passes, both streaming: the maximum, then the first index holding it (NaN never
-// compares equal). NaN is skipped because the running maximum is vmaxps' second operand,
-// which it returns when either is NaN (the running maximum never is).
-KVGRID_AVX2 int64_t ArgmaxAvx2(const float* x, int64_t n) {
-  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+// ExpSumAvx2 16 lanes wide; the tail through a masked load.
+__attribute__((target("avx512f,avx2,fma"))) float ExpSumAvx512(float* x, int64_t n, float scale,
+                                                              float shift) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512 vshift = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k =
+        n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 e = Exp16Avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, x + i), vs, vshift));
+    _mm512_mask_storeu_ps(x + i, k, e);
+    acc = _mm512_mask_add_ps(acc, k, acc, e);
+  }
+  return HorizontalSum16(acc);
+}
+
+// NaN is skipped because each running maximum is vmaxps' second operand, which it returns
+// when either is NaN (a running maximum never is). Four of them, so that the loop is bound by
+// loads, not by vmaxps' latency.
+KVGRID_AVX2 float MaxAvx2(const float* x, int64_t n) {
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
+  for (; i + 32 <= n; i += 32) {
     m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
     m1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), m1);
+    m2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), m2);
+    m3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), m3);
   }
+  for (; i + 8 <= n; i += 8) m0 = _mm256_max_ps(_mm256_loadu_ps(x + i), m0);
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
   float top = -INFINITY;
   for (float v : lanes) top = v > top ? v : top;
   for (; i < n; ++i) top = x[i] > top ? x[i] : top;
+  return top;
+}
+
+// Two passes, both streaming: the maximum, then the first index holding it (NaN never
+// compares equal).
+KVGRID_AVX2 int64_t ArgmaxAvx2(const float* x, int64_t n) {
+  const float top = MaxAvx2(x, n);
   if (top == -INFINITY) return 0;
   const __m256 vt = _mm256_set1_ps(top);
-  for (i = 0; i + 8 <= n; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_EQ_OQ));
     if (hits != 0) return i + __builtin_ctz(static_cast<unsigned>(hits));
   }
@@ -158,7 +191,7 @@ KVGRID_AVX2 int64_t ArgmaxAvx2(const float* x, int64_t n) {
 #endif
 
 constexpr VecOps kPortable = {DotPortable,    AxpyPortable,   F16ToF32Portable, F32ToF16Portable,
-                              ExpSumPortable, ArgmaxPortable, "portable"};
+                              ExpSumPortable, MaxPortable,    ArgmaxPortable,   "portable"};
 
 }  // namespace
 
@@ -166,9 +199,13 @@ const VecOps& PortableVec() { return kPortable; }
 
 const VecOps& Vec() {
 #if defined(__x86_64__)
-  static const VecOps ops = HaveAvx2Fma() ? VecOps{DotAvx2, AxpyAvx2, F16ToF32Avx2, F32ToF16Avx2,
-                                               ExpSumAvx2, ArgmaxAvx2, "avx2"}
-                                      : kPortable;
+  static const VecOps ops =
+      HaveAvx2Fma() ? VecOps{DotAvx2,      AxpyAvx2,
+                             F16ToF32Avx2, F32ToF16Avx2,
+                             HaveAvx512() ? ExpSumAvx512 : ExpSumAvx2,
+                             MaxAvx2,      ArgmaxAvx2,
+                             "avx2"}
+                    : kPortable;
   return ops;
 #else
   return kPortable;

@@ -20,6 +20,9 @@ struct VecOps {
   // arguments are <= 0 (shift = scale * max): the AVX2 version is within 2 ulp of expf for
   // arguments down to -87 and flushes smaller ones to about 1e-38.
   float (*exp_sum)(float* x, int64_t n, float scale, float shift);
+  // The largest x[i], NaN skipped; -inf when no element is above -inf (or n == 0). Softmax's
+  // shift.
+  float (*max)(const float* x, int64_t n);
   // The index of the largest x[i], NaN counting as -inf; ties go to the lowest index (+0 and
   // -0 tie), and 0 when no element is above -inf (n >= 1). Greedy sampling over a vocabulary.
   int64_t (*argmax)(const float* x, int64_t n);

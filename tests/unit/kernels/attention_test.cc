@@ -405,7 +405,7 @@ TEST(PagedAttentionTest, RejectsRankOutsideTheGroup) {
 // The softmax exponentials, fast and portable, against std::exp over the range softmax uses.
 TEST(PagedAttentionTest, ExpSumMatchesStdExp) {
   for (const VecOps* vec : {&Vec(), &PortableVec()}) {
-    for (int64_t n : {1, 7, 8, 29, 1000}) {
+    for (int64_t n : {1, 7, 8, 16, 29, 33, 1000}) {
       std::vector<float> x(n);
       for (int64_t i = 0; i < n; ++i) x[i] = -100.f * static_cast<float>(i) / n + 3.f;
       std::vector<float> y = x;

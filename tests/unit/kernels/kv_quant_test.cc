@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/kv_float_avx512.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -435,6 +436,43 @@ TEST(KvQuantTest, Int8KernelsAtTheirLimits) {
       mag += std::abs(1e-40 * p.decoded[r * n + i]);
     }
     EXPECT_NEAR(got[i], want, 0.02 * mag + 1e-44) << i;
+  }
+}
+
+// The float kernels' shapes on AVX-512 (kv_float_avx512.h): rows in tiles of 16 and a short
+// last tile, channels in 16-lane units with a short last one and in pieces of 256, heads in
+// passes of 8.
+TEST(KvQuantTest, FloatKernelsAtEveryShape) {
+  uint64_t seed = 700;
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16}) {
+    for (int64_t n : {int64_t{2}, int64_t{18}, int64_t{64}, int64_t{200}, int64_t{256},
+                      int64_t{290}, int64_t{576}}) {
+      for (int64_t rows : {int64_t{1}, int64_t{17}, int64_t{40}}) {
+        for (int64_t num_q : {int64_t{2}, int64_t{8}, int64_t{9}, int64_t{17}}) {
+          CheckKernels(KvRowKernelsFor(dtype), dtype, n, rows, num_q, seed++);
+        }
+      }
+    }
+  }
+  // A NaN in the last channel of a query (the masked last unit) reaches every row's score.
+  std::mt19937_64 rng(6);
+  for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16}) {
+    const int64_t n = 18, rows = 20;
+    const Plane p = MakePlane(dtype, n, rows, rng);
+    std::vector<float> q(2 * n, 0.5f), scores(2 * rows);
+    q[2 * n - 1] = std::numeric_limits<float>::quiet_NaN();
+    KvRowKernelsFor(dtype).dot(p.values.data(), nullptr, n, rows, q.data(), 2, scores.data(),
+                               rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_TRUE(std::isfinite(scores[r])) << KvDTypeName(dtype) << " r=" << r;
+      EXPECT_TRUE(std::isnan(scores[rows + r])) << KvDTypeName(dtype) << " r=" << r;
+    }
+  }
+  if (HaveFloatAvx512()) {
+    for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16}) {
+      EXPECT_STREQ(KvRowKernelsFor(dtype).name, "avx512") << KvDTypeName(dtype);
+      EXPECT_STREQ(KvRowKernelsFor(dtype, KvKernelPrecision::kExact).name, "avx512");
+    }
   }
 }
 

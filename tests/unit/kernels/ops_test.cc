@@ -233,7 +233,7 @@ TEST(VecTest, SimdMatchesPortable) {
 // Each case's answer is written out, and both implementations must give it: NaN is -inf, ties
 // (+0 and -0 included) go to the lowest index, nothing above -inf gives 0, and the maximum may
 // sit in the SIMD body, the scalar tail or both.
-TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
+TEST(VecTest, ArgmaxAndMaxTreatNanAsMinusInfinityAndArgmaxBreaksTiesLow) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();
   struct Case {
@@ -270,9 +270,13 @@ TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
   }
   for (const VecOps* ops : {&Vec(), &PortableVec()}) {
     for (size_t c = 0; c < cases.size(); ++c) {
-      EXPECT_EQ(ops->argmax(cases[c].x.data(), static_cast<int64_t>(cases[c].x.size())),
-                cases[c].want)
-          << ops->name << " case " << c << " (n " << cases[c].x.size() << ")";
+      const std::vector<float>& x = cases[c].x;
+      const int64_t n = static_cast<int64_t>(x.size());
+      EXPECT_EQ(ops->argmax(x.data(), n), cases[c].want)
+          << ops->name << " case " << c << " (n " << n << ")";
+      // max: the value argmax points at, -inf where nothing is above it (NaN skipped).
+      const float top = std::isnan(x[cases[c].want]) ? -inf : x[cases[c].want];
+      EXPECT_EQ(ops->max(x.data(), n), top) << ops->name << " case " << c << " (n " << n << ")";
     }
   }
   // Rows drawn from a few values, NaN, +-0 and +-inf among them, so that ties and the special
@@ -298,6 +302,7 @@ TEST(VecTest, ArgmaxTreatsNanAsMinusInfinityAndBreaksTiesLow) {
         if (rewritten[i] > rewritten[want]) want = i;
       }
       EXPECT_EQ(Vec().argmax(x.data(), n), want) << "n " << n << " trial " << trial;
+      EXPECT_EQ(Vec().max(x.data(), n), rewritten[want]) << "n " << n << " trial " << trial;
     }
   }
 }

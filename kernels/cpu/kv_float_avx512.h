@@ -1,0 +1,42 @@
+// Float KV-cache row kernels (fp32, fp16 and bf16 rows) on AVX-512, used by kv_quant.cc's
+// KvRowKernelsFor when the CPU has AVX-512 F/BW/VL.
+//
+// Decode attention over a float cache at a few thousand positions is bound by arithmetic on a
+// few cores as much as by reading the cache: the AVX2 kernels sum each (row, head) dot product
+// across the lanes of its own vector and convert each row once per four heads. These kernels
+// work 16 lanes wide and touch each decoded value once per call:
+//   dot:  16 rows at a time are decoded into an fp32 tile; each head's products with the 16
+//         rows accumulate in 16 vectors of channel partials, which one transpose-and-add
+//         reduces to the 16 scores together.
+//   axpy: 32 channels at a time, up to 8 heads' accumulators stay in registers while the rows
+//         stream past, each row's channels decoded once.
+// Every element decodes to DequantizeRow's float, so results differ from fp32 math on the
+// decoded rows only in the order of the sums (as the AVX2 kernels do).
+#ifndef KVGRID_KERNELS_CPU_KV_FLOAT_AVX512_H_
+#define KVGRID_KERNELS_CPU_KV_FLOAT_AVX512_H_
+
+#include <cstdint>
+
+namespace kvgrid::kernels::cpu {
+
+// True when this CPU runs these kernels (AVX-512 F, BW and VL, with AVX2, FMA and F16C).
+bool HaveFloatAvx512();
+
+// KvRowKernels' dot and axpy (kernels/cpu/kv_quant.h) for fp32, fp16 and bf16 rows, any even
+// n; `meta` is not read. Call only when HaveFloatAvx512().
+void DotF32Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                  const float* q, int64_t num_q, float* scores, int64_t score_stride);
+void DotF16Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                  const float* q, int64_t num_q, float* scores, int64_t score_stride);
+void DotBf16Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                   const float* q, int64_t num_q, float* scores, int64_t score_stride);
+void AxpyF32Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                   const float* p, int64_t num_q, int64_t p_stride, float* out);
+void AxpyF16Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                   const float* p, int64_t num_q, int64_t p_stride, float* out);
+void AxpyBf16Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
+                    const float* p, int64_t num_q, int64_t p_stride, float* out);
+
+}  // namespace kvgrid::kernels::cpu
+
+#endif  // KVGRID_KERNELS_CPU_KV_FLOAT_AVX512_H_
