@@ -69,26 +69,32 @@ __attribute__((target("avx512f"))) inline float HorizontalSum16(__m512 v) {
   return HorizontalSum(_mm512_castps512_ps256(halves));
 }
 
+// The constants of Exp8Avx2 and Exp16Avx512: the clamp, log2(e), ln 2 in two parts (Cody and
+// Waite) and Cephes' polynomial for e^r, highest degree first.
+namespace exp_poly {
+inline constexpr float kHi = 88.72283905206835f, kLo = -87.3365478515625f;
+inline constexpr float kLog2e = 1.44269504088896341f;
+inline constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+inline constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly
+
 // exp(x) for 8 floats within a few ulp of std::exp (ops_test checks 4 through SiLU): x =
 // n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' polynomial, 2^n put into the exponent in two
 // factors. Overflow gives +inf as expf does; below -87.34 (where expf goes subnormal) it gives
 // 0, and NaN gives exp(-87.34) (callers keep a NaN visible through their other operands).
 // Needs only AVX2 and FMA, so every AVX2 kernel can inline it.
 __attribute__((target("avx2,fma"))) inline __m256 Exp8Avx2(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.72283905206835f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 hi = _mm256_set1_ps(exp_poly::kHi), lo = _mm256_set1_ps(exp_poly::kLo);
   const __m256 overflow = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(exp_poly::kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(exp_poly::kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(exp_poly::kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(exp_poly::kP[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   // n in [-126, 128]: 2^n as two factors so that n = 128 does not overflow the exponent.
   const __m256i ni = _mm256_cvtps_epi32(n);
@@ -103,20 +109,16 @@ __attribute__((target("avx2,fma"))) inline __m256 Exp8Avx2(__m256 x) {
 
 // Exp8Avx2 for 16 floats, the same operations in the same order (so the same results).
 __attribute__((target("avx512f"))) inline __m512 Exp16Avx512(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.72283905206835f), lo = _mm512_set1_ps(-87.3365478515625f);
+  const __m512 hi = _mm512_set1_ps(exp_poly::kHi), lo = _mm512_set1_ps(exp_poly::kLo);
   const __mmask16 overflow = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(exp_poly::kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(exp_poly::kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(exp_poly::kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(exp_poly::kP[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i ni = _mm512_cvtps_epi32(n);
   const __m512i half = _mm512_srai_epi32(ni, 1);
