@@ -10,21 +10,12 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu/simd_x86.h"
 #include "kernels/kv_dtype.h"
 
 namespace kvgrid::kernels::cpu {
 
 #if defined(__x86_64__)
-
-bool HaveFloatAvx512() {
-  static const bool have = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return have;
-}
 
 namespace {
 
@@ -33,10 +24,6 @@ namespace {
 constexpr int64_t kTileRows = 16;       // rows reduced together (dot)
 constexpr int64_t kTileChannels = 256;  // channels of a row decoded at once (dot)
 constexpr int64_t kMaxHeads = 8;        // heads whose accumulators stay in registers (axpy)
-
-KVGRID_AVX512 inline __mmask16 LaneMask(int64_t n) {
-  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-}
 
 template <KvDType D>
 constexpr int64_t kValueBytes = D == KvDType::kF32 ? 4 : 2;
@@ -98,11 +85,11 @@ KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const f
   alignas(64) float tile[kTileRows][kTileChannels];  // decoded rows, 0 past the tile's rows
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
     const int64_t tr = std::min(kTileRows, rows - r0);
-    const __mmask16 row_mask = LaneMask(tr);
+    const __mmask16 row_mask = LaneMask16(tr);
     // Longer rows in pieces of kTileChannels, each piece's sums added to the scores.
     for (int64_t c0 = 0; c0 < n; c0 += kTileChannels) {
       const int64_t units = (std::min(kTileChannels, n - c0) + 15) / 16;
-      const __mmask16 last = LaneMask(n - c0 - 16 * (units - 1));
+      const __mmask16 last = LaneMask16(n - c0 - 16 * (units - 1));
       for (int64_t r = 0; r < tr; ++r) {
         const uint8_t* row = v + (r0 + r) * row_bytes;
         for (int64_t u = 0; u + 1 < units; ++u) {
@@ -177,7 +164,7 @@ KVGRID_AVX512 void AxpyHeads(const uint8_t* v, int64_t n, int64_t rows, const fl
     const uint8_t* vt = v + r0 * row_bytes;
     int64_t c = 0;
     for (; c + 32 <= n; c += 32) AxpyChunk<D, H, 2>(vt, row_bytes, tr, w, out, n, c, 0xffff);
-    for (; c < n; c += 16) AxpyChunk<D, H, 1>(vt, row_bytes, tr, w, out, n, c, LaneMask(n - c));
+    for (; c < n; c += 16) AxpyChunk<D, H, 1>(vt, row_bytes, tr, w, out, n, c, LaneMask16(n - c));
   }
 }
 
@@ -228,10 +215,6 @@ void AxpyBf16Avx512(const void* values, const void*, int64_t n, int64_t rows, co
   AxpyFloat<KvDType::kBF16>(values, n, rows, p, num_q, p_stride, out);
 }
 
-#else  // !__x86_64__
-
-bool HaveFloatAvx512() { return false; }
-
-#endif
+#endif  // __x86_64__
 
 }  // namespace kvgrid::kernels::cpu

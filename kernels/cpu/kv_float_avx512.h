@@ -19,11 +19,8 @@
 
 namespace kvgrid::kernels::cpu {
 
-// True when this CPU runs these kernels (AVX-512 F, BW and VL, with AVX2, FMA and F16C).
-bool HaveFloatAvx512();
-
 // KvRowKernels' dot and axpy (kernels/cpu/kv_quant.h) for fp32, fp16 and bf16 rows, any even
-// n; `meta` is not read. Call only when HaveFloatAvx512().
+// n; `meta` is not read. Call only when HaveAvx512() (kernels/cpu/simd_x86.h).
 void DotF32Avx512(const void* values, const void* meta, int64_t n, int64_t rows,
                   const float* q, int64_t num_q, float* scores, int64_t score_stride);
 void DotF16Avx512(const void* values, const void* meta, int64_t n, int64_t rows,

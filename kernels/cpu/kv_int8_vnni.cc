@@ -9,6 +9,8 @@
 // (reductions, narrowing conversions) as maybe-uninitialized once they are inlined here.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+
+#include "kernels/cpu/simd_x86.h"
 #endif
 
 namespace kvgrid::kernels::cpu {
@@ -33,9 +35,6 @@ constexpr int64_t kMaxChunks = kVnniMaxChannels / 64;
 KVGRID_VNNI inline __mmask64 ByteMask(int64_t n) {
   return n >= 64 ? ~__mmask64{0} : (__mmask64{1} << n) - 1;
 }
-KVGRID_VNNI inline __mmask16 LaneMask(int64_t n) {
-  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
-}
 
 // Rounds x[0, n) to int8 with scale max|x| / 127 into out (zero-padded to `padded` bytes);
 // returns the scale and the sum of the codes. A zero row gets scale 0 and codes 0.
@@ -43,7 +42,7 @@ KVGRID_VNNI float RoundToInt8(const float* x, int64_t n, int8_t* out, int64_t pa
                               int32_t* code_sum) {
   __m512 amax = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(LaneMask(n - i), x + i);
+    const __m512 v = _mm512_maskz_loadu_ps(LaneMask16(n - i), x + i);
     amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
   const float m = _mm512_reduce_max_ps(amax);
@@ -55,7 +54,7 @@ KVGRID_VNNI float RoundToInt8(const float* x, int64_t n, int8_t* out, int64_t pa
   const __m512 full = _mm512_set1_ps(127.f);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = LaneMask(n - i);
+    const __mmask16 k = LaneMask16(n - i);
     const __m512i c = _mm512_cvtps_epi32(
         _mm512_mul_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, x + i), max), full));
     sum = _mm512_add_epi32(sum, c);
@@ -89,7 +88,7 @@ KVGRID_VNNI inline __m512i ReduceRows16(const __m512i a[16]) {
 
 // The fp16 row scales of rows [0, rows) (rows <= 16), meta rows 2 bytes apart.
 KVGRID_VNNI inline __m512 RowScales(const uint8_t* meta, int64_t rows) {
-  const __m256i h = _mm256_maskz_loadu_epi16(LaneMask(rows), meta);
+  const __m256i h = _mm256_maskz_loadu_epi16(LaneMask16(rows), meta);
   return _mm512_cvtph_ps(h);
 }
 
@@ -98,7 +97,7 @@ KVGRID_VNNI inline __m512 RowScales(const uint8_t* meta, int64_t rows) {
 KVGRID_VNNI bool Int8VnniRounds(const float* x, int64_t n) {
   __mmask16 bad = 0;
   for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(LaneMask(n - i), x + i));
+    const __m512 v = _mm512_abs_ps(_mm512_maskz_loadu_ps(LaneMask16(n - i), x + i));
     // NaN (unordered with itself) or infinite.
     bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
            _mm512_cmp_ps_mask(v, _mm512_set1_ps(3.40282347e38f), _CMP_GT_OQ);
@@ -145,7 +144,7 @@ KVGRID_VNNI void DotInt8VnniPrepared(const void* values, const void* meta, int64
           _mm512_sub_epi32(ReduceRows16(acc), _mm512_set1_epi32(128 * q[h].code_sum));
       const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(dots),
                                      _mm512_mul_ps(row_scale, _mm512_set1_ps(q[h].scale)));
-      _mm512_mask_storeu_ps(scores + h * score_stride + r0, LaneMask(tr), s);
+      _mm512_mask_storeu_ps(scores + h * score_stride + r0, LaneMask16(tr), s);
     }
   }
 }
@@ -200,7 +199,7 @@ KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, i
     const __m512 row_scale = RowScales(m + 2 * r0, tr);
     for (int64_t h = 0; h < num_q; ++h) {
       alignas(64) float alpha[kTile];
-      const __m512 weights = _mm512_maskz_loadu_ps(LaneMask(tr), p + h * p_stride + r0);
+      const __m512 weights = _mm512_maskz_loadu_ps(LaneMask16(tr), p + h * p_stride + r0);
       _mm512_store_ps(alpha, _mm512_mul_ps(weights, row_scale));
       alignas(64) int8_t ai[kTile];
       int32_t asum = 0;
@@ -237,7 +236,7 @@ KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, i
         for (int k = 0; k < 4; ++k) {
           const int64_t left = n - 64 * c - 16 * k;
           if (left <= 0) break;
-          const __mmask16 mk = LaneMask(left);
+          const __mmask16 mk = LaneMask16(left);
           _mm512_mask_storeu_ps(dst + 16 * k, mk,
                                 _mm512_add_ps(_mm512_maskz_loadu_ps(mk, dst + 16 * k), o[k]));
         }

@@ -602,7 +602,7 @@ KvRowKernels Best(KvKernelPrecision precision) {
     if (vnni && precision == KvKernelPrecision::kFast) return kInt8VnniKernels;
   }
   if constexpr (D == KvDType::kF32 || D == KvDType::kF16 || D == KvDType::kBF16) {
-    static const bool avx512 = avx2 && HaveFloatAvx512();
+    static const bool avx512 = avx2 && HaveAvx512();
     if (avx512) return kFloatAvx512Kernels<D>;
   }
   if (avx2) return kAvx2Kernels<D>;

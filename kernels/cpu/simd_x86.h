@@ -26,11 +26,12 @@ inline bool HaveAvx2Fma() {
 #endif
 }
 
-// Whether this CPU runs the AVX-512 kernels (F and BW, with the AVX2 set). Checked once.
+// Whether this CPU runs the AVX-512 kernels (F, BW and VL, with the AVX2 set). Checked once.
 inline bool HaveAvx512() {
 #if defined(__x86_64__)
   static const bool have = HaveAvx2Fma() && __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw");
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vl");
   return have;
 #else
   return false;
@@ -60,6 +61,11 @@ __attribute__((target("avx"))) inline float HorizontalSum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
+}
+
+// Lanes [0, n) of a 16-lane vector (all of them from n = 16 on).
+__attribute__((target("avx512f"))) inline __mmask16 LaneMask16(int64_t n) {
+  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1);
 }
 
 // The sum of the 16 lanes: the halves added (a swap by shuffle: GCC 12 warns that the

@@ -142,8 +142,7 @@ __attribute__((target("avx512f,avx2,fma"))) float ExpSumAvx512(float* x, int64_t
   const __m512 vshift = _mm512_set1_ps(shift);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k =
-        n - i >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __mmask16 k = LaneMask16(n - i);
     const __m512 e = Exp16Avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, x + i), vs, vshift));
     _mm512_mask_storeu_ps(x + i, k, e);
     acc = _mm512_mask_add_ps(acc, k, acc, e);

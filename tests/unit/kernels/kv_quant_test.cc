@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/cpu/kv_float_avx512.h"
+#include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
 
 namespace kvgrid::kernels::cpu {
@@ -468,7 +468,7 @@ TEST(KvQuantTest, FloatKernelsAtEveryShape) {
       EXPECT_TRUE(std::isnan(scores[rows + r])) << KvDTypeName(dtype) << " r=" << r;
     }
   }
-  if (HaveFloatAvx512()) {
+  if (HaveAvx512()) {
     for (KvDType dtype : {KvDType::kF32, KvDType::kF16, KvDType::kBF16}) {
       EXPECT_STREQ(KvRowKernelsFor(dtype).name, "avx512") << KvDTypeName(dtype);
       EXPECT_STREQ(KvRowKernelsFor(dtype, KvKernelPrecision::kExact).name, "avx512");
