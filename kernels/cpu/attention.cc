@@ -92,13 +92,13 @@ absl::Status PagedAttentionParams::Validate() const {
 namespace {
 
 // Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary
-// and each block would start with a DRAM round trip. Before a KV head's rows of a block are
-// read, that head's rows of the block kPrefetchBlocks ahead are asked for. Measured with the
-// K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads, 2,048 positions,
-// bench/RESULTS.md): no prefetch 0.125 ms a call, whole blocks two ahead 0.105-0.112, a head
-// at a time one ahead 0.096-0.100 (two to four ahead, into L2, or spread a line at a time
-// through the kernels' loops was no better).
-constexpr int64_t kPrefetchBlocks = 1;
+// and each block would start with a DRAM round trip. Each kernel call is handed the rows the
+// thread reads next (the kernels' `ahead`): the same KV head's rows of this rank's next block,
+// and after the K pass's last block the V pass's first. The float kernels ask for them a line
+// at a time through their arithmetic; asked for all at once before each call, the requests
+// waited for the core's few fill buffers and the arithmetic waited behind them. With the K/V
+// in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads, 2,048 positions,
+// bench/RESULTS.md) that took fp16 from 0.094 to 0.084 ms a call and fp32 from 0.141 to 0.120.
 
 // Queries of decode-like sequences (at most kMaxSplitQueries query tokens) are work items of
 // all KV heads at once: an item walks its blocks reading each block's rows of every head,
@@ -113,20 +113,6 @@ constexpr int64_t kMaxSplitQueries = 8;
 constexpr int64_t kChunkTokens = 512;
 constexpr int64_t kMinChunkTokens = 64;
 constexpr int64_t kItemsPerThread = 4;
-
-// Asks for the cache lines of [p, p + bytes). On x86 an asm statement: GCC 12 deletes calls to
-// a function made only of __builtin_prefetch (its mod-ref analysis finds no side effect) when
-// that function is not inlined first, as happened to a lambda around this one, so that no
-// prefetch ran.
-inline void Prefetch(const std::byte* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) {
-#if defined(__x86_64__)
-    asm volatile("prefetcht0 %0" : : "m"(p[i]));
-#else
-    __builtin_prefetch(p + i, 0, 3);
-#endif
-  }
-}
 
 // Positions [begin, end) of query token t's context, for KV heads [g_begin, g_end). `part` < 0:
 // the item covers the whole context and writes the output; otherwise it covers all KV heads
@@ -245,15 +231,28 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
       auto next_block = [bs](int64_t j) { return (j / bs + 1) * bs; };
       // Whether position j's block is this rank's (always, without context parallelism).
       auto local = [&](int64_t j) { return (j / bs) % p.cp_size == p.cp_rank; };
-      // KV head g0 + g's rows of the block kPrefetchBlocks of this rank's blocks after
-      // position j's (rows past the context in a partial last block are still inside it).
-      auto prefetch = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
-                          int64_t j, int64_t g) {
-        const int64_t ahead = (j / bs + kPrefetchBlocks * p.cp_size) * bs;
-        if (ahead >= end) return;
-        const int64_t row = first_row(ahead) + g * bs;
-        Prefetch(values + row * l.value_bytes, bs * l.value_bytes);
-        if (meta) Prefetch(meta + row * l.meta_bytes, bs * l.meta_bytes);
+      // KV head g0 + g's rows from position j's (in the same block) in a plane.
+      auto rows_at = [&](const std::byte* values, const std::byte* meta, const KvRowLayout& l,
+                         int64_t j, int64_t g) {
+        const int64_t row = first_row(j) + g * bs;
+        return KvRows{values + row * l.value_bytes, meta ? meta + row * l.meta_bytes : nullptr};
+      };
+      // This rank's first position at or after `begin`, or `end` when it has none.
+      const int64_t first_local = [&] {
+        const int64_t b = begin / bs;
+        const int64_t skip = ((p.cp_rank - b) % p.cp_size + p.cp_size) % p.cp_size;
+        return skip == 0 ? begin : std::min(end, (b + skip) * bs);
+      }();
+      // What the thread reads after KV head g0 + g's rows of position j's block in the K pass
+      // (`k_pass`) or the V pass.
+      auto ahead = [&](bool k_pass, int64_t j, int64_t g) {
+        const int64_t next = (j / bs + p.cp_size) * bs;  // this rank's next block
+        if (next < end) {
+          return k_pass ? rows_at(k_values, k_meta, kl, next, g)
+                        : rows_at(v_values, v_meta, vl, next, g);
+        }
+        if (k_pass && first_local < end) return rows_at(v_values, v_meta, vl, first_local, g);
+        return KvRows{};
       };
       const float* q = p.query + (t * nh + g0 * group) * hd;
       // Kernels that round the queries do it once per item, not once per block.
@@ -277,16 +276,15 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
           continue;
         }
         for (int64_t g = 0; g < ng; ++g) {
-          prefetch(k_values, k_meta, kl, j, g);
-          const int64_t row = first_row(j) + g * bs;
-          const std::byte* values = k_values + row * kl.value_bytes;
-          const std::byte* meta = k_meta ? k_meta + row * kl.meta_bytes : nullptr;
+          const KvRows own = rows_at(k_values, k_meta, kl, j, g);
           float* sc = scores.data() + g * group * len + (j - begin);
           if (prepared) {
-            kk.dot_prepared(values, meta, hd, rows,
-                            prepared + g * group * kk.prepared_query_bytes, group, sc, len);
+            kk.dot_prepared(own.values, own.meta, hd, rows,
+                            prepared + g * group * kk.prepared_query_bytes, group, sc, len,
+                            ahead(true, j, g));
           } else {
-            kk.dot(values, meta, hd, rows, q + g * group * hd, group, sc, len);
+            kk.dot(own.values, own.meta, hd, rows, q + g * group * hd, group, sc, len,
+                   ahead(true, j, g));
           }
         }
       }
@@ -330,12 +328,9 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         if (!local(j)) continue;
         const int64_t rows = std::min(next_block(j), end) - j;
         for (int64_t g = 0; g < ng; ++g) {
-          prefetch(v_values, v_meta, vl, j, g);
-          const int64_t row = first_row(j) + g * bs;
-          vk.axpy(v_values + row * vl.value_bytes,
-                  v_meta ? v_meta + row * vl.meta_bytes : nullptr, hd, rows,
-                  scores.data() + g * group * len + (j - begin), group, len,
-                  out + g * group * hd);
+          const KvRows own = rows_at(v_values, v_meta, vl, j, g);
+          vk.axpy(own.values, own.meta, hd, rows, scores.data() + g * group * len + (j - begin),
+                  group, len, out + g * group * hd, ahead(false, j, g));
         }
       }
       if (w.part >= 0) {

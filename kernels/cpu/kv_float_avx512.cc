@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/cpu/prefetch.h"
 #include "kernels/cpu/simd_x86.h"
 #include "kernels/kv_dtype.h"
 
@@ -77,10 +78,18 @@ KVGRID_AVX512 inline __m512 ReduceRows16(const __m512 a[16]) {
                        _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// The rows whose lines the kernels ask for: `ahead`'s, else their own (already in cache, so a
+// request costs only its load slot), which keeps branches out of the loops.
+inline const uint8_t* AheadOr(KvRows ahead, const uint8_t* v) {
+  return ahead.values != nullptr ? static_cast<const uint8_t*>(ahead.values) : v;
+}
+
 template <KvDType D>
 KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const float* q,
-                            int64_t num_q, float* scores, int64_t score_stride) {
+                            int64_t num_q, float* scores, int64_t score_stride,
+                            KvRows ahead) {
   const auto* v = static_cast<const uint8_t*>(values);
+  const uint8_t* a = AheadOr(ahead, v);
   const int64_t row_bytes = n * kValueBytes<D>;
   alignas(64) float tile[kTileRows][kTileChannels];  // decoded rows, 0 past the tile's rows
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
@@ -99,7 +108,17 @@ KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const f
       }
       // The 16 accumulators are registers only with a fixed row count: absent rows are 0.
       for (int64_t r = tr; r < kTileRows; ++r) std::memset(tile[r], 0, sizeof(float) * 16 * units);
+      // The same rows and channels of `a`, lines_per_row lines a row, spread over the heads.
+      const int64_t lines_per_row = (16 * units * kValueBytes<D> + 63) / 64;
+      const int64_t lines = tr * lines_per_row;
+      const int64_t lines_per_head = (lines + num_q - 1) / num_q;
+      const uint8_t* a_piece = a + r0 * row_bytes + c0 * kValueBytes<D>;
+      int64_t a_row = 0, a_line = 0;  // the next line to ask for
       for (int64_t h = 0; h < num_q; ++h) {
+        for (int64_t i = 0; i < lines_per_head && a_row < tr; ++i) {
+          PrefetchLine(a_piece + a_row * row_bytes + 64 * a_line);
+          if (++a_line == lines_per_row) a_line = 0, ++a_row;
+        }
         const float* qh = q + h * n + c0;
         __m512 acc[kTileRows];
         for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
@@ -120,11 +139,14 @@ KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const f
 }
 
 // out[h * n + c + i] += sum_r w[r * H + h] * row r's channel c + i, for h < H and i < 16 U,
-// the last 16 lanes limited to `last`.
+// the last 16 lanes limited to `last`; asks for the lines of `a`'s rows that hold those
+// channels.
 template <KvDType D, int H, int U>
 KVGRID_AVX512 inline void AxpyChunk(const uint8_t* v, int64_t row_bytes, int64_t rows,
                                     const float* w, float* out, int64_t n, int64_t c,
-                                    __mmask16 last) {
+                                    __mmask16 last, const uint8_t* a) {
+  // 16 channels are 64 bytes of fp32 and 32 of fp16/bf16: a line every 4 / bytes units.
+  constexpr int kUnitsPerLine = 4 / kValueBytes<D>;
   __m512 acc[H][U];
   for (int h = 0; h < H; ++h) {
     for (int u = 0; u < U; ++u) {
@@ -134,6 +156,9 @@ KVGRID_AVX512 inline void AxpyChunk(const uint8_t* v, int64_t row_bytes, int64_t
   }
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* row = v + r * row_bytes;
+    for (int u = 0; u < U; u += kUnitsPerLine) {
+      PrefetchLine(a + r * row_bytes + (c + 16 * u) * kValueBytes<D>);
+    }
     __m512 x[U];
     for (int u = 0; u + 1 < U; ++u) x[u] = Load16<D>(row, c + 16 * u);
     x[U - 1] = Load16<D>(row, c + 16 * (U - 1), last);
@@ -153,7 +178,7 @@ KVGRID_AVX512 inline void AxpyChunk(const uint8_t* v, int64_t row_bytes, int64_t
 // AxpyFloat for H heads, in tiles of rows whose weights are first gathered row-major.
 template <KvDType D, int H>
 KVGRID_AVX512 void AxpyHeads(const uint8_t* v, int64_t n, int64_t rows, const float* p,
-                             int64_t p_stride, float* out) {
+                             int64_t p_stride, float* out, const uint8_t* a) {
   const int64_t row_bytes = n * kValueBytes<D>;
   float w[kTileRows * H];
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
@@ -162,28 +187,33 @@ KVGRID_AVX512 void AxpyHeads(const uint8_t* v, int64_t n, int64_t rows, const fl
       for (int h = 0; h < H; ++h) w[r * H + h] = p[h * p_stride + r0 + r];
     }
     const uint8_t* vt = v + r0 * row_bytes;
+    const uint8_t* at = a + r0 * row_bytes;
     int64_t c = 0;
-    for (; c + 32 <= n; c += 32) AxpyChunk<D, H, 2>(vt, row_bytes, tr, w, out, n, c, 0xffff);
-    for (; c < n; c += 16) AxpyChunk<D, H, 1>(vt, row_bytes, tr, w, out, n, c, LaneMask16(n - c));
+    for (; c + 32 <= n; c += 32) AxpyChunk<D, H, 2>(vt, row_bytes, tr, w, out, n, c, 0xffff, at);
+    for (; c < n; c += 16) {
+      AxpyChunk<D, H, 1>(vt, row_bytes, tr, w, out, n, c, LaneMask16(n - c), at);
+    }
   }
 }
 
 template <KvDType D>
 KVGRID_AVX512 void AxpyFloat(const void* values, int64_t n, int64_t rows, const float* p,
-                             int64_t num_q, int64_t p_stride, float* out) {
+                             int64_t num_q, int64_t p_stride, float* out, KvRows ahead) {
   const auto* v = static_cast<const uint8_t*>(values);
-  for (int64_t h0 = 0; h0 < num_q; h0 += kMaxHeads) {
+  // More than kMaxHeads heads pass over the rows again; only the first pass asks for `ahead`.
+  const uint8_t* a = AheadOr(ahead, v);
+  for (int64_t h0 = 0; h0 < num_q; h0 += kMaxHeads, a = v) {
     const float* ph = p + h0 * p_stride;
     float* oh = out + h0 * n;
     switch (std::min(kMaxHeads, num_q - h0)) {
-      case 1: AxpyHeads<D, 1>(v, n, rows, ph, p_stride, oh); break;
-      case 2: AxpyHeads<D, 2>(v, n, rows, ph, p_stride, oh); break;
-      case 3: AxpyHeads<D, 3>(v, n, rows, ph, p_stride, oh); break;
-      case 4: AxpyHeads<D, 4>(v, n, rows, ph, p_stride, oh); break;
-      case 5: AxpyHeads<D, 5>(v, n, rows, ph, p_stride, oh); break;
-      case 6: AxpyHeads<D, 6>(v, n, rows, ph, p_stride, oh); break;
-      case 7: AxpyHeads<D, 7>(v, n, rows, ph, p_stride, oh); break;
-      default: AxpyHeads<D, 8>(v, n, rows, ph, p_stride, oh); break;
+      case 1: AxpyHeads<D, 1>(v, n, rows, ph, p_stride, oh, a); break;
+      case 2: AxpyHeads<D, 2>(v, n, rows, ph, p_stride, oh, a); break;
+      case 3: AxpyHeads<D, 3>(v, n, rows, ph, p_stride, oh, a); break;
+      case 4: AxpyHeads<D, 4>(v, n, rows, ph, p_stride, oh, a); break;
+      case 5: AxpyHeads<D, 5>(v, n, rows, ph, p_stride, oh, a); break;
+      case 6: AxpyHeads<D, 6>(v, n, rows, ph, p_stride, oh, a); break;
+      case 7: AxpyHeads<D, 7>(v, n, rows, ph, p_stride, oh, a); break;
+      default: AxpyHeads<D, 8>(v, n, rows, ph, p_stride, oh, a); break;
     }
   }
 }
@@ -191,28 +221,28 @@ KVGRID_AVX512 void AxpyFloat(const void* values, int64_t n, int64_t rows, const 
 }  // namespace
 
 void DotF32Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* q,
-                  int64_t num_q, float* scores, int64_t score_stride) {
-  DotFloat<KvDType::kF32>(values, n, rows, q, num_q, scores, score_stride);
+                  int64_t num_q, float* scores, int64_t score_stride, KvRows ahead) {
+  DotFloat<KvDType::kF32>(values, n, rows, q, num_q, scores, score_stride, ahead);
 }
 void DotF16Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* q,
-                  int64_t num_q, float* scores, int64_t score_stride) {
-  DotFloat<KvDType::kF16>(values, n, rows, q, num_q, scores, score_stride);
+                  int64_t num_q, float* scores, int64_t score_stride, KvRows ahead) {
+  DotFloat<KvDType::kF16>(values, n, rows, q, num_q, scores, score_stride, ahead);
 }
 void DotBf16Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* q,
-                   int64_t num_q, float* scores, int64_t score_stride) {
-  DotFloat<KvDType::kBF16>(values, n, rows, q, num_q, scores, score_stride);
+                   int64_t num_q, float* scores, int64_t score_stride, KvRows ahead) {
+  DotFloat<KvDType::kBF16>(values, n, rows, q, num_q, scores, score_stride, ahead);
 }
 void AxpyF32Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* p,
-                   int64_t num_q, int64_t p_stride, float* out) {
-  AxpyFloat<KvDType::kF32>(values, n, rows, p, num_q, p_stride, out);
+                   int64_t num_q, int64_t p_stride, float* out, KvRows ahead) {
+  AxpyFloat<KvDType::kF32>(values, n, rows, p, num_q, p_stride, out, ahead);
 }
 void AxpyF16Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* p,
-                   int64_t num_q, int64_t p_stride, float* out) {
-  AxpyFloat<KvDType::kF16>(values, n, rows, p, num_q, p_stride, out);
+                   int64_t num_q, int64_t p_stride, float* out, KvRows ahead) {
+  AxpyFloat<KvDType::kF16>(values, n, rows, p, num_q, p_stride, out, ahead);
 }
 void AxpyBf16Avx512(const void* values, const void*, int64_t n, int64_t rows, const float* p,
-                    int64_t num_q, int64_t p_stride, float* out) {
-  AxpyFloat<KvDType::kBF16>(values, n, rows, p, num_q, p_stride, out);
+                    int64_t num_q, int64_t p_stride, float* out, KvRows ahead) {
+  AxpyFloat<KvDType::kBF16>(values, n, rows, p, num_q, p_stride, out, ahead);
 }
 
 #endif  // __x86_64__

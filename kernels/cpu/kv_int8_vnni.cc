@@ -114,7 +114,8 @@ KVGRID_VNNI void RoundQueriesInt8(const float* q, int64_t n, int64_t num_q, Int8
 
 KVGRID_VNNI void DotInt8VnniPrepared(const void* values, const void* meta, int64_t n,
                                      int64_t rows, const Int8Query* q, int64_t num_q,
-                                     float* scores, int64_t score_stride) {
+                                     float* scores, int64_t score_stride, KvRows ahead) {
+  PrefetchRows(ahead, KvRowLayoutFor(KvDType::kInt8, n), rows);
   const auto* v = static_cast<const uint8_t*>(values);
   const auto* m = static_cast<const uint8_t*>(meta);
   const int64_t chunks = (n + 63) / 64;
@@ -151,19 +152,21 @@ KVGRID_VNNI void DotInt8VnniPrepared(const void* values, const void* meta, int64
 
 KVGRID_VNNI void DotInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows,
                              const float* q, int64_t num_q, float* scores,
-                             int64_t score_stride) {
+                             int64_t score_stride, KvRows ahead) {
   constexpr int64_t kHeads = 8;  // rounded on the stack, a few heads at a time
   Int8Query prepared[kHeads];
   for (int64_t h0 = 0; h0 < num_q; h0 += kHeads) {
     const int64_t hn = std::min(kHeads, num_q - h0);
     RoundQueriesInt8(q + h0 * n, n, hn, prepared);
     DotInt8VnniPrepared(values, meta, n, rows, prepared, hn, scores + h0 * score_stride,
-                        score_stride);
+                        score_stride, h0 == 0 ? ahead : KvRows{});
   }
 }
 
 KVGRID_VNNI void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows,
-                              const float* p, int64_t num_q, int64_t p_stride, float* out) {
+                              const float* p, int64_t num_q, int64_t p_stride, float* out,
+                              KvRows ahead) {
+  PrefetchRows(ahead, KvRowLayoutFor(KvDType::kInt8, n), rows);
   const auto* v = static_cast<const uint8_t*>(values);
   const auto* m = static_cast<const uint8_t*>(meta);
   const int64_t chunks = (n + 63) / 64;
@@ -251,11 +254,11 @@ bool HaveInt8Vnni() { return false; }
 bool Int8VnniRounds(const float*, int64_t) { return false; }
 void RoundQueriesInt8(const float*, int64_t, int64_t, Int8Query*) {}
 void DotInt8VnniPrepared(const void*, const void*, int64_t, int64_t, const Int8Query*, int64_t,
-                         float*, int64_t) {}
+                         float*, int64_t, KvRows) {}
 void DotInt8Vnni(const void*, const void*, int64_t, int64_t, const float*, int64_t, float*,
-                 int64_t) {}
+                 int64_t, KvRows) {}
 void AxpyInt8Vnni(const void*, const void*, int64_t, int64_t, const float*, int64_t, int64_t,
-                  float*) {}
+                  float*, KvRows) {}
 
 #endif
 

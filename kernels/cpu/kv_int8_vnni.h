@@ -15,10 +15,15 @@
 // |out_i - exact| <= as / 2 * sum_r |v_r,i| (k, v the stored int8 codes, s_r the row scale).
 // Cache bytes enter VPDPBUSD as unsigned (x + 128, a sign-bit flip) and the float operand as
 // signed; the 128 * sum of the rounded operand is subtracted once per head.
+// The rows `ahead` (kernels/cpu/kv_quant.h) are asked for at the start: spread through the
+// loops as the float kernels do, they made attention no faster (the int8 arithmetic per line
+// is short) and cost a few microseconds a call with the K/V in cache.
 #ifndef KVGRID_KERNELS_CPU_KV_INT8_VNNI_H_
 #define KVGRID_KERNELS_CPU_KV_INT8_VNNI_H_
 
 #include <cstdint>
+
+#include "kernels/cpu/kv_quant.h"
 
 namespace kvgrid::kernels::cpu {
 
@@ -47,14 +52,15 @@ void RoundQueriesInt8(const float* q, int64_t n, int64_t num_q, Int8Query* out);
 // KvRowKernels' dot over queries rounded once by RoundQueriesInt8 (attention rounds a work
 // item's queries once for all its blocks). n <= kVnniMaxChannels.
 void DotInt8VnniPrepared(const void* values, const void* meta, int64_t n, int64_t rows,
-                         const Int8Query* q, int64_t num_q, float* scores, int64_t score_stride);
+                         const Int8Query* q, int64_t num_q, float* scores, int64_t score_stride,
+                         KvRows ahead);
 
 // KvRowKernels' dot and axpy (kernels/cpu/kv_quant.h) for int8 rows, with the rounding above.
 // Call only when HaveInt8Vnni() and Int8VnniCovers(n).
 void DotInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
-                 int64_t num_q, float* scores, int64_t score_stride);
+                 int64_t num_q, float* scores, int64_t score_stride, KvRows ahead);
 void AxpyInt8Vnni(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,
-                  int64_t num_q, int64_t p_stride, float* out);
+                  int64_t num_q, int64_t p_stride, float* out, KvRows ahead);
 
 }  // namespace kvgrid::kernels::cpu
 

@@ -9,6 +9,7 @@
 
 #include "kernels/cpu/kv_float_avx512.h"
 #include "kernels/cpu/kv_int8_vnni.h"
+#include "kernels/cpu/prefetch.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/cpu/simd_x86.h"
 #include "model/dtype.h"
@@ -139,8 +140,9 @@ constexpr int64_t kChunk = 64;
 
 template <KvDType D>
 void DotPortable(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
-                 int64_t num_q, float* scores, int64_t score_stride) {
+                 int64_t num_q, float* scores, int64_t score_stride, KvRows ahead) {
   const KvRowLayout l = KvRowLayoutFor(D, n);
+  PrefetchRows(ahead, l, rows);
   const VecOps& vec = PortableVec();
   float buf[kChunk];
   for (int64_t r = 0; r < rows; ++r) {
@@ -159,8 +161,9 @@ void DotPortable(const void* values, const void* meta, int64_t n, int64_t rows, 
 
 template <KvDType D>
 void AxpyPortable(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,
-                  int64_t num_q, int64_t p_stride, float* out) {
+                  int64_t num_q, int64_t p_stride, float* out, KvRows ahead) {
   const KvRowLayout l = KvRowLayoutFor(D, n);
+  PrefetchRows(ahead, l, rows);
   const VecOps& vec = PortableVec();
   float buf[kChunk];
   for (int64_t r = 0; r < rows; ++r) {
@@ -314,8 +317,10 @@ KVGRID_AVX2 inline void DotHeads(const uint8_t* v, const uint8_t* m, int64_t n8,
 
 template <KvDType D>
 KVGRID_AVX2 void DotAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
-                         const float* q, int64_t num_q, float* scores, int64_t score_stride) {
+                         const float* q, int64_t num_q, float* scores, int64_t score_stride,
+                         KvRows ahead) {
   const KvRowLayout l = KvRowLayoutFor(D, n);
+  PrefetchRows(ahead, l, rows);
   const int64_t n8 = n & ~int64_t{7};
   float tail[8];
   for (int64_t r = 0; r < rows; ++r) {
@@ -468,8 +473,10 @@ KVGRID_AVX2 inline void AxpyHeadsInt4(const uint8_t* v, const uint8_t* m, const 
 
 template <KvDType D>
 KVGRID_AVX2 void AxpyAvx2(const void* values, const void* meta, int64_t n, int64_t rows,
-                          const float* p, int64_t num_q, int64_t p_stride, float* out) {
+                          const float* p, int64_t num_q, int64_t p_stride, float* out,
+                          KvRows ahead) {
   const KvRowLayout l = KvRowLayoutFor(D, n);
+  PrefetchRows(ahead, l, rows);
   const int64_t n8 = n & ~int64_t{7};
   // Rows in tiles, so each tile's weights (times int8's row scales) sit in a small array.
   constexpr int64_t kTile = kAxpyTile;
@@ -548,21 +555,23 @@ constexpr KvRowKernels kAvx2Kernels = {DotAvx2<D>, AxpyAvx2<D>, DequantizeAvx2<D
 
 // Int8 on integer dot products where the shape and values allow, the AVX2 kernels elsewhere.
 void DotInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
-                    const float* q, int64_t num_q, float* scores, int64_t score_stride) {
+                    const float* q, int64_t num_q, float* scores, int64_t score_stride,
+                    KvRows ahead) {
   if (Int8VnniCovers(n) && Int8VnniRounds(q, num_q * n)) {
-    DotInt8Vnni(values, meta, n, rows, q, num_q, scores, score_stride);
+    DotInt8Vnni(values, meta, n, rows, q, num_q, scores, score_stride, ahead);
   } else {
-    DotAvx2<KvDType::kInt8>(values, meta, n, rows, q, num_q, scores, score_stride);
+    DotAvx2<KvDType::kInt8>(values, meta, n, rows, q, num_q, scores, score_stride, ahead);
   }
 }
 void AxpyInt8Vnni512(const void* values, const void* meta, int64_t n, int64_t rows,
-                     const float* p, int64_t num_q, int64_t p_stride, float* out) {
+                     const float* p, int64_t num_q, int64_t p_stride, float* out,
+                     KvRows ahead) {
   bool rounds = Int8VnniCovers(n);
   for (int64_t h = 0; rounds && h < num_q; ++h) rounds = Int8VnniRounds(p + h * p_stride, rows);
   if (rounds) {
-    AxpyInt8Vnni(values, meta, n, rows, p, num_q, p_stride, out);
+    AxpyInt8Vnni(values, meta, n, rows, p, num_q, p_stride, out, ahead);
   } else {
-    AxpyAvx2<KvDType::kInt8>(values, meta, n, rows, p, num_q, p_stride, out);
+    AxpyAvx2<KvDType::kInt8>(values, meta, n, rows, p, num_q, p_stride, out, ahead);
   }
 }
 bool PrepareInt8Queries(const float* q, int64_t n, int64_t num_q, void* prepared) {
@@ -571,9 +580,10 @@ bool PrepareInt8Queries(const float* q, int64_t n, int64_t num_q, void* prepared
   return true;
 }
 void DotInt8Prepared(const void* values, const void* meta, int64_t n, int64_t rows,
-                     const void* prepared, int64_t num_q, float* scores, int64_t score_stride) {
+                     const void* prepared, int64_t num_q, float* scores, int64_t score_stride,
+                     KvRows ahead) {
   DotInt8VnniPrepared(values, meta, n, rows, static_cast<const Int8Query*>(prepared), num_q,
-                      scores, score_stride);
+                      scores, score_stride, ahead);
 }
 constexpr KvRowKernels kInt8VnniKernels = {DotInt8Vnni512,
                                            AxpyInt8Vnni512,
@@ -655,6 +665,12 @@ uint8_t F32ToFp8E4m3(float x) {
 float Fp8E4m3ToF32(uint8_t code) {
   const uint16_t h = static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7fu) << 7));
   return model::F16ToF32(h) * 256.f;
+}
+
+void PrefetchRows(KvRows ahead, const KvRowLayout& l, int64_t rows) {
+  if (ahead.values == nullptr) return;
+  PrefetchLines(ahead.values, rows * l.value_bytes);
+  if (ahead.meta != nullptr) PrefetchLines(ahead.meta, rows * l.meta_bytes);
 }
 
 void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out) {

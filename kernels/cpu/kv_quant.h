@@ -41,19 +41,31 @@ void QuantizeRow(KvDType dtype, const float* x, int64_t n, void* values, void* m
 // fp8_e4m3: Fp8E4m3ToF32(q) * s).
 void DequantizeRow(KvDType dtype, const void* values, const void* meta, int64_t n, float* out);
 
+// Where rows of one arena plane start: their values, and their metadata (null for float
+// dtypes).
+struct KvRows {
+  const void* values = nullptr;
+  const void* meta = nullptr;
+};
+
 // Kernels over `rows` consecutive rows of one arena plane (row r's values at
 // values + r * value_bytes, its metadata at meta + r * meta_bytes), each row `n` channels
 // (n > 0 and even); x̂_r is row r as DequantizeRow decodes it. `meta` may be null for float
 // dtypes.
+//
+// `ahead`: the rows the caller reads next, `rows` of them laid out as the call's own (null
+// values: none). The kernels only prefetch them, so that their reads from DRAM overlap this
+// call's arithmetic; they change no result. The fast kernels spread the requests a line at a
+// time through their loops, the others issue them all at the start (PrefetchRows).
 struct KvRowKernels {
   // scores[h * score_stride + r] = sum_i q[h * n + i] * x̂_r[i]     for h < num_q, r < rows
   //   q: [num_q, n]
   void (*dot)(const void* values, const void* meta, int64_t n, int64_t rows, const float* q,
-              int64_t num_q, float* scores, int64_t score_stride);
+              int64_t num_q, float* scores, int64_t score_stride, KvRows ahead);
   // out[h * n + i] += sum_r p[h * p_stride + r] * x̂_r[i]          for h < num_q, i < n
   //   out: [num_q, n]
   void (*axpy)(const void* values, const void* meta, int64_t n, int64_t rows, const float* p,
-               int64_t num_q, int64_t p_stride, float* out);
+               int64_t num_q, int64_t p_stride, float* out, KvRows ahead);
   // out[r * n + i] = x̂_r[i]; bit-identical to DequantizeRow row by row.
   void (*dequantize)(const void* values, const void* meta, int64_t n, int64_t rows, float* out);
   const char* name;  // "avx512-vnni", "avx512", "avx2" or "portable"
@@ -65,10 +77,13 @@ struct KvRowKernels {
   // dot_prepared is dot on those queries.
   bool (*prepare_query)(const float* q, int64_t n, int64_t num_q, void* prepared) = nullptr;
   void (*dot_prepared)(const void* values, const void* meta, int64_t n, int64_t rows,
-                       const void* prepared, int64_t num_q, float* scores,
-                       int64_t score_stride) = nullptr;
+                       const void* prepared, int64_t num_q, float* scores, int64_t score_stride,
+                       KvRows ahead) = nullptr;
   int64_t prepared_query_bytes = 0;
 };
+
+// Prefetches all of `ahead`'s `rows` rows of layout `l` at once.
+void PrefetchRows(KvRows ahead, const KvRowLayout& l, int64_t rows);
 
 enum class KvKernelPrecision {
   kFast,   // the fastest kernels on this CPU (int8: integer dot products where available)

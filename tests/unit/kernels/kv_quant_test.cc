@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <sys/mman.h>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -299,6 +300,30 @@ double RowScale(const Plane& p, int64_t r) {
   return model::F16ToF32(h);
 }
 
+// Memory no one may read: a read faults, a prefetch does not.
+class UnreadableRows {
+ public:
+  explicit UnreadableRows(const KvRowLayout& l, int64_t rows)
+      : values_bytes_(std::max<int64_t>(1, rows * l.value_bytes)),
+        meta_bytes_(std::max<int64_t>(1, rows * l.meta_bytes)) {
+    values_ = mmap(nullptr, values_bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    meta_ = mmap(nullptr, meta_bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  }
+  ~UnreadableRows() {
+    if (values_ != MAP_FAILED) munmap(values_, values_bytes_);
+    if (meta_ != MAP_FAILED) munmap(meta_, meta_bytes_);
+  }
+  UnreadableRows(const UnreadableRows&) = delete;
+  UnreadableRows& operator=(const UnreadableRows&) = delete;
+  bool ok() const { return values_ != MAP_FAILED && meta_ != MAP_FAILED; }
+  KvRows rows(bool with_meta) const { return {values_, with_meta ? meta_ : nullptr}; }
+
+ private:
+  size_t values_bytes_, meta_bytes_;
+  void* values_;
+  void* meta_;
+};
+
 void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows, int64_t num_q,
                   uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -316,7 +341,7 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
   for (float& v : q) v = normal(rng);
   const int64_t stride = rows + 3;
   std::vector<float> scores(num_q * stride, 0.f);
-  k.dot(p.values.data(), meta, n, rows, q.data(), num_q, scores.data(), stride);
+  k.dot(p.values.data(), meta, n, rows, q.data(), num_q, scores.data(), stride, {});
   for (int64_t h = 0; h < num_q; ++h) {
     for (int64_t r = 0; r < rows; ++r) {
       double want = 0, mag = 0;
@@ -338,6 +363,16 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
     }
   }
 
+  // Rows named `ahead` are only prefetched: unreadable ones change nothing.
+  const UnreadableRows unreadable(KvRowLayoutFor(dtype, n), rows);
+  ASSERT_TRUE(unreadable.ok());
+  const KvRows ahead = unreadable.rows(meta != nullptr);
+  {
+    std::vector<float> again(num_q * stride, 0.f);
+    k.dot(p.values.data(), meta, n, rows, q.data(), num_q, again.data(), stride, ahead);
+    ASSERT_EQ(again, scores);
+  }
+
   // Queries rounded once give the same scores as dot.
   if (k.prepare_query) {
     std::vector<std::byte> buffer(num_q * k.prepared_query_bytes + 64);
@@ -346,7 +381,12 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
     prepared = std::align(64, num_q * k.prepared_query_bytes, prepared, space);
     if (k.prepare_query(q.data(), n, num_q, prepared)) {
       std::vector<float> again(num_q * stride, 0.f);
-      k.dot_prepared(p.values.data(), meta, n, rows, prepared, num_q, again.data(), stride);
+      k.dot_prepared(p.values.data(), meta, n, rows, prepared, num_q, again.data(), stride,
+                     {});
+      ASSERT_EQ(again, scores);
+      std::fill(again.begin(), again.end(), 0.f);
+      k.dot_prepared(p.values.data(), meta, n, rows, prepared, num_q, again.data(), stride,
+                     ahead);
       ASSERT_EQ(again, scores);
     }
   }
@@ -356,7 +396,12 @@ void CheckKernels(const KvRowKernels& k, KvDType dtype, int64_t n, int64_t rows,
   std::vector<float> out(num_q * n), init(num_q * n);
   for (float& v : init) v = normal(rng);
   out = init;
-  k.axpy(p.values.data(), meta, n, rows, w.data(), num_q, stride, out.data());
+  k.axpy(p.values.data(), meta, n, rows, w.data(), num_q, stride, out.data(), {});
+  {
+    std::vector<float> again = init;
+    k.axpy(p.values.data(), meta, n, rows, w.data(), num_q, stride, again.data(), ahead);
+    ASSERT_EQ(again, out);
+  }
   for (int64_t h = 0; h < num_q; ++h) {
     // Kernels that round the weights times the row scales to int8 may be off by half a step
     // (at most max_r |w_r s_r| / 254) per row: bound = that * sum_r |code_r,i|.
@@ -418,17 +463,17 @@ TEST(KvQuantTest, Int8KernelsAtTheirLimits) {
   const KvRowKernels k = KvRowKernelsFor(KvDType::kInt8);
   std::vector<float> q(n, 0.5f), scores(rows);
   q[3] = std::numeric_limits<float>::quiet_NaN();
-  k.dot(p.values.data(), p.meta.data(), n, rows, q.data(), 1, scores.data(), rows);
+  k.dot(p.values.data(), p.meta.data(), n, rows, q.data(), 1, scores.data(), rows, {});
   for (float s : scores) EXPECT_TRUE(std::isnan(s));
   std::vector<float> w(rows, 0.25f), out(n, 0.f);
   w[5] = std::numeric_limits<float>::infinity();
-  k.axpy(p.values.data(), p.meta.data(), n, rows, w.data(), 1, rows, out.data());
+  k.axpy(p.values.data(), p.meta.data(), n, rows, w.data(), 1, rows, out.data(), {});
   int64_t non_finite = 0;
   for (float o : out) non_finite += !std::isfinite(o);
   EXPECT_GT(non_finite, 0);
   // Subnormal weights still round within the bound (checked against the decoded rows).
   std::vector<float> tiny(rows, 1e-40f), got(n, 0.f);
-  k.axpy(p.values.data(), p.meta.data(), n, rows, tiny.data(), 1, rows, got.data());
+  k.axpy(p.values.data(), p.meta.data(), n, rows, tiny.data(), 1, rows, got.data(), {});
   for (int64_t i = 0; i < n; ++i) {
     double want = 0, mag = 0;
     for (int64_t r = 0; r < rows; ++r) {
@@ -462,7 +507,7 @@ TEST(KvQuantTest, FloatKernelsAtEveryShape) {
     std::vector<float> q(2 * n, 0.5f), scores(2 * rows);
     q[2 * n - 1] = std::numeric_limits<float>::quiet_NaN();
     KvRowKernelsFor(dtype).dot(p.values.data(), nullptr, n, rows, q.data(), 2, scores.data(),
-                               rows);
+                               rows, {});
     for (int64_t r = 0; r < rows; ++r) {
       EXPECT_TRUE(std::isfinite(scores[r])) << KvDTypeName(dtype) << " r=" << r;
       EXPECT_TRUE(std::isnan(scores[rows + r])) << KvDTypeName(dtype) << " r=" << r;
@@ -494,12 +539,12 @@ TEST(KvQuantTest, BestKernelsAgreeWithPortable) {
     std::vector<float> q(num_q * n);
     for (float& v : q) v = normal(rng);
     std::vector<float> sa(num_q * rows), sb(num_q * rows);
-    best.dot(p.values.data(), meta, n, rows, q.data(), num_q, sa.data(), rows);
-    portable.dot(p.values.data(), meta, n, rows, q.data(), num_q, sb.data(), rows);
+    best.dot(p.values.data(), meta, n, rows, q.data(), num_q, sa.data(), rows, {});
+    portable.dot(p.values.data(), meta, n, rows, q.data(), num_q, sb.data(), rows, {});
     for (size_t i = 0; i < sa.size(); ++i) EXPECT_NEAR(sa[i], sb[i], 1e-4) << KvDTypeName(dtype);
     std::vector<float> oa(num_q * n, 0.f), ob(num_q * n, 0.f);
-    best.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, oa.data());
-    portable.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, ob.data());
+    best.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, oa.data(), {});
+    portable.axpy(p.values.data(), meta, n, rows, sa.data(), num_q, rows, ob.data(), {});
     for (size_t i = 0; i < oa.size(); ++i) EXPECT_NEAR(oa[i], ob[i], 1e-3) << KvDTypeName(dtype);
   }
 }
