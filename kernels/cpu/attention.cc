@@ -93,12 +93,12 @@ namespace {
 
 // Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary
 // and each block would start with a DRAM round trip. Each kernel call is handed the rows the
-// thread reads next (the kernels' `ahead`): the same KV head's rows of this rank's next block,
-// and after the K pass's last block the V pass's first. The float kernels ask for them a line
-// at a time through their arithmetic; asked for all at once before each call, the requests
-// waited for the core's few fill buffers and the arithmetic waited behind them. With the K/V
-// in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads, 2,048 positions,
-// bench/RESULTS.md) that took fp16 from 0.094 to 0.084 ms a call and fp32 from 0.141 to 0.120.
+// thread reads soon after (the kernels' `ahead`): the same KV head's rows of this rank's next
+// block, and after the K pass's last block the V pass's first. The AVX-512 float kernels ask for
+// them a line at a time through their arithmetic; asked for all at once before each call, the
+// requests waited for the core's few fill buffers and the arithmetic waited behind them. With
+// the K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads, 2,048 positions,
+// bench/RESULTS.md) that took fp16 from 0.101 to 0.092 ms a call and fp32 from 0.142 to 0.128.
 
 // Queries of decode-like sequences (at most kMaxSplitQueries query tokens) are work items of
 // all KV heads at once: an item walks its blocks reading each block's rows of every head,
@@ -243,15 +243,18 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         const int64_t skip = ((p.cp_rank - b) % p.cp_size + p.cp_size) % p.cp_size;
         return skip == 0 ? begin : std::min(end, (b + skip) * bs);
       }();
-      // What the thread reads after KV head g0 + g's rows of position j's block in the K pass
-      // (`k_pass`) or the V pass.
-      auto ahead = [&](bool k_pass, int64_t j, int64_t g) {
+      // What the thread reads after KV head g0 + g's `rows` rows of position j's block in the
+      // K pass (`k_pass`) or the V pass, starting where `rows` rows stay inside the block.
+      auto ahead = [&](bool k_pass, int64_t j, int64_t g, int64_t rows) {
         const int64_t next = (j / bs + p.cp_size) * bs;  // this rank's next block
         if (next < end) {
           return k_pass ? rows_at(k_values, k_meta, kl, next, g)
                         : rows_at(v_values, v_meta, vl, next, g);
         }
-        if (k_pass && first_local < end) return rows_at(v_values, v_meta, vl, first_local, g);
+        if (k_pass && first_local < end) {
+          const int64_t block = first_local / bs * bs;
+          return rows_at(v_values, v_meta, vl, std::min(first_local, block + bs - rows), g);
+        }
         return KvRows{};
       };
       const float* q = p.query + (t * nh + g0 * group) * hd;
@@ -281,10 +284,10 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
           if (prepared) {
             kk.dot_prepared(own.values, own.meta, hd, rows,
                             prepared + g * group * kk.prepared_query_bytes, group, sc, len,
-                            ahead(true, j, g));
+                            ahead(true, j, g, rows));
           } else {
             kk.dot(own.values, own.meta, hd, rows, q + g * group * hd, group, sc, len,
-                   ahead(true, j, g));
+                   ahead(true, j, g, rows));
           }
         }
       }
@@ -330,7 +333,7 @@ absl::Status PagedAttention(const PagedAttentionParams& p) {
         for (int64_t g = 0; g < ng; ++g) {
           const KvRows own = rows_at(v_values, v_meta, vl, j, g);
           vk.axpy(own.values, own.meta, hd, rows, scores.data() + g * group * len + (j - begin),
-                  group, len, out + g * group * hd, ahead(false, j, g));
+                  group, len, out + g * group * hd, ahead(false, j, g, rows));
         }
       }
       if (w.part >= 0) {

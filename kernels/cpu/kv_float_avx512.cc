@@ -78,8 +78,8 @@ KVGRID_AVX512 inline __m512 ReduceRows16(const __m512 a[16]) {
                        _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The rows whose lines the kernels ask for: `ahead`'s, else their own (already in cache, so a
-// request costs only its load slot), which keeps branches out of the loops.
+// The rows whose lines the kernels ask for: `ahead`'s, else their own (which they read anyway,
+// so a request costs only its load slot); this keeps branches out of the loops.
 inline const uint8_t* AheadOr(KvRows ahead, const uint8_t* v) {
   return ahead.values != nullptr ? static_cast<const uint8_t*>(ahead.values) : v;
 }
@@ -109,15 +109,19 @@ KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const f
       // The 16 accumulators are registers only with a fixed row count: absent rows are 0.
       for (int64_t r = tr; r < kTileRows; ++r) std::memset(tile[r], 0, sizeof(float) * 16 * units);
       // The same rows and channels of `a`, lines_per_row lines a row, spread over the heads.
-      const int64_t lines_per_row = (16 * units * kValueBytes<D> + 63) / 64;
+      const int64_t lines_per_row =
+          (16 * units * kValueBytes<D> + kCacheLineBytes - 1) / kCacheLineBytes;
       const int64_t lines = tr * lines_per_row;
-      const int64_t lines_per_head = (lines + num_q - 1) / num_q;
+      const int64_t lines_per_head = (lines + num_q - 1) / std::max<int64_t>(num_q, 1);
       const uint8_t* a_piece = a + r0 * row_bytes + c0 * kValueBytes<D>;
       int64_t a_row = 0, a_line = 0;  // the next line to ask for
       for (int64_t h = 0; h < num_q; ++h) {
         for (int64_t i = 0; i < lines_per_head && a_row < tr; ++i) {
-          PrefetchLine(a_piece + a_row * row_bytes + 64 * a_line);
-          if (++a_line == lines_per_row) a_line = 0, ++a_row;
+          PrefetchLine(a_piece + a_row * row_bytes + kCacheLineBytes * a_line);
+          if (++a_line == lines_per_row) {
+            a_line = 0;
+            ++a_row;
+          }
         }
         const float* qh = q + h * n + c0;
         __m512 acc[kTileRows];
@@ -202,7 +206,8 @@ KVGRID_AVX512 void AxpyFloat(const void* values, int64_t n, int64_t rows, const 
   const auto* v = static_cast<const uint8_t*>(values);
   // More than kMaxHeads heads pass over the rows again; only the first pass asks for `ahead`.
   const uint8_t* a = AheadOr(ahead, v);
-  for (int64_t h0 = 0; h0 < num_q; h0 += kMaxHeads, a = v) {
+  for (int64_t h0 = 0; h0 < num_q; h0 += kMaxHeads) {
+    if (h0 > 0) a = v;
     const float* ph = p + h0 * p_stride;
     float* oh = out + h0 * n;
     switch (std::min(kMaxHeads, num_q - h0)) {

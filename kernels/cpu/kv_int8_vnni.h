@@ -17,7 +17,7 @@
 // signed; the 128 * sum of the rounded operand is subtracted once per head.
 // The rows `ahead` (kernels/cpu/kv_quant.h) are asked for at the start: spread through the
 // loops as the float kernels do, they made attention no faster (the int8 arithmetic per line
-// is short) and cost a few microseconds a call with the K/V in cache.
+// is short) and cost a few microseconds an attention call with the K/V in cache.
 #ifndef KVGRID_KERNELS_CPU_KV_INT8_VNNI_H_
 #define KVGRID_KERNELS_CPU_KV_INT8_VNNI_H_
 

@@ -53,10 +53,11 @@ struct KvRows {
 // (n > 0 and even); x̂_r is row r as DequantizeRow decodes it. `meta` may be null for float
 // dtypes.
 //
-// `ahead`: the rows the caller reads next, `rows` of them laid out as the call's own (null
-// values: none). The kernels only prefetch them, so that their reads from DRAM overlap this
-// call's arithmetic; they change no result. The fast kernels spread the requests a line at a
-// time through their loops, the others issue them all at the start (PrefetchRows).
+// `ahead`: rows the caller reads soon after this call's, `rows` of them laid out as the call's
+// own (null values: none). The kernels only prefetch them, so that their reads from DRAM
+// overlap this call's arithmetic; they change no result. The AVX-512 float kernels spread the
+// requests a line at a time through their loops, the others issue them all at the start
+// (PrefetchRows).
 struct KvRowKernels {
   // scores[h * score_stride + r] = sum_i q[h * n + i] * x̂_r[i]     for h < num_q, r < rows
   //   q: [num_q, n]

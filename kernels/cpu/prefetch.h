@@ -1,9 +1,9 @@
-// Software prefetches into L1 that the compiler keeps.
+// Software prefetches into L1.
 //
-// On x86 each is an asm statement: GCC 12 deletes calls to a function made only of
-// __builtin_prefetch (its mod-ref analysis finds no side effect) when that function is not
-// inlined first, as happened to a lambda around one in attention.cc, so that no prefetch ran.
-// A prefetch never faults, so the address may be anything.
+// On x86 each is an asm statement, which the compiler keeps: GCC 12 deletes calls to a function
+// made only of __builtin_prefetch (its mod-ref analysis finds no side effect) when that function
+// is not inlined first, as happened to a lambda around one in attention.cc, so that no prefetch
+// ran. Elsewhere they are __builtin_prefetch, open to that deletion. A prefetch never faults.
 #ifndef KVGRID_KERNELS_CPU_PREFETCH_H_
 #define KVGRID_KERNELS_CPU_PREFETCH_H_
 
@@ -22,10 +22,13 @@ inline void PrefetchLine(const void* p) {
 #endif
 }
 
-// Asks for the cache lines of [p, p + bytes), one request per 64 bytes from p.
+// Asks for the cache lines that hold [p, p + bytes).
 inline void PrefetchLines(const void* p, int64_t bytes) {
-  const auto* b = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += kCacheLineBytes) PrefetchLine(b + i);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
+  for (uintptr_t a = begin / kCacheLineBytes * kCacheLineBytes; a < end; a += kCacheLineBytes) {
+    PrefetchLine(reinterpret_cast<const void*>(a));
+  }
 }
 
 }  // namespace kvgrid::kernels::cpu

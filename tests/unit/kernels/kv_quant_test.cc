@@ -2,13 +2,14 @@
 // the bit layout of the formats, and the AVX2 row kernels against the portable ones.
 #include "kernels/cpu/kv_quant.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
-#include <sys/mman.h>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -303,7 +304,7 @@ double RowScale(const Plane& p, int64_t r) {
 // Memory no one may read: a read faults, a prefetch does not.
 class UnreadableRows {
  public:
-  explicit UnreadableRows(const KvRowLayout& l, int64_t rows)
+  UnreadableRows(const KvRowLayout& l, int64_t rows)
       : values_bytes_(std::max<int64_t>(1, rows * l.value_bytes)),
         meta_bytes_(std::max<int64_t>(1, rows * l.meta_bytes)) {
     values_ = mmap(nullptr, values_bytes_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
