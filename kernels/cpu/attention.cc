@@ -98,7 +98,8 @@ namespace {
 // them a line at a time through their arithmetic; asked for all at once before each call, the
 // requests waited for the core's few fill buffers and the arithmetic waited behind them. With
 // the K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads, 2,048 positions,
-// bench/RESULTS.md) that took fp16 from 0.101 to 0.092 ms a call and fp32 from 0.142 to 0.128.
+// bench/RESULTS.md) that took fp16 from 0.101 to 0.092 ms a call and fp32 from 0.142 to 0.128;
+// asking into L2 rather than L1 (kernels/cpu/prefetch.h) took another 7% and 9% off.
 
 // Queries of decode-like sequences (at most kMaxSplitQueries query tokens) are work items of
 // all KV heads at once: an item walks its blocks reading each block's rows of every head,
