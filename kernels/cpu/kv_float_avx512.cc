@@ -22,7 +22,7 @@ namespace {
 
 #define KVGRID_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 
-constexpr int64_t kTileRows = 16;       // rows reduced together (dot)
+constexpr int64_t kTileRows = 16;       // rows reduced together (dot), or walked per chunk (axpy)
 constexpr int64_t kTileChannels = 256;  // channels of a row decoded at once (dot)
 constexpr int64_t kMaxHeads = 8;        // heads whose accumulators stay in registers (axpy)
 
@@ -145,11 +145,11 @@ KVGRID_AVX512 void DotFloat(const void* values, int64_t n, int64_t rows, const f
 // out[h * n + c + i] += sum_r p[h * p_stride + r] * row r's channel c + i, for h < H and
 // i < 16 U, the last 16 lanes limited to `last`; asks for the lines of `a`'s rows that hold
 // those channels. Each weight is broadcast straight from `p`: gathering a tile's weights
-// row-major first (16 H scalar loads and stores) made a 16-row fp16 tile of 7 heads take 130
-// ns instead of 112 in L2. Inlined by force: GCC 12 otherwise keeps it out of line and stores
-// every accumulator to the stack each row.
+// row-major first (16 H scalar loads and stores) made a tile of 16 fp16 rows of 64 channels
+// and 7 heads take 130 ns instead of 112 in L2. Inlined by force: GCC 12 otherwise keeps it
+// out of line and stores every accumulator to the stack each row.
 template <KvDType D, int H, int U>
-KVGRID_AVX512 __attribute__((always_inline)) inline void AxpyChunk(
+KVGRID_AVX512 inline __attribute__((always_inline)) void AxpyChunk(
     const uint8_t* v, int64_t row_bytes, int64_t rows, const float* p, int64_t p_stride,
     float* out, int64_t n, int64_t c, __mmask16 last, const uint8_t* a) {
   // 16 channels are 64 bytes of fp32 and 32 of fp16/bf16: a line every 4 / bytes units.
@@ -182,7 +182,8 @@ KVGRID_AVX512 __attribute__((always_inline)) inline void AxpyChunk(
   }
 }
 
-// AxpyFloat for H heads, in tiles of rows.
+// AxpyFloat for H heads, in tiles of kTileRows rows, each walked once per chunk of channels
+// (its lines stay in L1 from one chunk to the next).
 template <KvDType D, int H>
 KVGRID_AVX512 void AxpyHeads(const uint8_t* v, int64_t n, int64_t rows, const float* p,
                              int64_t p_stride, float* out, const uint8_t* a) {

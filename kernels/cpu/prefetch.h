@@ -2,10 +2,10 @@
 //
 // Into L2 (prefetcht1), not L1: paged attention asks for the next block's rows while it works
 // on this one, and with its K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV
-// heads, 2,048 positions) the calls took 0.101 -> 0.094 ms (fp16), 0.135 -> 0.123 (fp32) and
-// 0.096 -> 0.093 (int8) against prefetcht0, the same with it in cache (bench/RESULTS.md). The
-// line then comes from L2 when the kernel reads it, a few cycles that out-of-order execution
-// hides.
+// heads, 2,048 positions) the calls took 0.101 -> 0.094 ms (fp16) and 0.135 -> 0.123 (fp32)
+// against prefetcht0 (int8 moved within the runs' noise), the same with the K/V in cache
+// (bench/RESULTS.md). The line then comes from L2 when the kernel reads it, a few cycles that
+// out-of-order execution hides.
 //
 // On x86 each is an asm statement, which the compiler keeps: GCC 12 deletes calls to a function
 // made only of __builtin_prefetch (its mod-ref analysis finds no side effect) when that function
