@@ -95,9 +95,9 @@ namespace {
 // and each block would start with a DRAM round trip. Each kernel call is handed the rows the
 // thread reads soon after (the kernels' `ahead`): the same KV head's rows of this rank's next
 // block, and after the K pass's last block the V pass's first. The AVX-512 float kernels ask for
-// them a line at a time through their arithmetic; asked for all at once before each call (into
-// L1, as then), the requests waited for the core's few fill buffers and the arithmetic waited
-// behind them. With the K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads,
+// them a line at a time through their arithmetic; asked for all at once into L1 before each
+// call, the requests waited for the core's few fill buffers and the arithmetic waited behind
+// them. With the K/V in DRAM (attention_bench --flush-mb 256, 14 heads over 2 KV heads,
 // 2,048 positions, bench/RESULTS.md) that took fp16 from 0.101 to 0.092 ms a call and fp32 from
 // 0.142 to 0.128. In a later run, asking into L2 rather than L1 (kernels/cpu/prefetch.h) took
 // fp16 from 0.101 to 0.094 and fp32 from 0.135 to 0.123.

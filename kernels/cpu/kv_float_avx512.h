@@ -14,8 +14,7 @@
 // arithmetic: dot spreads a tile's lines over its heads, axpy asks for the line of the next
 // rows at the offset each row's load reads. Issued all at once before the arithmetic (measured
 // into L1), the requests wait for the core's few fill buffers and the arithmetic waits behind
-// them. With a
-// single head (no grouped queries) dot still asks for a tile's lines all at once.
+// them. With a single head (no grouped queries) dot still asks for a tile's lines all at once.
 // Every element decodes to DequantizeRow's float, so results differ from fp32 math on the
 // decoded rows only in the order of the sums (as the AVX2 kernels do).
 #ifndef KVGRID_KERNELS_CPU_KV_FLOAT_AVX512_H_

@@ -494,7 +494,8 @@ TEST(KvQuantTest, FloatKernelsAtEveryShape) {
     for (int64_t n : {int64_t{2}, int64_t{18}, int64_t{64}, int64_t{200}, int64_t{256},
                       int64_t{290}, int64_t{576}}) {
       for (int64_t rows : {int64_t{1}, int64_t{17}, int64_t{40}}) {
-        // Every head count axpy keeps in registers (1-8), and more in passes of up to 8.
+        // With RowKernelsMatchDecodedRows' 1, 3, 4 and 7: every head count axpy keeps in
+        // registers (1-8), and more in passes of up to 8.
         for (int64_t num_q : {int64_t{2}, int64_t{5}, int64_t{6}, int64_t{8}, int64_t{9},
                               int64_t{14}, int64_t{17}}) {
           CheckKernels(KvRowKernelsFor(dtype), dtype, n, rows, num_q, seed++);
