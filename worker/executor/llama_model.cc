@@ -824,6 +824,18 @@ void LlamaModel::PrepareWeights() {
       cpu::MoveToHugePages(fp32);
     }
   }
+  // Heap memory that the allocator reused was on small pages before the advice above saw it.
+  ForEachQuantMatrix(w_, [](const cpu::QuantMatrix& q) {
+    cpu::CollapseToHugePages(q.data.data(), q.data.size());
+  });
+  for (const std::vector<float>* fp32 : {&w_.embed, &w_.lm_head}) {
+    cpu::CollapseToHugePages(fp32->data(), fp32->size() * sizeof(float));
+  }
+  for (const LayerWeights& l : w_.layers) {
+    for (const std::vector<float>* fp32 : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      cpu::CollapseToHugePages(fp32->data(), fp32->size() * sizeof(float));
+    }
+  }
 }
 
 absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
