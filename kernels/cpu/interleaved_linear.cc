@@ -231,22 +231,30 @@ TileFn TileFor(WeightDType dtype, int64_t tokens) {
 // per token, a row of `a` apart). The tile's int32 sums then take GroupDot's offset, scale and
 // accumulation in the same order, so the results are bit-identical to the VNNI kernel's; only
 // the integer products move to the tile unit (16 x 16 x 32 per instruction; vpdpbusd: 16 x 4).
-// (Measured slower, bench/RESULTS.md: staging Q8_0's weights signed to drop the offset, and
-// two blocks in flight on two tile sets.)
+//
+// Blocks overlap. With one set of tiles and each block's sums scaled as soon as they were
+// stored, about 70% of the Q4_0 kernel's samples (perf, 16 sequences) sat on three waits: the
+// tile load of weights just unpacked, the product, and the store of its sums ahead of their
+// loads. Now two tile sets alternate: block b + 1's product is asked for before block b's
+// sums are stored, and those are scaled after block b + 1's are stored; Q4_*'s weights are
+// unpacked kAmxStage blocks at a time. Measured in bench/RESULTS.md, with what was slower
+// (staging Q8_0's weights signed to drop the offset; storing each block's sums right after
+// its product; unpacking a stage ahead).
 #define KVGRID_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 constexpr int64_t kAmxTokens = 16;
+constexpr int64_t kAmxStage = 16;  // Q4_* blocks unpacked at a time: 8 KiB
 
-// Tile 0: the int32 sums (16 tokens x 16 rows); 1: activations (16 tokens x 32 bytes); 2: one
-// block's weights (8 rows of 64 bytes). GCC's tile intrinsics paste these numbers into the
-// instructions' text, so they are literals below.
+// Tiles 0 and 3: the int32 sums (16 tokens x 16 rows); 1 and 4: activations (16 tokens x 32
+// bytes); 2 and 5: one block's weights (8 rows of 64 bytes). GCC's tile intrinsics paste
+// these numbers into the instructions' text, so they are literals below.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 32, 64};
-  uint8_t rows[16] = {kAmxTokens, kAmxTokens, 8};
+  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
+  uint8_t rows[16] = {kAmxTokens, kAmxTokens, 8, kAmxTokens, kAmxTokens, 8};
 };
 
 KVGRID_AMX void ConfigureTiles() {
@@ -256,52 +264,120 @@ KVGRID_AMX void ConfigureTiles() {
 
 KVGRID_AMX void ReleaseTiles() { _tile_release(); }
 
+// Q4_*'s blocks [b0, b1) unpacked into stage[b - b0]: each chunk's low nibbles, then its high
+// ones, 8 rows of 64 bytes a block.
+template <WeightDType D>
+KVGRID_AMX void UnpackNibbles(const uint8_t* group, int64_t b0, int64_t b1,
+                              uint8_t (*stage)[8 * 64]) {
+  constexpr int64_t kHeader = GroupFormat<D>::kHeader;
+  constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  // GCC's tile loads are asm statements that name no memory: no store moves across this.
+  asm volatile("" ::: "memory");
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* chunks = group + b * kGroupBlock + kHeader;
+    uint8_t* out = stage[b - b0];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(chunks + 64 * j);
+      _mm512_store_si512(out + 64 * j, _mm512_and_si512(packed, low4));
+      _mm512_store_si512(out + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+    }
+  }
+  asm volatile("" ::: "memory");
+}
+
+// Block b's weights as the B tile reads them: Q8_0's in place; Q4_*'s from `stage`, the next
+// kAmxStage blocks unpacked when b starts them (unpacking a stage ahead of that reads past the
+// prefetches, and measured slower). Prefetches as GroupDot does.
+template <WeightDType D>
+KVGRID_AMX inline const uint8_t* AmxWeights(const uint8_t* group, int64_t b, int64_t blocks,
+                                            bool prefetch, uint8_t (*stage)[8 * 64]) {
+  constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
+  if (prefetch) PrefetchBlock<D>(group + b * kGroupBlock);
+  if constexpr (D == WeightDType::kQ8_0) {
+    (void)blocks, (void)stage;
+    return group + b * kGroupBlock + GroupFormat<D>::kHeader;
+  } else {
+    if (b % kAmxStage == 0) UnpackNibbles<D>(group, b, std::min(blocks, b + kAmxStage), stage);
+    return stage[b % kAmxStage];
+  }
+}
+
+// Block b's int32 sums (`sums`, 16 tokens x 16 rows) into the tokens' accumulators, as
+// GroupDot adds a block.
+template <WeightDType D>
+KVGRID_AMX inline void ScaleSumsAmx(const int32_t* sums, const uint8_t* group, int64_t b,
+                                    int64_t blocks, const float* xd, const int32_t* xs,
+                                    const float* xss, __m512 acc[kAmxTokens]) {
+  __m512 dw, offset;
+  BlockScales<D>(group + b * GroupFormat<D>::kGroupBlock, &dw, &offset);
+  for (int t = 0; t < kAmxTokens; ++t) {
+    __m512i dot = _mm512_load_si512(sums + t * kInterleaveRows);
+    if constexpr (GroupFormat<D>::kOffset != 0) {
+      dot = _mm512_add_epi32(dot, OffsetStart<D>(xs[t * blocks + b]));
+    }
+    acc[t] = AddBlock<D>(acc[t], dot, dw, offset, xd[t * blocks + b], xss[t * blocks + b]);
+  }
+}
+
+// Block b's tile product on tile set kSet (0: tiles 0-2, 1: tiles 3-5): signed activations
+// (A) times unsigned weights (B) into zeroed int32 sums.
+template <WeightDType D, int kSet>
+KVGRID_AMX inline void IssueAmx(const uint8_t* group, int64_t b, int64_t blocks,
+                                const Q8Activations& a, const int8_t* xq, bool prefetch,
+                                uint8_t (*stage)[8 * 64]) {
+  const uint8_t* w = AmxWeights<D>(group, b, blocks, prefetch, stage);
+  if constexpr (kSet == 0) {
+    _tile_zero(0);
+    _tile_loadd(1, xq + b * kQuantBlock, a.cols);
+    _tile_loadd(2, w, 64);
+    _tile_dpbsud(0, 1, 2);
+  } else {
+    _tile_zero(3);
+    _tile_loadd(4, xq + b * kQuantBlock, a.cols);
+    _tile_loadd(5, w, 64);
+    _tile_dpbsud(3, 4, 5);
+  }
+}
+
 template <WeightDType D>
 KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activations& a,
                              int64_t first, bool prefetch, const float* bias, float* out,
                              int64_t ldo, bool accumulate) {
-  constexpr int64_t kHeader = GroupFormat<D>::kHeader;
-  constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
   constexpr int T = kAmxTokens;
-  alignas(64) int32_t sums[T * kInterleaveRows];
-  alignas(64) uint8_t unpacked[8 * 64];
+  alignas(64) int32_t sums[2][T * kInterleaveRows];  // blocks b and b - 1
+  alignas(64) uint8_t stage[D == WeightDType::kQ8_0 ? 1 : kAmxStage][8 * 64];
   const int8_t* xq = a.q.data() + first * a.cols;
   const float* xd = a.scale.data() + first * blocks;
   const int32_t* xs = a.sum.data() + first * blocks;
   const float* xss = a.scaled_sum.data() + first * blocks;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = group + b * kGroupBlock;
-    if (prefetch) PrefetchBlock<D>(blk);
-    _tile_zero(0);
-    _tile_loadd(1, xq + b * kQuantBlock, a.cols);
-    if constexpr (D == WeightDType::kQ8_0) {
-      _tile_loadd(2, blk + kHeader, 64);
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i packed = _mm512_loadu_si512(blk + kHeader + 64 * j);
-        _mm512_store_si512(unpacked + 64 * j, _mm512_and_si512(packed, low4));
-        _mm512_store_si512(unpacked + 64 * (4 + j),
-                           _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
-      }
-      // GCC's tile load is an asm statement that names no memory: keep the stores before it.
-      asm volatile("" ::: "memory");
-      _tile_loadd(2, unpacked, 64);
-    }
-    _tile_dpbsud(0, 1, 2);  // signed activations (A) times unsigned weights (B)
-    _tile_stored(0, sums, 64);
-    __m512 dw, offset;
-    BlockScales<D>(blk, &dw, &offset);
-    for (int t = 0; t < T; ++t) {
-      __m512i dot = _mm512_load_si512(sums + t * kInterleaveRows);
-      if constexpr (GroupFormat<D>::kOffset != 0) {
-        dot = _mm512_add_epi32(dot, OffsetStart<D>(xs[t * blocks + b]));
-      }
-      acc[t] = AddBlock<D>(acc[t], dot, dw, offset, xd[t * blocks + b], xss[t * blocks + b]);
-    }
+  if (blocks == 0) {
+    StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
+    return;
   }
+  // Block b on tile set b % 2: block b + 1's product is asked for before block b's sums are
+  // stored, and block b - 1's sums, stored a block earlier, are scaled after. GCC's tile
+  // stores name no memory either: the barrier keeps the loads of the sums after them.
+  IssueAmx<D, 0>(group, 0, blocks, a, xq, prefetch, stage);
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + 1 < blocks) {
+      if (b % 2 == 0) {
+        IssueAmx<D, 1>(group, b + 1, blocks, a, xq, prefetch, stage);
+      } else {
+        IssueAmx<D, 0>(group, b + 1, blocks, a, xq, prefetch, stage);
+      }
+    }
+    if (b % 2 == 0) {
+      _tile_stored(0, sums[0], 64);
+    } else {
+      _tile_stored(3, sums[1], 64);
+    }
+    asm volatile("" ::: "memory");
+    if (b > 0) ScaleSumsAmx<D>(sums[(b - 1) % 2], group, b - 1, blocks, xd, xs, xss, acc);
+  }
+  ScaleSumsAmx<D>(sums[(blocks - 1) % 2], group, blocks - 1, blocks, xd, xs, xss, acc);
   StoreTile<T>(acc, bias, out + first * ldo, ldo, accumulate);
 }
 

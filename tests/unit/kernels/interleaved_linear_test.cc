@@ -165,29 +165,36 @@ TEST(InterleavedLinearTest, KernelGivesTheIntegerBlockSums) {
 // bit, for whole tiles of 16 tokens, a remainder after them, and tiles in a second chunk of 64.
 TEST(InterleavedLinearTest, AmxTilesMatchTheVnniKernelBitForBit) {
   if (!HaveAmxInt8()) GTEST_SKIP() << "no AMX-INT8 on this CPU (or not granted by the kernel)";
+  // 1, 7 and 35 blocks a row: one tile set alone, an odd count, and past two stages of
+  // unpacked Q4_* blocks (kAmxStage, 16) into a third.
   for (WeightDType dtype : kFormats) {
-    const int64_t rows = 48, cols = 224;
-    QuantMatrix m = Quantized(dtype, rows, cols, 41);
-    std::mt19937 rng(43);
-    for (int64_t i = 0; i < static_cast<int64_t>(m.data.size()); ++i) {
-      if (i % QuantMatrix::BlockBytes(dtype) >= Header(dtype)) m.data[i] = static_cast<uint8_t>(rng());
-    }
-    InterleaveRows(&m);
-    const std::vector<float> bias = Random(rows, 45);
-    for (int64_t tokens : {16, 21, 32, 100}) {
-      std::vector<float> x = Random(tokens * cols, 47 + tokens);
-      x[3] = -50.f;
-      Q8Activations a;
-      QuantizeActivations(x.data(), tokens, cols, &a);
-      for (bool accumulate : {false, true}) {
-        std::vector<float> vnni(tokens * rows, 0.5f), amx(tokens * rows, 0.5f);
-        InterleavedInt8LinearOn(Int8TileUnit::kVnni, m, a, accumulate ? bias.data() : nullptr,
-                                vnni.data(), rows, accumulate);
-        InterleavedInt8LinearOn(Int8TileUnit::kAmx, m, a, accumulate ? bias.data() : nullptr,
-                                amx.data(), rows, accumulate);
-        for (int64_t i = 0; i < tokens * rows; ++i) {
-          ASSERT_EQ(amx[i], vnni[i]) << WeightDTypeName(dtype) << " tokens " << tokens
-                                     << " token " << i / rows << " row " << i % rows;
+    for (int64_t cols : {32, 224, 1120}) {
+      const int64_t rows = 48;
+      QuantMatrix m = Quantized(dtype, rows, cols, 41);
+      std::mt19937 rng(43);
+      for (int64_t i = 0; i < static_cast<int64_t>(m.data.size()); ++i) {
+        if (i % QuantMatrix::BlockBytes(dtype) >= Header(dtype)) {
+          m.data[i] = static_cast<uint8_t>(rng());
+        }
+      }
+      InterleaveRows(&m);
+      const std::vector<float> bias = Random(rows, 45);
+      for (int64_t tokens : {16, 21, 32, 100}) {
+        std::vector<float> x = Random(tokens * cols, 47 + tokens);
+        x[3] = -50.f;
+        Q8Activations a;
+        QuantizeActivations(x.data(), tokens, cols, &a);
+        for (bool accumulate : {false, true}) {
+          std::vector<float> vnni(tokens * rows, 0.5f), amx(tokens * rows, 0.5f);
+          InterleavedInt8LinearOn(Int8TileUnit::kVnni, m, a, accumulate ? bias.data() : nullptr,
+                                  vnni.data(), rows, accumulate);
+          InterleavedInt8LinearOn(Int8TileUnit::kAmx, m, a, accumulate ? bias.data() : nullptr,
+                                  amx.data(), rows, accumulate);
+          for (int64_t i = 0; i < tokens * rows; ++i) {
+            ASSERT_EQ(amx[i], vnni[i]) << WeightDTypeName(dtype) << " cols " << cols
+                                       << " tokens " << tokens << " token " << i / rows
+                                       << " row " << i % rows;
+          }
         }
       }
     }
