@@ -237,9 +237,10 @@ TileFn TileFor(WeightDType dtype, int64_t tokens) {
 // tile load of weights just unpacked, the product, and the store of its sums ahead of their
 // loads. Now two tile sets alternate: block b + 1's product is asked for before block b's
 // sums are stored, and those are scaled after block b + 1's are stored; Q4_*'s weights are
-// unpacked kAmxStage blocks at a time. Measured in bench/RESULTS.md, with what was slower
-// (staging Q8_0's weights signed to drop the offset; storing each block's sums right after
-// its product; unpacking a stage ahead).
+// unpacked kAmxStage blocks at a time, Q4_0's as signed bytes (kAmxSignedStage). Measured in
+// bench/RESULTS.md, with what was slower (staging Q8_0's weights signed too, which costs it
+// a staging pass; storing each block's sums right after its product; unpacking a stage
+// ahead).
 #define KVGRID_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
@@ -264,14 +265,21 @@ KVGRID_AMX void ConfigureTiles() {
 
 KVGRID_AMX void ReleaseTiles() { _tile_release(); }
 
+// Q4_0's nibbles are staged less their offset of 8, as signed bytes: the tile product
+// (signed by signed) is then the block's whole integer sum, the same int32 that the VNNI
+// kernel reaches from -8 times the activations' sum, and no token's sums need that added.
+template <WeightDType D>
+inline constexpr bool kAmxSignedStage = D == WeightDType::kQ4_0;
+
 // Q4_*'s blocks [b0, b1) unpacked into stage[b - b0]: each chunk's low nibbles, then its high
-// ones, 8 rows of 64 bytes a block.
+// ones, 8 rows of 64 bytes a block (Q4_0's less 8).
 template <WeightDType D>
 KVGRID_AMX void UnpackNibbles(const uint8_t* group, int64_t b0, int64_t b1,
                               uint8_t (*stage)[8 * 64]) {
   constexpr int64_t kHeader = GroupFormat<D>::kHeader;
   constexpr int64_t kGroupBlock = GroupFormat<D>::kGroupBlock;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i offset = _mm512_set1_epi8(kAmxSignedStage<D> ? 8 : 0);
   // GCC's tile loads are asm statements that name no memory: no store moves across this.
   asm volatile("" ::: "memory");
   for (int64_t b = b0; b < b1; ++b) {
@@ -279,8 +287,10 @@ KVGRID_AMX void UnpackNibbles(const uint8_t* group, int64_t b0, int64_t b1,
     uint8_t* out = stage[b - b0];
     for (int j = 0; j < 4; ++j) {
       const __m512i packed = _mm512_loadu_si512(chunks + 64 * j);
-      _mm512_store_si512(out + 64 * j, _mm512_and_si512(packed, low4));
-      _mm512_store_si512(out + 64 * (4 + j), _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4));
+      const __m512i lo = _mm512_and_si512(packed, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+      _mm512_store_si512(out + 64 * j, kAmxSignedStage<D> ? _mm512_sub_epi8(lo, offset) : lo);
+      _mm512_store_si512(out + 64 * (4 + j), kAmxSignedStage<D> ? _mm512_sub_epi8(hi, offset) : hi);
     }
   }
   asm volatile("" ::: "memory");
@@ -313,7 +323,7 @@ KVGRID_AMX inline void ScaleSumsAmx(const int32_t* sums, const uint8_t* group, i
   BlockScales<D>(group + b * GroupFormat<D>::kGroupBlock, &dw, &offset);
   for (int t = 0; t < kAmxTokens; ++t) {
     __m512i dot = _mm512_load_si512(sums + t * kInterleaveRows);
-    if constexpr (GroupFormat<D>::kOffset != 0) {
+    if constexpr (GroupFormat<D>::kOffset != 0 && !kAmxSignedStage<D>) {
       dot = _mm512_add_epi32(dot, OffsetStart<D>(xs[t * blocks + b]));
     }
     acc[t] = AddBlock<D>(acc[t], dot, dw, offset, xd[t * blocks + b], xss[t * blocks + b]);
@@ -321,7 +331,7 @@ KVGRID_AMX inline void ScaleSumsAmx(const int32_t* sums, const uint8_t* group, i
 }
 
 // Block b's tile product on tile set kSet (0: tiles 0-2, 1: tiles 3-5): signed activations
-// (A) times unsigned weights (B) into zeroed int32 sums.
+// (A) times the weights (B: unsigned, Q4_0's signed) into zeroed int32 sums.
 template <WeightDType D, int kSet>
 KVGRID_AMX inline void IssueAmx(const uint8_t* group, int64_t b, int64_t blocks,
                                 const Q8Activations& a, const int8_t* xq, bool prefetch,
@@ -331,12 +341,20 @@ KVGRID_AMX inline void IssueAmx(const uint8_t* group, int64_t b, int64_t blocks,
     _tile_zero(0);
     _tile_loadd(1, xq + b * kQuantBlock, a.cols);
     _tile_loadd(2, w, 64);
-    _tile_dpbsud(0, 1, 2);
+    if constexpr (kAmxSignedStage<D>) {
+      _tile_dpbssd(0, 1, 2);
+    } else {
+      _tile_dpbsud(0, 1, 2);
+    }
   } else {
     _tile_zero(3);
     _tile_loadd(4, xq + b * kQuantBlock, a.cols);
     _tile_loadd(5, w, 64);
-    _tile_dpbsud(3, 4, 5);
+    if constexpr (kAmxSignedStage<D>) {
+      _tile_dpbssd(3, 4, 5);
+    } else {
+      _tile_dpbsud(3, 4, 5);
+    }
   }
 }
 
