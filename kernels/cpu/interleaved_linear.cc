@@ -245,7 +245,7 @@ TileFn TileFor(WeightDType dtype, int64_t tokens) {
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 constexpr int64_t kAmxTokens = 16;
-constexpr int64_t kAmxStage = 16;  // Q4_* blocks unpacked at a time: 8 KiB
+constexpr int64_t kAmxStage = 8;  // Q4_* blocks unpacked at a time: 4 KiB
 
 // Tiles 0 and 3: the int32 sums (16 tokens x 16 rows); 1 and 4: activations (16 tokens x 32
 // bytes); 2 and 5: one block's weights (8 rows of 64 bytes). GCC's tile intrinsics paste
@@ -297,8 +297,9 @@ KVGRID_AMX void UnpackNibbles(const uint8_t* group, int64_t b0, int64_t b1,
 }
 
 // Block b's weights as the B tile reads them: Q8_0's in place; Q4_*'s from `stage`, the next
-// kAmxStage blocks unpacked when b starts them (unpacking a stage ahead of that reads past the
-// prefetches, and measured slower). Prefetches as GroupDot does.
+// kAmxStage blocks unpacked when b starts them. Prefetches as GroupDot does, 3 KiB ahead: a
+// stage of 8 reads 2.3-2.6 KiB from block b, inside that (16 blocks read past it and measured
+// 6-8% slower; a stage unpacked ahead, slower still).
 template <WeightDType D>
 KVGRID_AMX inline const uint8_t* AmxWeights(const uint8_t* group, int64_t b, int64_t blocks,
                                             bool prefetch, uint8_t (*stage)[8 * 64]) {
@@ -363,9 +364,11 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
                              int64_t first, bool prefetch, const float* bias, float* out,
                              int64_t ldo, bool accumulate) {
   constexpr int T = kAmxTokens;
-  alignas(64) int32_t sums[2][T * kInterleaveRows];  // blocks b and b - 1
+  alignas(64) int32_t sums[2][T * kInterleaveRows];  // [even, odd blocks][token][row]
+  // Q4_*'s unpacked weights: [block % kAmxStage][8 tile rows of 64 bytes].
   alignas(64) uint8_t stage[D == WeightDType::kQ8_0 ? 1 : kAmxStage][8 * 64];
-  const int8_t* xq = a.q.data() + first * a.cols;
+  const int8_t* xq = a.q.data() + first * a.cols;  // [token][cols]
+  // [token][block]: the activation blocks' scales, integer sums, and scales times sums.
   const float* xd = a.scale.data() + first * blocks;
   const int32_t* xs = a.sum.data() + first * blocks;
   const float* xss = a.scaled_sum.data() + first * blocks;
@@ -377,7 +380,8 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
   }
   // Block b on tile set b % 2: block b + 1's product is asked for before block b's sums are
   // stored, and block b - 1's sums, stored a block earlier, are scaled after. GCC's tile
-  // stores name no memory either: the barrier keeps the loads of the sums after them.
+  // stores name no memory either: barriers keep each buffer's loads on the right side of its
+  // stores.
   IssueAmx<D, 0>(group, 0, blocks, a, xq, prefetch, stage);
   for (int64_t b = 0; b < blocks; ++b) {
     if (b + 1 < blocks) {
@@ -387,12 +391,13 @@ KVGRID_AMX void GroupTileAmx(const uint8_t* group, int64_t blocks, const Q8Activ
         IssueAmx<D, 0>(group, b + 1, blocks, a, xq, prefetch, stage);
       }
     }
+    asm volatile("" ::: "memory");  // block b - 2's loads of this buffer stay before the store
     if (b % 2 == 0) {
       _tile_stored(0, sums[0], 64);
     } else {
       _tile_stored(3, sums[1], 64);
     }
-    asm volatile("" ::: "memory");
+    asm volatile("" ::: "memory");  // and block b's after it
     if (b > 0) ScaleSumsAmx<D>(sums[(b - 1) % 2], group, b - 1, blocks, xd, xs, xss, acc);
   }
   ScaleSumsAmx<D>(sums[(blocks - 1) % 2], group, blocks - 1, blocks, xd, xs, xss, acc);

@@ -813,28 +813,20 @@ int64_t LlamaModel::WeightBytes() const {
 
 void LlamaModel::PrepareWeights() {
   static const bool interleave = cpu::HaveInterleavedInt8();
+  std::vector<std::vector<float>*> fp32 = {&w_.embed, &w_.lm_head};
+  for (LayerWeights& l : w_.layers) fp32.insert(fp32.end(), {&l.qkv, &l.o, &l.gate_up, &l.down});
   ForEachQuantMatrix(w_, [](cpu::QuantMatrix& q) {
     if (interleave) cpu::InterleaveRows(&q);  // on huge pages already when it moves
     if (!q.interleaved) cpu::MoveToHugePages(&q.data);
   });
-  cpu::MoveToHugePages(&w_.embed);
-  cpu::MoveToHugePages(&w_.lm_head);
-  for (LayerWeights& l : w_.layers) {
-    for (std::vector<float>* fp32 : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      cpu::MoveToHugePages(fp32);
-    }
-  }
+  for (std::vector<float>* v : fp32) cpu::MoveToHugePages(v);
   // Heap memory that the allocator reused was on small pages before the advice above saw it.
+  // Best effort: where the kernel cannot, the weights stay where they are.
   ForEachQuantMatrix(w_, [](const cpu::QuantMatrix& q) {
-    cpu::CollapseToHugePages(q.data.data(), q.data.size());
+    cpu::CollapseToHugePages(q.data.data(), q.data.size()).IgnoreError();
   });
-  for (const std::vector<float>* fp32 : {&w_.embed, &w_.lm_head}) {
-    cpu::CollapseToHugePages(fp32->data(), fp32->size() * sizeof(float));
-  }
-  for (const LayerWeights& l : w_.layers) {
-    for (const std::vector<float>* fp32 : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      cpu::CollapseToHugePages(fp32->data(), fp32->size() * sizeof(float));
-    }
+  for (const std::vector<float>* v : fp32) {
+    cpu::CollapseToHugePages(v->data(), v->size() * sizeof(float)).IgnoreError();
   }
 }
 

@@ -165,10 +165,10 @@ TEST(InterleavedLinearTest, KernelGivesTheIntegerBlockSums) {
 // bit, for whole tiles of 16 tokens, a remainder after them, and tiles in a second chunk of 64.
 TEST(InterleavedLinearTest, AmxTilesMatchTheVnniKernelBitForBit) {
   if (!HaveAmxInt8()) GTEST_SKIP() << "no AMX-INT8 on this CPU (or not granted by the kernel)";
-  // 1, 7 and 35 blocks a row: one tile set alone, an odd count, and past two stages of
-  // unpacked Q4_* blocks (kAmxStage, 16) into a third.
+  // 1, 2, 7, 32 and 35 blocks a row: one tile set alone, the last block on either set, part
+  // of one stage of unpacked Q4_* blocks (kAmxStage, 8), four whole ones, and a part after.
   for (WeightDType dtype : kFormats) {
-    for (int64_t cols : {32, 224, 1120}) {
+    for (int64_t cols : {32, 64, 224, 1024, 1120}) {
       const int64_t rows = 48;
       QuantMatrix m = Quantized(dtype, rows, cols, 41);
       std::mt19937 rng(43);
