@@ -46,13 +46,16 @@ absl::Status Collapse(uintptr_t first, uintptr_t last) {
 
 }  // namespace
 
-bool TransparentHugePagesOff() {
-  static const bool off = [] {
+const std::string& TransparentHugePageMode() {
+  static const std::string mode = [] {
     std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
     const std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-    return s.empty() || s.find("[never]") != std::string::npos;
+    const size_t open = s.find('['), close = s.find(']', open);
+    return open == std::string::npos || close == std::string::npos
+               ? std::string()
+               : s.substr(open + 1, close - open - 1);
   }();
-  return off;
+  return mode;
 }
 
 void AdviseHugePages(void* p, size_t bytes) {
@@ -70,7 +73,7 @@ void AdviseHugePages(void* p, size_t bytes) {
 absl::Status CollapseToHugePages(const void* p, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
 #if defined(__linux__)
-  if (TransparentHugePagesOff()) {
+  if (const std::string& mode = TransparentHugePageMode(); mode.empty() || mode == "never") {
     return absl::FailedPreconditionError("transparent huge pages are off (never)");
   }
   const auto begin = reinterpret_cast<uintptr_t>(p);

@@ -9,6 +9,7 @@
 #define KVGRID_KERNELS_CPU_HUGE_PAGES_H_
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,15 +31,16 @@ void AdviseHugePages(void* p, size_t bytes);
 // range, the one it starts in and the one it ends in are asked for apart, so that a failure
 // on a page shared with a neighbour (or past the heap's end) leaves the rest collapsed; a
 // neighbour in a shared page moves too, its contents unchanged. Nothing is done where the
-// machine's THP setting is `never` (FAILED_PRECONDITION; the kernel itself would collapse
-// regardless). Errors: UNIMPLEMENTED where the kernel has no MADV_COLLAPSE (before 6.1),
-// RESOURCE_EXHAUSTED where no huge page could be had or part of the range is unmapped,
-// UNAVAILABLE where pages stayed busy after a second try; the first error is returned and
-// the other parts are still asked for. The memory's contents never change.
+// machine's THP setting is `never` or unreadable (FAILED_PRECONDITION; the kernel itself
+// would collapse regardless). Errors: UNIMPLEMENTED where the kernel has no MADV_COLLAPSE
+// (before 6.1), RESOURCE_EXHAUSTED where no huge page could be had or part of the range is
+// unmapped, UNAVAILABLE where pages stayed busy after a second try; the first error is
+// returned and the other parts are still asked for. The memory's contents never change.
 absl::Status CollapseToHugePages(const void* p, size_t bytes);
 
-// Whether /sys/kernel/mm/transparent_hugepage/enabled says `never` (or cannot be read).
-bool TransparentHugePagesOff();
+// The machine's THP setting as /sys/kernel/mm/transparent_hugepage/enabled selects it
+// (`always`, `madvise` or `never`; empty where it cannot be read), read once.
+const std::string& TransparentHugePageMode();
 
 // Buffers smaller than this stay where they are.
 inline constexpr size_t kHugePageMinBytes = size_t{4} << 20;

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
-#include <iterator>
 #include <sstream>
 #include <string>
 
@@ -41,15 +40,6 @@ int64_t AnonHugeKb(const void* p) {
   return -1;
 }
 
-std::string ThpMode() {
-  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
-  const std::string s((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const size_t open = s.find('['), close = s.find(']');
-  return open == std::string::npos || close == std::string::npos
-             ? ""
-             : s.substr(open + 1, close - open - 1);
-}
-
 // An anonymous mapping of `huge_pages` whole huge pages, 2 MiB-aligned, unmapped at the end.
 class AlignedMapping {
  public:
@@ -74,7 +64,7 @@ class AlignedMapping {
 };
 
 TEST(HugePages, CollapseMovesMemoryAlreadyOnSmallPages) {
-  const std::string mode = ThpMode();
+  const std::string& mode = TransparentHugePageMode();
   if (mode != "madvise" && mode != "always") {
     GTEST_SKIP() << "transparent huge pages are '" << mode << "' here";
   }
@@ -109,7 +99,7 @@ TEST(HugePages, CollapseMovesMemoryAlreadyOnSmallPages) {
 
 TEST(HugePages, CollapseWithinOneHugePageAndOfNothing) {
   EXPECT_TRUE(CollapseToHugePages(nullptr, 0).ok());
-  if (ThpMode() != "madvise") GTEST_SKIP() << "checked under THP `madvise` only";
+  if (TransparentHugePageMode() != "madvise") GTEST_SKIP() << "checked under THP `madvise` only";
   AlignedMapping map(2);
   ASSERT_TRUE(map.ok());
   uint8_t* base = map.base();
