@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds the CUDA kernels' gpu-labelled tests, the CUDA benchmarks and the serving binaries
-# (kvgrid, kvgrid-coordinator, kvgrid-worker and its CUDA plugin) here and packs them into
-# .gpu-bundle/kvgrid-gpu.tar.xz for tools/gpu-check.sh, with every shared library they load
-# (glibc's loader included) except the GPU driver's, cuBLAS and NCCL, which the GPU machine's
-# CUDA 13 packages provide. The GPU machine has no package registry and none of kvgrid's build
-# dependencies, so kvgrid is built here and the archive travels (it must stay under 60 MiB).
+# Builds the CUDA kernels' gpu-labelled tests, the CUDA benchmarks, the serving binaries
+# (kvgrid, kvgrid-coordinator, kvgrid-worker and its CUDA plugin) and serve_bench here and
+# packs them into .gpu-bundle/kvgrid-gpu.tar.xz for tools/gpu-check.sh, with every shared
+# library they load (glibc's loader included) except the GPU driver's, cuBLAS and NCCL, which
+# the GPU machine's CUDA 13 packages provide. The GPU machine has no package registry and none
+# of kvgrid's build dependencies, so kvgrid is built here and the archive travels (it must stay
+# under 60 MiB).
 # kvgrid's own libraries are built shared here, so that the device code is packed once, not
 # once per program.
 #
@@ -23,7 +24,7 @@ if [[ ${#targets[@]} -eq 0 ]]; then
   echo "gpu-bundle: no gpu_* tests or cuda_*bench targets (is CUDA found?)" >&2
   exit 1
 fi
-servers=(kvgrid kvgrid-coordinator kvgrid-worker kvgrid_cuda_plugin)
+servers=(kvgrid kvgrid-coordinator kvgrid-worker serve_bench kvgrid_cuda_plugin)
 cmake --build "$build" -j "$jobs" --target "${targets[@]}" "${servers[@]}"
 
 rm -rf "$bundle"
@@ -38,7 +39,7 @@ pack_libs() {
     esac
   done
 }
-for t in "${targets[@]}" kvgrid kvgrid-coordinator kvgrid-worker; do
+for t in "${targets[@]}" kvgrid kvgrid-coordinator kvgrid-worker serve_bench; do
   exe="$(find "$build" -type f -name "$t" -perm -u+x | head -n 1)"
   [[ -n "$exe" ]] || { echo "gpu-bundle: $t was not built" >&2; exit 1; }
   cp "$exe" "$bundle/bin/"
@@ -53,7 +54,8 @@ rm -rf "$root/.gpu-bundle" && mkdir -p "$root/.gpu-bundle"
 archive="$root/.gpu-bundle/kvgrid-gpu.tar.xz"
 tar -C "$bundle" -cJf "$archive" bin lib
 size_kib=$(du -sk "$archive" | cut -f1)
-echo "gpu-bundle: ${#targets[@]} tests and benchmarks, 3 serving programs and the CUDA plugin," \
+echo "gpu-bundle: ${#targets[@]} tests and benchmarks, 3 serving programs, serve_bench and the" \
+  "CUDA plugin," \
   "$((size_kib / 1024)) MiB in $archive"
 if (( size_kib > 60 * 1024 )); then
   echo "gpu-bundle: larger than 60 MiB; the device tool carries at most 64 MiB" >&2

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
 # On a GPU machine: runs kvgrid's gpu-labelled tests (every CUDA op against the CPU reference)
 # and the CUDA micro-benchmarks from .gpu-bundle/kvgrid-gpu.tar.xz (built on a build machine by
-# tools/gpu-bundle.sh), and prints a report. Logs and benchmark JSON go to $OUT when it is set
-# (the device tool's output folder), else to /tmp/kvgrid-gpu/results. Then it serves
+# tools/gpu-bundle.sh), and prints a report. Logs and benchmark JSON go to
+# /tmp/kvgrid-gpu/results; when $OUT is set (the device tool's output folder, which returns at
+# most 8 files), the benchmarks' JSON and an archive of every log are copied there after each
+# stage, so a run cut off still returns what it did. Then it serves
 # models/kjv-tiny from kvgrid-worker --device cuda (one worker, then a two-rank group on the
-# card) and checks the greedy tokens against kvgrid run on the CPU. Budget: about 6 minutes on
-# an H200.
+# card) and checks the greedy tokens against kvgrid run on the CPU. Last, when at least
+# 150 s of the budget are left, the serving figures users compare: serve_bench at 64
+# concurrent requests against one kvgrid-worker --device cuda serving a Llama-3-8B shape
+# (bench/shapes/llama3-8b) with random bf16 weights made on the card (--load-format dummy).
+# Budget: KVGRID_GPU_CHECK_BUDGET_S seconds (default 390, for a device run limited to 420).
 #
 #   bash tools/gpu-check.sh
 set -uo pipefail
+budget_s="${KVGRID_GPU_CHECK_BUDGET_S:-390}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 archive="$root/.gpu-bundle/kvgrid-gpu.tar.xz"
 bundle=/tmp/kvgrid-gpu
-out="${OUT:-$bundle/results}"
+out="$bundle/results"
+# Copies the JSON and an archive of the logs to $OUT, and prints the figures so far.
+save() {
+  python3 "$root/tools/gpu-report.py" "$out"
+  [[ -n "${OUT:-}" ]] || return 0
+  cp "$out"/*.json "$OUT"/ 2>/dev/null
+  tar -C "$out" -czf "$OUT/gpu-check-logs.tar.gz" . 2>/dev/null
+}
 if [[ ! -f "$archive" ]]; then
   echo "gpu-check: no $archive (run tools/gpu-bundle.sh first and carry .gpu-bundle)" >&2
   exit 2
@@ -62,28 +75,37 @@ for t in "$bundle"/bin/gpu_*; do
   name="$(basename "$t")"
   start=$(date +%s)
   if limited "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then
-    echo "PASS $name ($(( $(date +%s) - start )) s)"
+    # A gpu test skips where it sees no device: here, with nvidia-smi answering, that is a
+    # runtime that cannot reach the card (a driver older than the runtime, say), not a pass.
+    if grep -q "SKIPPED\|Skipped" "$out/$name.log"; then
+      echo "FAIL $name: skipped with a GPU present (log: $name.log)"
+      grep -h -B2 "SKIPPED\|Skipped" "$out/$name.log" | head -n 6
+      failed+=("$name")
+    else
+      echo "PASS $name ($(( $(date +%s) - start )) s)"
+    fi
   else
     echo "FAIL $name (log: $name.log)"
     tail -n 40 "$out/$name.log"
     failed+=("$name")
   fi
-  grep -h "SKIPPED\|Skipped" "$out/$name.log" | head -n 3
 done
+save >/dev/null
 
 echo "== benchmarks"
 for b in "$bundle"/bin/cuda_*bench; do
   [[ -e "$b" ]] || continue
   name="$(basename "$b")"
   if run "$b" --json >"$out/$name.json" 2>"$out/$name.err"; then
-    echo "$name:"
-    cat "$out/$name.json"
+    echo "$name: done ($name.json)"
   else
     echo "FAIL $name"
     tail -n 20 "$out/$name.err"
     failed+=("$name")
   fi
 done
+
+save
 
 echo "== serving: kvgrid-coordinator + kvgrid-worker --device cuda against kvgrid run on the CPU"
 # The production path (the plugin loaded by the worker, registration, streaming) on
@@ -149,7 +171,56 @@ else
   serve_check tp2 2
 fi
 
+echo "== serving figures: serve_bench against kvgrid-worker --device cuda, Llama-3-8B shape"
+left=$((budget_s - SECONDS))
+if ((left < 150)); then
+  echo "skipped: $left s of the budget left, 150 needed"
+else
+  # The shape's config and Llama-3's tokenizer; the worker makes random bf16 weights on the card.
+  shape="$bundle/llama3-8b-shape"
+  mkdir -p "$shape"
+  cp "$root/bench/shapes/llama3-8b/config.json" "$root/tests/data/tokenizers/llama3/"* "$shape/"
+  port=$((25000 + RANDOM % 5000))
+  "${loader[@]}" "$bundle/bin/kvgrid-coordinator" --model "$shape" --listen "127.0.0.1:$port" \
+    >"$out/figures-coordinator.log" 2>&1 &
+  fig_pids=($!)
+  "${loader[@]}" "$bundle/bin/kvgrid-worker" --model "$shape" --coordinator "127.0.0.1:$port" \
+    --device cuda --load-format dummy --dtype bf16 --max-num-seqs 64 \
+    >"$out/figures-worker.log" 2>&1 &
+  fig_pids+=($!)
+  # Until the worker answers (its start makes 16 GB of weights and captures graphs), or a
+  # process is gone; the whole step ends 20 s before the budget.
+  serving=0
+  while ((SECONDS < budget_s - 80)); do
+    if limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" --prompt-ids 1,2,3 \
+        --max-new-tokens 1 --timeout-s 10 >/dev/null 2>>"$out/figures-generate.err"; then
+      serving=1
+      break
+    fi
+    alive=1
+    for pid in "${fig_pids[@]}"; do kill -0 "$pid" 2>/dev/null || alive=0; done
+    ((alive)) || break
+    sleep 1
+  done
+  echo "worker serving after $SECONDS s of the check: $((serving)) (1: yes)"
+  grep -h "kvgrid-worker: rank\|KV blocks" "$out/figures-worker.log" | head -n 3
+  if ((serving)) && timeout --kill-after=5 $((budget_s - SECONDS - 20)) "${loader[@]}" \
+      "$bundle/bin/serve_bench" --addr "127.0.0.1:$port" --dataset random --input-len 512 \
+      --output-len 128 --num-prompts 256 --max-concurrency 64 --skip-relay-cost --json \
+      >"$out/serve_bench.json" 2>"$out/serve_bench.err"; then
+    echo "serve_bench: done (serve_bench.json)"
+  else
+    rm -f "$out/serve_bench.json"
+
+    echo "FAIL serve_bench"
+    tail -n 15 "$out/serve_bench.err" "$out/figures-worker.log"
+    failed+=("serve_bench")
+  fi
+  stop_all "${fig_pids[@]}"
+fi
+
 echo "== report"
+save
 if (( ${#failed[@]} )); then
   echo "failed: ${failed[*]}"
   exit 1

@@ -57,6 +57,10 @@ constexpr char kHelp[] =
     "  --model DIR                 model directory (default: $KVGRID_MODEL, else the embedded\n"
     "                              model)\n"
     "  --model-name NAME           name clients use (default: the directory's name)\n"
+    "  --load-format auto|dummy    auto (default): the checkpoint's weights; dummy: random\n"
+    "                              weights in config.json's shape, no checkpoint read (for\n"
+    "                              benchmarks; the same every run). cuda makes them on the\n"
+    "                              card, one rank only, in the dense --dtype\n"
     "  --coordinator HOST:PORT[,HOST:PORT...]\n"
     "                              coordinators to register with, each independently (none:\n"
     "                              serve standalone); a group forms through the first\n"
@@ -142,6 +146,7 @@ struct CudaFlags {
   int device = -1;
   int device_slot = -1;
   double collective_timeout_s = 30.0;
+  bool dummy_weights = false;  // --load-format dummy: random weights made on the card
 };
 
 // This rank's executor for `model` (its share of the weights): on the CPU, or on its GPU
@@ -166,11 +171,14 @@ absl::StatusOr<std::unique_ptr<kvgrid::worker::Executor>> ExecutorFor(
                             .gpu_memory_utilization = cuda.gpu_memory_utilization,
                             .max_num_batched_tokens = options.max_num_batched_tokens,
                             .max_num_seqs = options.max_num_seqs,
+                            .max_model_len = options.max_model_len,
                             .swap_space = options.swap_space,
                             .cuda_graphs = cuda.graphs},
                    .device = cuda.device,
                    .device_slot = cuda.device_slot,
-                   .collective_timeout_s = cuda.collective_timeout_s}));
+                   .collective_timeout_s = cuda.collective_timeout_s,
+                   .random_weights = cuda.dummy_weights,
+                   .random_weights_seed = kvgrid::cli::kDummyWeightSeed}));
   return executor;  // the plugin said where it runs, its blocks and its graphs
 }
 
@@ -301,6 +309,8 @@ absl::Status Serve(Args& args) {
                           kvgrid::cli::KvDTypesFromArgs(args));
   KVGRID_ASSIGN_OR_RETURN(const kvgrid::kernels::cpu::WeightDType weight_dtype,
                           kvgrid::cli::WeightDTypeFromArgs(args));
+  KVGRID_ASSIGN_OR_RETURN(const kvgrid::cli::LoadFormat load_format,
+                          kvgrid::cli::LoadFormatFromArgs(args, device == "cuda"));
   KVGRID_RETURN_IF_ERROR(args.Finish());
   KVGRID_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> server_credentials,
                           kvgrid::auth::ServerCredentials(cluster_tls.files));
@@ -358,13 +368,20 @@ absl::Status Serve(Args& args) {
   }
   const int tp = static_cast<int>(tp_size.value_or(1));
   const int cp = static_cast<int>(cp_size.value_or(1));
+  const bool dummy_on_card = load_format == kvgrid::cli::LoadFormat::kDummyOnDevice;
+  if (dummy_on_card && tp * cp > 1) {
+    return absl::UnimplementedError(
+        "--load-format dummy: --device cuda makes the random weights of a whole model on one "
+        "card; a tensor- or context-parallel group needs a checkpoint");
+  }
   CudaFlags cuda{.dense_dtype = dense_dtype,
                  .gpu_memory_utilization = gpu_memory_utilization.value_or(0.9),
                  .kv_memory_given = kv_memory_given,
                  .graphs = cuda_graphs,
                  .device = static_cast<int>(cuda_device.value_or(-1)),
                  .device_slot = static_cast<int>(cuda_device_slot.value_or(-1)),
-                 .collective_timeout_s = collective_timeout.value_or(30.0)};
+                 .collective_timeout_s = collective_timeout.value_or(30.0),
+                 .dummy_weights = dummy_on_card};
   // Before the model is loaded: a missing plugin is reported at once.
   if (device == "cuda") {
     KVGRID_ASSIGN_OR_RETURN(cuda.create, kvgrid::worker::LoadCudaPlugin());
@@ -419,7 +436,7 @@ absl::Status Serve(Args& args) {
                                               .comm = comms->tp()}
              : kvgrid::worker::TensorParallel{};
   KVGRID_ASSIGN_OR_RETURN(kvgrid::cli::LoadedModel loaded,
-                          kvgrid::cli::LoadModelDir(dir, shard, weight_dtype));
+                          kvgrid::cli::LoadModelDir(dir, shard, weight_dtype, load_format));
   if (cp > 1) {
     KVGRID_RETURN_IF_ERROR(loaded.model->SetContextParallel(
         {.rank = comms->cp_rank(), .size = cp, .comm = comms->cp()}));
@@ -440,12 +457,14 @@ absl::Status Serve(Args& args) {
                           kvgrid::worker::Engine::Create(std::move(executor), options));
   const kvgrid::v1::KvCapacity capacity =
       kvgrid::worker::CapacityToProto(engine->Stats(), options, engine->max_model_len());
-  // A failed step in a group means the group is broken: shut down, so the coordinator's
-  // failover moves the requests and an orchestrator restarts the group.
+  // A step that fails UNAVAILABLE cannot be retried here: a group whose collectives broke, or
+  // a card whose CUDA context is lost (a sticky error). Shut down, so the coordinator's
+  // failover moves the requests and an orchestrator restarts the worker or its group.
   std::atomic<bool> group_broken{false};
   kvgrid::worker::EngineLoop loop(std::move(engine), [&](const absl::Status& status) {
-    if (group_size == 1 || status.code() != absl::StatusCode::kUnavailable) return;
-    std::fprintf(stderr, "kvgrid-worker: the group is broken (%s); shutting down\n",
+    if (status.code() != absl::StatusCode::kUnavailable) return;
+    std::fprintf(stderr, "kvgrid-worker: %s (%s); shutting down\n",
+                 group_size > 1 ? "the group is broken" : "this worker cannot run steps",
                  std::string(status.message()).c_str());
     group_broken.store(true);
     kill(getpid(), SIGTERM);
@@ -542,7 +561,10 @@ absl::Status Serve(Args& args) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-worker: stopped\n");
-  if (group_broken.load()) return absl::UnavailableError("the worker group broke");
+  if (group_broken.load()) {
+    return absl::UnavailableError(group_size > 1 ? "the worker group broke"
+                                                 : "the worker could not run steps");
+  }
   return absl::OkStatus();
 }
 

@@ -4,6 +4,31 @@
 
 namespace kvgrid::kernels::cuda {
 
+bool IsStickyCudaError(cudaError_t err) {
+  switch (err) {
+    // The runtime's documentation says of each: the process is left in an inconsistent state,
+    // any further CUDA work returns the same error, and it must be terminated and relaunched.
+    case cudaErrorContained:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
+    // Not so documented, but no context survives it either.
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line) {
   if (err == cudaSuccess) return absl::OkStatus();
   // Take the error out of the runtime's last-error slot, so that a failure reported here (a
@@ -13,6 +38,10 @@ absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int
   std::string message = absl::StrCat(call, " failed at ", file, ":", line, ": ",
                                      cudaGetErrorName(err), ": ", cudaGetErrorString(err));
   if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
+  if (IsStickyCudaError(err)) {
+    return absl::UnavailableError(
+        absl::StrCat(message, " (the device's context is lost: the process must restart)"));
+  }
   return absl::InternalError(message);
 }
 

@@ -10,9 +10,15 @@
 
 namespace kvgrid::kernels::cuda {
 
-// OK for cudaSuccess; otherwise INTERNAL (RESOURCE_EXHAUSTED for out-of-memory) with
-// "<call> failed at <file>:<line>: <cuda error name>: <description>".
+// OK for cudaSuccess; otherwise INTERNAL with
+// "<call> failed at <file>:<line>: <cuda error name>: <description>", RESOURCE_EXHAUSTED for
+// out-of-memory, and UNAVAILABLE for a sticky error (IsStickyCudaError): the process cannot
+// use the device again, so a worker that sees it shuts down and its requests move elsewhere.
 absl::Status CudaStatus(cudaError_t err, const char* call, const char* file, int line);
+
+// True for the errors after which every CUDA call of the process fails the same way (a fault
+// in a kernel, an uncorrectable ECC error): only a new process can use the device.
+bool IsStickyCudaError(cudaError_t err);
 
 // OK for CUBLAS_STATUS_SUCCESS; otherwise INTERNAL (RESOURCE_EXHAUSTED for
 // CUBLAS_STATUS_ALLOC_FAILED, UNIMPLEMENTED for CUBLAS_STATUS_NOT_SUPPORTED) with

@@ -79,7 +79,7 @@ absl::Status LaunchGemm(const GemmParams& p, const CublasHandle& handle, cudaStr
   const int t = static_cast<int>(p.num_tokens);
   const int k = static_cast<int>(p.in_features);
   cublasHandle_t h = handle.get();
-  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetStream(h, stream));
+  if (absl::Status s = handle.Bind(stream); !s.ok()) return s;
   KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
   KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
   // cuBLAS is column-major. Row-major output [T, N] is column-major [N, T] with ld N, and

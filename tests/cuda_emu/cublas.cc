@@ -7,12 +7,15 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 
 #include "tests/cuda_emu/runtime.h"
 
 struct cublasContext {
   cudaStream_t stream = nullptr;
   cublasPointerMode_t pointer_mode = CUBLAS_POINTER_MODE_HOST;
+  // A workspace the caller set (cublasSetWorkspace); cublasSetStream clears it, as cuBLAS does.
+  bool own_workspace = false;
 };
 
 namespace kvgrid::cuda_emu {
@@ -49,6 +52,13 @@ cublasStatus_t Gemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb
                     const void* b, cudaDataType bt, int ldb, const void* beta_p, void* c,
                     cudaDataType ct, int ldc) {
   if (h == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  // Stricter than cuBLAS, which would take memory from its own pool inside the capture (more
+  // with every graph captured): a GEMM captured without a workspace of the caller's is refused.
+  if (IsCapturing(h->stream) && !h->own_workspace) {
+    std::fprintf(stderr, "cuda_emu: a cuBLAS GEMM captured into a graph without a workspace set "
+                         "by cublasSetWorkspace (cublasSetStream resets it)\n");
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  }
   // cublasGemmEx with 32-bit compute takes A and B of one type, C of that type or fp32.
   if (!Supported(at) || at != bt || (ct != at && ct != CUDA_R_32F)) {
     return CUBLAS_STATUS_NOT_SUPPORTED;
@@ -122,6 +132,16 @@ cublasStatus_t cublasDestroy_v2(cublasHandle_t handle) {
 cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
   if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
   handle->stream = stream;
+  handle->own_workspace = false;  // "resets the workspace to the default workspace pool"
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void* workspace, size_t bytes) {
+  if (handle == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+  if (bytes > 0 && !kvgrid::cuda_emu::IsDeviceRange(workspace, bytes)) {
+    return CUBLAS_STATUS_INVALID_VALUE;
+  }
+  handle->own_workspace = bytes > 0;
   return CUBLAS_STATUS_SUCCESS;
 }
 

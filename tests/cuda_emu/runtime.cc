@@ -111,6 +111,14 @@ int DeviceCount() {
   return count;
 }
 
+// KVGRID_CUDA_EMU_FAULT_FILE: once a file at this path exists, the next kernel launched
+// faults (an illegal address, sticky), as a kernel bug or a failing card would: how tests show
+// what a process does when its device is lost while it serves.
+bool FaultInjected() {
+  static const char* path = std::getenv("KVGRID_CUDA_EMU_FAULT_FILE");
+  return path != nullptr && *path != '\0' && access(path, F_OK) == 0;
+}
+
 cudaError_t Result(cudaError_t e) {
   if (sticky.load()) e = cudaErrorLaunchFailure;
   if (e != cudaSuccess) last_error = e;
@@ -385,6 +393,10 @@ cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work) {
 
 bool IsDeviceRange(const void* p, size_t bytes) { return Classify(p, bytes) == Range::kDevice; }
 
+bool IsCapturing(cudaStream_t stream) {
+  return !IsSpecialStream(stream) && stream->capturing.load();
+}
+
 void StickyFault(const char* what) {
   std::fprintf(stderr, "cuda_emu: %s\n", what);
   sticky.store(true);
@@ -397,6 +409,13 @@ void ResetStickyFaultForTest() {
 
 void SubmitKernel(const LaunchConfig& config, const std::vector<const void*>& pointers,
                   std::function<void()> body) {
+  if (!sticky.load() && FaultInjected()) {
+    (void)Enqueue(config.stream, [config] {
+      StickyFault(("kernel launched at " + Site(config) +
+                   ": a fault injected by KVGRID_CUDA_EMU_FAULT_FILE").c_str());
+    });
+    return;
+  }
   for (size_t i = 0; i < pointers.size(); ++i) {
     if (pointers[i] != nullptr && Classify(pointers[i], 1) == Range::kUnknownHost) {
       // A GPU faults (an illegal address, sticky) when the kernel dereferences it.
@@ -535,6 +554,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   switch (attr) {
     case cudaDevAttrMemoryClockRate: *value = 1000000; break;  // kHz
     case cudaDevAttrGlobalMemoryBusWidth: *value = 64; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;  // as cudaGetDeviceProperties
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
     default: return emu::Result(cudaErrorInvalidValue);
   }
   return emu::Result(cudaSuccess);
@@ -679,9 +700,11 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
 }
 
 // Work still pending is "not ready"; the query lets it run, as a GPU gets on with it anyway.
+// "Not ready" is left as the thread's last error, as a runtime may leave it: a caller that
+// polls must clear it, or its next launch check reports it.
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
   if (emu::CaptureForbidsWaitingOn(stream)) return emu::Result(cudaErrorStreamCaptureUnsupported);
-  if (!emu::IsSpecialStream(stream) && emu::Flush(stream)) return cudaErrorNotReady;
+  if (!emu::IsSpecialStream(stream) && emu::Flush(stream)) return emu::Result(cudaErrorNotReady);
   return emu::Result(cudaSuccess);
 }
 

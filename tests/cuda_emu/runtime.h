@@ -28,6 +28,9 @@ cudaError_t Enqueue(cudaStream_t stream, std::function<void()> work);
 // True when [p, p + bytes) lies inside one device allocation (cudaMalloc).
 bool IsDeviceRange(const void* p, size_t bytes);
 
+// True while `stream` (a created stream) is being captured into a graph.
+bool IsCapturing(cudaStream_t stream);
+
 // Records a fault of enqueued work: printed, and sticky, as CUDA's are (every later call that
 // returns an error status returns cudaErrorLaunchFailure).
 void StickyFault(const char* what);

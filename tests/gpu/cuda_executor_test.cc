@@ -61,6 +61,7 @@ TEST_P(CudaExecutorSwapTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ((*gpu)->num_blocks(), 5);
   EXPECT_EQ((*gpu)->num_swap_blocks(), 16);
+  const CudaLlamaModel& model_on_gpu = (*gpu)->model();
   auto gpu_engine = Engine::Create(std::unique_ptr<Executor>(*std::move(gpu)), options);
   ASSERT_TRUE(gpu_engine.ok()) << gpu_engine.status();
   auto cpu_engine = Engine::Create(*std::move(cpu_model), options);
@@ -71,6 +72,9 @@ TEST_P(CudaExecutorSwapTest, EngineOnTheGpuGivesTheCpuTokensWithSwaps) {
   EXPECT_EQ(on_gpu, on_cpu);
   EXPECT_GT((*gpu_engine)->Stats().num_swap_outs, 0);
   EXPECT_EQ((*gpu_engine)->Stats().num_swap_outs, (*cpu_engine)->Stats().num_swap_outs);
+  // Creation reserved the block tables and attention partials of every step the pool allows:
+  // no buffer moved as sequences grew, so no decode graph was dropped for it.
+  EXPECT_EQ(model_on_gpu.decode_graph_stats().buffer_moves, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(KvDTypes, CudaExecutorSwapTest,
@@ -85,6 +89,41 @@ INSTANTIATE_TEST_SUITE_P(KvDTypes, CudaExecutorSwapTest,
                            const std::string v(kernels::KvDTypeName(info.param.second));
                            return absl::StrCat(k, "_", v);
                          });
+
+TEST(CudaExecutorTest, CreationReservesTheBuffersOfEveryStepSequencesGrowInto) {
+  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";
+  auto cpu_model = LlamaModel::Load(KjvTiny());
+  ASSERT_TRUE(cpu_model.ok()) << cpu_model.status();
+  auto gpu_model = CudaLlamaModel::FromWeights((*cpu_model)->config(), (*cpu_model)->weights(),
+                                               model::DType::kF32);
+  ASSERT_TRUE(gpu_model.ok()) << gpu_model.status();
+  // Four sequences grow past 64 tokens, where decode attention splits each context into chunks
+  // whose partial results need the workspace, and their block tables lengthen every 8 tokens.
+  const KvGeometry g = (*cpu_model)->KvGeometryFor(8, kernels::KvDType::kF16,
+                                                   kernels::KvDType::kF16);
+  EngineOptions options;
+  options.block_size = 8;
+  options.k_dtype = options.v_dtype = kernels::KvDType::kF16;
+  options.kv_cache_memory = 64 * g.BytesPerBlock();
+  options.max_num_seqs = 4;
+  auto gpu = CudaExecutor::Create(*std::move(gpu_model),
+                                  {.block_size = 8,
+                                   .k_dtype = options.k_dtype,
+                                   .v_dtype = options.v_dtype,
+                                   .kv_cache_memory = options.kv_cache_memory,
+                                   .max_num_seqs = options.max_num_seqs});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const CudaLlamaModel& model_on_gpu = (*gpu)->model();
+  EXPECT_GT(model_on_gpu.AttentionWorkspaceBytes(4, 512, 8), 0);
+  auto engine = Engine::Create(std::unique_ptr<Executor>(*std::move(gpu)), options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const auto out = Greedy(**engine, 100);
+  ASSERT_EQ(out.size(), 4u);
+  for (const auto& [id, tokens] : out) EXPECT_EQ(tokens.size(), 100u) << id;
+  const CudaLlamaModel::DecodeGraphStats& stats = model_on_gpu.decode_graph_stats();
+  EXPECT_GT(stats.replays, 0);
+  EXPECT_EQ(stats.buffer_moves, 0);
+}
 
 TEST(CudaExecutorTest, SizesThePoolByUtilizationAndRefusesBadCopies) {
   if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible: the gpu-labelled tests need one";

@@ -39,6 +39,22 @@ TEST(GemmCudaTest, CublasStatusNamesTheCallAndTheStatus) {
             absl::StatusCode::kInternal);
 }
 
+TEST(GemmCudaTest, CudaStatusTellsALostContextFromAFailedCall) {
+  EXPECT_TRUE(cuda::CudaStatus(cudaSuccess, "x", "f", 1).ok());
+  EXPECT_EQ(cuda::CudaStatus(cudaErrorMemoryAllocation, "x", "f", 1).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(cuda::CudaStatus(cudaErrorInvalidValue, "x", "f", 1).code(),
+            absl::StatusCode::kInternal);
+  // After a fault in a kernel no call of the process works again: UNAVAILABLE, which makes a
+  // worker shut down and the coordinator move its requests.
+  for (cudaError_t sticky : {cudaErrorIllegalAddress, cudaErrorLaunchFailure,
+                             cudaErrorMisalignedAddress, cudaErrorECCUncorrectable}) {
+    const absl::Status s = cuda::CudaStatus(sticky, "cudaStreamSynchronize(stream)", "f", 1);
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+    EXPECT_NE(s.message().find("must restart"), std::string::npos) << s;
+  }
+}
+
 // Tolerance. The CPU multiplies the fp32 input by the 16-bit-rounded weights; the device
 // multiplies the input rounded to the same 16-bit type (by LaunchCast). Rounding changes each
 // input by at most u = 2^-11 (fp16) or 2^-8 (bf16) relative (plus 2^-25 absolute for fp16

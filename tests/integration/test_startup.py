@@ -1,8 +1,21 @@
 """Startup mistakes that must not pass silently: a model path written with a trailing slash
 serves under the model's name (the coordinator and the worker name it alike), and a
-coordinator asked to listen on a port another one holds fails instead of sharing it."""
+coordinator asked to listen on a port another one holds fails instead of sharing it.
+`--load-format dummy` serves a directory that holds no weights, in the shape of its
+config.json."""
+
+import shutil
 
 from .conftest import MODEL_DIR, Proc, executable
+
+
+def weightless_model(tmp_path):
+    """kjv-tiny's config.json and tokenizer.json, without its weights."""
+    d = tmp_path / "kjv-tiny-shape"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.json"):
+        shutil.copy(MODEL_DIR / f, d / f)
+    return d
 
 
 def test_model_path_with_a_trailing_slash_serves(cluster):
@@ -13,6 +26,21 @@ def test_model_path_with_a_trailing_slash_serves(cluster):
     assert [w.model for w in c.status().workers] == ["kjv-tiny"], c.status()
     done = c.client.generate_text("In the beginning", max_new_tokens=4, temperature=0)
     assert done.finish_reason == "length"
+
+
+def test_dummy_weights_serve_without_a_checkpoint(cluster, tmp_path):
+    c = cluster(workers=0, model_dir=weightless_model(tmp_path))
+    plain = Proc("worker-checkpoint", [executable("kvgrid-worker"), "--model", c.model_dir,
+                                       "--kv-cache-memory", "16MiB"],
+                 c.log_dir / "worker-checkpoint.log")
+    assert plain.popen.wait(timeout=60) != 0, plain.describe()
+    assert "model.safetensors" in plain.log(), plain.describe()
+    c.add_worker(["--load-format", "dummy", "--kv-cache-memory", "16MiB"])
+    c.wait_serving(1)
+    runs = [c.client.generate_text(prompt_token_ids=[258, 900, 44], max_new_tokens=12,
+                                   temperature=0, ignore_eos=True) for _ in range(2)]
+    assert len(runs[0].token_ids) == 12
+    assert list(runs[0].token_ids) == list(runs[1].token_ids)  # the same weights every step
 
 
 def test_a_port_already_taken_is_refused(cluster):

@@ -81,7 +81,7 @@ constexpr char kHelp[] =
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
     "  --device --dtype --gpu-memory-utilization --cuda-graphs --stall-timeout-s\n"
-    "  --collective-timeout-s (on cuda, worker process i of the cluster runs on visible\n"
+    "  --collective-timeout-s --load-format (on cuda, worker process i of the cluster runs on visible\n"
     "  device i modulo their count)\n"
     "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
     "  the machine)\n";
@@ -92,7 +92,7 @@ constexpr const char* kWorkerFlags[] = {
     "max-model-len",          "swap-space",     "enable-prefix-caching", "threads",
     "weight-dtype",           "preemption-mode", "watermark",
     "device",                 "dtype",          "gpu-memory-utilization", "cuda-graphs",
-    "stall-timeout-s",        "collective-timeout-s"};
+    "stall-timeout-s",        "collective-timeout-s", "load-format"};
 
 constexpr const char* kCoordinatorFlags[] = {"health-listen", "metrics-listen", "tls-cert",
                                              "tls-key",       "api-keys",       "api-key-file"};

@@ -27,9 +27,48 @@ absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args) {
   return d;
 }
 
+absl::StatusOr<LoadFormat> LoadFormatFromArgs(Args& args, bool on_device) {
+  const std::string v = args.GetString("load-format").value_or("auto");
+  if (v == "auto") return LoadFormat::kAuto;
+  if (v == "dummy") return on_device ? LoadFormat::kDummyOnDevice : LoadFormat::kDummy;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--load-format: must be auto or dummy, got '", v, "'"));
+}
+
+namespace {
+
+// A model of config.json's shape with random weights (LoadFormat::kDummy*).
+absl::StatusOr<std::unique_ptr<worker::LlamaModel>> DummyModel(
+    const std::filesystem::path& dir, worker::TensorParallel tp,
+    kernels::cpu::WeightDType weight_dtype, LoadFormat format) {
+  if (!std::filesystem::is_directory(dir)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--load-format dummy: ", dir.string(),
+        " is not a directory; dummy weights take their shape from a directory's config.json"));
+  }
+  KVGRID_ASSIGN_OR_RETURN(const model::ModelConfig config,
+                          model::LoadModelConfig(dir / "config.json"));
+  if (format == LoadFormat::kDummyOnDevice) {
+    if (weight_dtype != kernels::cpu::WeightDType::kF32) {
+      return absl::InvalidArgumentError(
+          "--weight-dtype: the device makes dummy weights in the dense --dtype; a block "
+          "format needs a checkpoint");
+    }
+    return worker::LlamaModel::WithoutWeights(config, tp);
+  }
+  worker::LlamaWeights weights = worker::LlamaModel::RandomWeights(config, kDummyWeightSeed);
+  if (tp.size > 1) {
+    KVGRID_ASSIGN_OR_RETURN(weights, worker::LlamaModel::ShardWeights(config, weights, tp));
+  }
+  return worker::LlamaModel::FromWeights(config, std::move(weights), tp);
+}
+
+}  // namespace
+
 absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
                                          worker::TensorParallel tp,
-                                         kernels::cpu::WeightDType weight_dtype) {
+                                         kernels::cpu::WeightDType weight_dtype,
+                                         LoadFormat format) {
   // A .gguf file (its tokenizer embedded, or from a tokenizer.json beside it; an optional
   // generation_config.json beside it), or a Hugging Face directory.
   const bool gguf = std::filesystem::is_regular_file(dir) && dir.extension() == ".gguf";
@@ -45,7 +84,9 @@ absl::StatusOr<LoadedModel> LoadModelDir(const std::filesystem::path& dir,
   out.dir = home;
   // On a terminal, a line that counts layers, tensors and bytes as they are read.
   const worker::LoadProgressFn progress = worker::TerminalLoadProgress(program_invocation_short_name);
-  if (gguf) {
+  if (format != LoadFormat::kAuto) {
+    KVGRID_ASSIGN_OR_RETURN(out.model, DummyModel(dir, tp, weight_dtype, format));
+  } else if (gguf) {
     KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::LoadGguf(dir, tp, progress));
   } else {
     KVGRID_ASSIGN_OR_RETURN(out.model, worker::LlamaModel::Load(dir, tp, progress));

@@ -31,13 +31,33 @@ struct LoadedModel {
   model::GenerationConfig generation;
 };
 
+// Where the weights come from (--load-format, as vLLM names it).
+enum class LoadFormat {
+  kAuto,   // the checkpoint: safetensors in a directory, or a .gguf file
+  kDummy,  // random weights (LlamaModel::RandomWeights, fixed seed) in the shape config.json
+           // gives: benchmarks of a model's shape without its checkpoint
+  kDummyOnDevice,  // as kDummy, but the model holds no weights (LlamaModel::WithoutWeights):
+                   // the device executor makes them on the card
+};
+
+// --load-format auto (default) | dummy; `on_device`: dummy's weights are made by the device
+// executor. Errors: INVALID_ARGUMENT naming the flag.
+absl::StatusOr<LoadFormat> LoadFormatFromArgs(Args& args, bool on_device);
+
+// The seed of dummy weights: every rank of a group and every run get the same model.
+inline constexpr uint64_t kDummyWeightSeed = 0x6b7667726964;
+
 // Errors name the file and field (config.json, model.safetensors, tokenizer.json, ...).
 // `tp`: this rank's shard of the weights (default: the whole model). `weight_dtype`: Q8_0 or
 // Q4_0 quantizes the layers' linear weights at load (round to nearest). When stderr is a
 // terminal, the weights' loading progress is shown there (worker::TerminalLoadProgress).
+// `format` kDummy/kDummyOnDevice read config.json, the tokenizer and generation_config.json
+// only (a directory without weights will do): INVALID_ARGUMENT for a .gguf file, which has
+// no config.json; kDummyOnDevice with a weight_dtype other than fp32 is INVALID_ARGUMENT.
 absl::StatusOr<LoadedModel> LoadModelDir(
     const std::filesystem::path& dir, worker::TensorParallel tp = {},
-    kernels::cpu::WeightDType weight_dtype = kernels::cpu::WeightDType::kF32);
+    kernels::cpu::WeightDType weight_dtype = kernels::cpu::WeightDType::kF32,
+    LoadFormat format = LoadFormat::kAuto);
 
 // --weight-dtype fp32 (default) | q8_0 | q4_0. Errors: INVALID_ARGUMENT naming the flag.
 absl::StatusOr<kernels::cpu::WeightDType> WeightDTypeFromArgs(Args& args);

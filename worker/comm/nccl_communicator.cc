@@ -203,6 +203,9 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
     if (done != cudaErrorNotReady) {
       return kernels::cuda::CudaStatus(done, "cudaStreamQuery", __FILE__, __LINE__);
     }
+    // "Not ready" is no error, but the runtime may keep it as the thread's last error, which
+    // the next launch's cudaGetLastError would then report as its own failure.
+    (void)cudaGetLastError();
     ncclResult_t async = ncclSuccess;
     KVGRID_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(state_->comm, &async));
     if (async == ncclInProgress) async = ncclSuccess;  // a call still settling: not an error

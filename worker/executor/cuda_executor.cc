@@ -1,5 +1,6 @@
 #include "worker/executor/cuda_executor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -42,6 +43,16 @@ PinnedBuffer::~PinnedBuffer() {
   if (ptr_ != nullptr) cudaFreeHost(ptr_);
 }
 
+namespace {
+
+// The longest sequence the executor plans its step buffers for.
+int64_t MaxSeqLen(const CudaLlamaModel& model, const CudaPoolOptions& options) {
+  return options.max_model_len > 0 ? options.max_model_len
+                                   : model.config().max_position_embeddings;
+}
+
+}  // namespace
+
 absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLlamaModel& model,
                                                                    const PoolOptions& options,
                                                                    const KvGeometry& geometry) {
@@ -61,7 +72,9 @@ absl::StatusOr<CudaExecutor::LocalSizes> CudaExecutor::SizeLocally(const CudaLla
     // (all of theirs, loaded by now) and every rank's step workspace leave.
     const int64_t shares = options.ranks_on_card;
     const int64_t workspace =
-        StepWorkspaceBytes(model.config(), options.max_num_batched_tokens, options.max_num_seqs);
+        StepWorkspaceBytes(model.config(), options.max_num_batched_tokens, options.max_num_seqs) +
+        model.AttentionWorkspaceBytes(options.max_num_seqs, MaxSeqLen(model, options),
+                                      geometry.block_size);
     KVGRID_ASSIGN_OR_RETURN(
         budget, GpuKvBudget(static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes),
                             options.gpu_memory_utilization, shares * workspace));
@@ -163,9 +176,12 @@ absl::StatusOr<std::unique_ptr<CudaExecutor>> CudaExecutor::Allocate(
   }
   std::unique_ptr<CudaExecutor> executor(new CudaExecutor(std::move(model), *std::move(pool)));
   executor->model_->SetDecodeGraphs(sizes.graphs != 0);
-  // Taken now from the room GpuKvBudget left for it.
-  if (absl::Status s = executor->model_->ReserveSteps(options.max_num_batched_tokens,
-                                                      options.max_num_seqs);
+  // Taken now from the room GpuKvBudget left for it. No sequence outgrows the group's pools.
+  const int64_t pools_tokens =
+      sizes.blocks * geometry.block_size * std::max(1, executor->model_->cp_size());
+  if (absl::Status s = executor->model_->ReserveSteps(
+          options.max_num_batched_tokens, options.max_num_seqs,
+          std::min(MaxSeqLen(*executor->model_, options), pools_tokens), geometry.block_size);
       !s.ok()) {
     return absl::Status(s.code(), absl::StrCat("step workspace: ", s.message()));
   }

@@ -520,7 +520,7 @@ absl::Status CudaLlamaModel::RunLinear(const Linear& l, const float* input, cons
   // fp32: row-major output[n, out] = input[n, in] x W[out, in]^T is, column-major,
   // output^T[out, n] = W^T... i.e. op(A) = W (A = W as a column-major [in, out], transposed).
   cublasHandle_t h = cublas_.get();
-  KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetStream(h, stream_));
+  KVGRID_RETURN_IF_ERROR(cublas_.Bind(stream_));
   KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
   // Plain fp32 FMAs (no TF32), so logits follow the CPU reference.
   KVGRID_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH));
@@ -708,6 +708,7 @@ absl::Status CudaLlamaModel::GrowStepBuffer(DeviceBuffer& buffer, int64_t bytes)
   // device, so a buffer an earlier step still reads is not pulled away.
   KVGRID_ASSIGN_OR_RETURN(DeviceBuffer bigger, DeviceBuffer::Allocate(std::max<int64_t>(bytes, 256)));
   buffer = std::move(bigger);
+  if (steps_reserved_) ++graph_stats_.buffer_moves;
   ++buffers_generation_;
   return absl::OkStatus();
 }
@@ -947,10 +948,56 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
   return absl::OkStatus();
 }
 
-absl::Status CudaLlamaModel::ReserveSteps(int64_t max_tokens, int64_t max_seqs) {
+namespace {
+
+// Blocks per sequence a step of sequences up to `max_seq_len` tokens may carry: the power of two
+// a graph's padded block tables have, at least one.
+int64_t PaddedBlocks(int64_t max_seq_len, int64_t block_size) {
+  const int64_t needed = std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size);
+  int64_t blocks = 1;
+  while (blocks < needed) blocks *= 2;
+  return blocks;
+}
+
+}  // namespace
+
+int64_t CudaLlamaModel::AttentionWorkspaceBytes(int64_t max_seqs, int64_t max_seq_len,
+                                                int64_t block_size) const {
+  if (max_seqs <= 0 || max_seq_len <= 0 || block_size <= 0) return 0;
+  const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
+  const int64_t blocks = PaddedBlocks(max_seq_len, block_size);
+  // The kernels' plan picks longer chunks for more work, so the partials are not monotone in
+  // the batch: every batch size, at every power-of-two bound on the blocks.
+  int64_t most = 0;
+  for (int64_t n = 1; n <= seqs; ++n) {
+    for (int64_t b = 1;; b = std::min(2 * b, blocks)) {
+      cuda::PagedAttentionParams p;
+      p.num_seqs = n;
+      p.num_tokens = n;
+      p.max_blocks_per_seq = b;
+      p.num_blocks = 1;
+      p.num_heads = dims_.heads;
+      p.num_kv_heads = dims_.kv_heads;
+      p.block_size = block_size;
+      p.head_dim = config_.head_dim;
+      p.max_seq_len = b * block_size;
+      most = std::max(most, cuda::PagedAttentionWorkspaceBytes(p));
+      if (b == blocks) break;
+    }
+  }
+  return most;
+}
+
+absl::Status CudaLlamaModel::ReserveSteps(int64_t max_tokens, int64_t max_seqs,
+                                          int64_t max_seq_len, int64_t block_size) {
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
-  return Reserve(std::max(max_tokens, seqs), seqs, 1, seqs);
+  KVGRID_RETURN_IF_ERROR(Reserve(std::max(max_tokens, seqs), seqs,
+                                 PaddedBlocks(max_seq_len, block_size), seqs));
+  KVGRID_RETURN_IF_ERROR(GrowStepBuffer(
+      attn_workspace_, AttentionWorkspaceBytes(max_seqs, max_seq_len, block_size)));
+  steps_reserved_ = true;
+  return absl::OkStatus();
 }
 
 int64_t CudaLlamaModel::DecodeGraphBatch(int64_t n) {

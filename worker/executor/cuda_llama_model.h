@@ -182,10 +182,20 @@ class CudaLlamaModel {
   [[nodiscard]] int cp_rank() const { return cp_rank_; }
   [[nodiscard]] int cp_size() const { return cp_size_; }
 
-  // Allocates the step buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences
-  // (decode graphs' padded batches included) now, so that serving neither fails for memory
-  // mid-request nor drops graphs as they grow. Errors: RESOURCE_EXHAUSTED naming cudaMalloc.
-  absl::Status ReserveSteps(int64_t max_tokens, int64_t max_seqs);
+  // Allocates, now, the step buffers for steps of up to `max_tokens` tokens and `max_seqs`
+  // sequences (decode graphs' padded batches included) of up to `max_seq_len` tokens each in
+  // blocks of `block_size` (the block tables, padded as graphs pad them), and the attention
+  // kernels' split-K partials for the largest such step (AttentionWorkspaceBytes): serving then
+  // neither fails for memory mid-request nor drops graphs as sequences grow.
+  // Errors: RESOURCE_EXHAUSTED naming cudaMalloc.
+  absl::Status ReserveSteps(int64_t max_tokens, int64_t max_seqs, int64_t max_seq_len,
+                            int64_t block_size);
+  // Bytes of the split-K partials the decode attention of the largest step ReserveSteps plans
+  // for needs: the most over every batch of up to `max_seqs` sequences (padded) and every
+  // context up to `max_seq_len`. Not in StepWorkspaceBytes: it grows with both (Llama-3-8B, 256
+  // sequences of 128K tokens: about 1 GiB), so the pool's budget takes it from this.
+  [[nodiscard]] int64_t AttentionWorkspaceBytes(int64_t max_seqs, int64_t max_seq_len,
+                                                int64_t block_size) const;
 
   // Decode steps of at most this many sequences can run from graphs.
   static constexpr int64_t kMaxGraphBatch = 256;
@@ -209,6 +219,7 @@ class CudaLlamaModel {
     int64_t eager_steps = 0;   // steps run kernel by kernel (prefill, large or first decodes,
                                // and a group's padded decodes when it has no graphs)
     std::string disabled_by;   // why a capture failed and graphs were turned off, else empty
+    int64_t buffer_moves = 0;  // step buffers grown after ReserveSteps (each drops the graphs)
   };
   [[nodiscard]] const DecodeGraphStats& decode_graph_stats() const { return graph_stats_; }
 
@@ -340,6 +351,7 @@ class CudaLlamaModel {
   bool graphs_enabled_ = false;
   bool decode_padding_ = false;  // plain decode steps take ForwardDecodeGraph
   uint64_t buffers_generation_ = 0, graphs_generation_ = 0;
+  bool steps_reserved_ = false;  // ReserveSteps ran: later growth counts as a buffer move
   std::map<GraphKey, GraphExec> graphs_;
   DecodeGraphStats graph_stats_;
   ForwardBatch padded_;  // the padded decode batch, reused

@@ -34,8 +34,13 @@ namespace {
 // its cards, and a process that sees only its own card uses it.
 absl::StatusOr<int> ChooseDevice(int requested, int place) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    return absl::FailedPreconditionError("--device cuda: no CUDA device is visible");
+  // A runtime newer than the driver, or a machine whose fabric manager is not up, fails here
+  // with a card present: the error says which.
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--device cuda: no CUDA device is visible",
+        e != cudaSuccess ? absl::StrCat(" (", cudaGetErrorName(e), ": ", cudaGetErrorString(e), ")")
+                         : std::string()));
   }
   if (requested >= count) {
     return absl::InvalidArgumentError(absl::StrCat("--cuda-device: ", requested, " but only ",
@@ -153,9 +158,24 @@ absl::StatusOr<std::unique_ptr<Executor>> CreateCudaExecutor(
                             group_rank == 0 && tp.size == 1));
     }
   }
-  KVGRID_ASSIGN_OR_RETURN(
-      std::unique_ptr<CudaLlamaModel> gpu_model,
-      CudaLlamaModel::FromWeights(model->config(), model->weights(), dense, collectives.get()));
+  std::unique_ptr<CudaLlamaModel> gpu_model;
+  if (options.random_weights) {
+    if (collectives || cp_collectives) {
+      return absl::UnimplementedError(
+          "--load-format dummy: random weights are made for a whole model on one card, not "
+          "for a group's ranks");
+    }
+    KVGRID_ASSIGN_OR_RETURN(gpu_model, CudaLlamaModel::Random(model->config(), dense,
+                                                              options.random_weights_seed));
+  } else {
+    if (!model->has_weights()) {
+      return absl::InvalidArgumentError(
+          "the model holds no weights and random weights were not asked for");
+    }
+    KVGRID_ASSIGN_OR_RETURN(gpu_model, CudaLlamaModel::FromWeights(model->config(),
+                                                                   model->weights(), dense,
+                                                                   collectives.get()));
+  }
   model.reset();
   KVGRID_RETURN_IF_ERROR(gpu_model->SetContextParallel(cp.rank, cp.size, cp_collectives.get()));
   KVGRID_ASSIGN_OR_RETURN(

@@ -31,6 +31,9 @@ struct CudaPoolOptions {
                                           // other ranks on the card) may fill
   int64_t max_num_batched_tokens = 8192;  // sizes the step buffers, allocated at creation
   int64_t max_num_seqs = 64;
+  int64_t max_model_len = 0;              // longest sequence served; 0: the model's
+                                          // max_position_embeddings (sizes the attention
+                                          // workspace and block tables reserved at creation)
   int64_t swap_space = 0;                 // pinned host bytes; 0: none
   bool cuda_graphs = true;                // decode steps replayed from CUDA graphs
   // Ranks of the group on this card (set by the plugin): a pool sized by utilization is their
@@ -45,10 +48,15 @@ struct CudaExecutorOptions {
   int device_slot = -1;  // the worker's place among its machine's workers; -1: none given
   // Seconds a step's collectives may take before the group counts as broken.
   double collective_timeout_s = 30.0;
+  // Random dense weights made on the card (CudaLlamaModel::Random) from the model's config;
+  // the model passed in then holds none (LlamaModel::WithoutWeights). One rank only.
+  bool random_weights = false;
+  uint64_t random_weights_seed = 0;
 };
 
 // The plugin's entry point: uploads `model`'s weights (dense matrices in
-// options.dense_dtype) and builds a CudaExecutor; the host model is dropped. A model sharded
+// options.dense_dtype), or makes random ones on the card (options.random_weights), and builds
+// a CudaExecutor; the host model is dropped. A model sharded
 // over a group (model->tensor_parallel().size > 1, with the group's host communicator) gets
 // device collectives for its ranks: NCCL when each rank has its own card, else staged through
 // host memory over the host communicator (ranks that share a card; NCCL refuses them). Every

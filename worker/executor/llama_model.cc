@@ -731,6 +731,17 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::FromWeights(
       new LlamaModel(config, std::move(weights), *std::move(inv_freq), tp));
 }
 
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::WithoutWeights(
+    const model::ModelConfig& config, TensorParallel tp) {
+  KVGRID_RETURN_IF_ERROR(tp.Validate(config));
+  KVGRID_RETURN_IF_ERROR(tp.ValidateSplit(config));
+  absl::StatusOr<std::vector<double>> inv_freq = cpu::RopeInvFreq(config);
+  if (!inv_freq.ok()) return inv_freq.status();
+  std::unique_ptr<LlamaModel> m(new LlamaModel(config, LlamaWeights{}, *std::move(inv_freq), tp));
+  m->has_weights_ = false;
+  return m;
+}
+
 LlamaModel::LlamaModel(const model::ModelConfig& config, LlamaWeights weights,
                        std::vector<double> inv_freq, TensorParallel tp)
     : config_(config),
@@ -832,6 +843,9 @@ void LlamaModel::PrepareWeights() {
 
 absl::Status LlamaModel::QuantizeWeights(cpu::WeightDType dtype) {
   if (dtype == cpu::WeightDType::kF32) return absl::OkStatus();
+  if (!has_weights_) {
+    return absl::FailedPreconditionError("the model was made without weights to quantize");
+  }
   // The requantization and the fp16 path read row-major blocks; they are interleaved again
   // at the end.
   ForEachQuantMatrix(w_, [](cpu::QuantMatrix& q) {
@@ -887,6 +901,10 @@ KvGeometry LlamaModel::KvGeometryFor(int64_t block_size, kernels::KvDType k_dtyp
 }
 
 absl::Status LlamaModel::Forward(const ForwardBatch& b, KvPool& pool, std::vector<float>* logits) {
+  if (!has_weights_) {
+    return absl::FailedPreconditionError(
+        "the model was made without weights (a device executor makes them on the device)");
+  }
   const ShardDims d = ShardDimsOf(config_, tp_);
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t num_seqs = static_cast<int64_t>(b.seq_lens.size());

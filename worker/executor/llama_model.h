@@ -211,6 +211,15 @@ class LlamaModel {
   // Deterministic random weights (std ~ 1/sqrt(fan_in), norms ~ 1) for benchmarks.
   static LlamaWeights RandomWeights(const model::ModelConfig& config, uint64_t seed);
 
+  // A model that holds its config and no weights: what a device executor needs when it makes
+  // random weights itself (--load-format dummy with --device cuda), so that a Llama-3-8B shape
+  // never builds 32 GB of host floats. Forward returns FAILED_PRECONDITION.
+  // Errors: as FromWeights' checks of `config` and `tp`.
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> WithoutWeights(
+      const model::ModelConfig& config, TensorParallel tp = {});
+  // False for a model made by WithoutWeights.
+  [[nodiscard]] bool has_weights() const { return has_weights_; }
+
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
@@ -297,6 +306,7 @@ class LlamaModel {
 
   TensorParallel tp_;
   ContextParallel cp_;
+  bool has_weights_ = true;
   LlamaWeights w_;
   std::vector<double> inv_freq_;  // [head_dim / 2]
   double rope_scale_ = 1.0;       // cpu::RopeAttentionFactor

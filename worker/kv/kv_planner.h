@@ -128,7 +128,9 @@ void ApplyContextParallel(int64_t cp_size, std::vector<KvPlanRow>* rows);
 // Device memory one forward step of `max_tokens` tokens returning `max_logit_rows` rows of
 // logits takes for activations (fp32 between ops, as CudaLlamaModel keeps them: residual,
 // normed input, q/k/v, attention output, gate/up and their product, logits), plus 256 MiB for
-// the cuBLAS workspace and the attention kernels' split-K partials.
+// the cuBLAS workspace (kernels::cuda::CublasHandle) and the CUDA libraries' own allocations.
+// The attention kernels' split-K partials, which grow with the context, are the executor's to
+// add (CudaLlamaModel::AttentionWorkspaceBytes).
 [[nodiscard]] int64_t StepWorkspaceBytes(const model::ModelConfig& config, int64_t max_tokens,
                                          int64_t max_logit_rows);
 
