@@ -293,6 +293,27 @@ TEST(CudaEmuTest, BarriersThatCannotCompleteOrDoNotMatchAreReported) {
   EXPECT_EQ(cudaFree(d), cudaSuccess);
 }
 
+__global__ void SumFloat4Kernel(const float* in, float* out) {
+  const float4 v = reinterpret_cast<const float4*>(in)[threadIdx.x];
+  out[threadIdx.x] = v.x + v.y + v.z + v.w;
+}
+
+TEST(CudaEmuTest, AMisalignedVectorLoadStopsTheProgram) {
+  float* d = nullptr;
+  ASSERT_EQ(cudaMalloc(&d, 64 * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d, 0, 64 * sizeof(float)), cudaSuccess);
+  SumFloat4Kernel<<<1, 4>>>(d, d + 32);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // A GPU faults (cudaErrorMisalignedAddress) on a float4 load 4 bytes past a 16-byte boundary.
+  EXPECT_DEATH(
+      {
+        SumFloat4Kernel<<<1, 4>>>(d + 1, d + 32);
+        (void)cudaDeviceSynchronize();
+      },
+      "misaligned address");
+  EXPECT_EQ(cudaFree(d), cudaSuccess);
+}
+
 TEST(CudaEmuTest, AHostPointerArgumentIsAFault) {
   std::vector<int> host(4, 0);
   AddOneKernel<<<1, 4>>>(host.data());

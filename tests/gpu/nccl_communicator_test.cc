@@ -108,6 +108,9 @@ void CheckStreamCollectives(DeviceCommunicator& comm, cudaStream_t stream, bool 
   ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&out), 2 * sizeof(float) * size), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d, mine.data(), 4 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(in, pair.data(), 2 * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  // A copy from pageable memory may return before its DMA lands, and `stream` (non-blocking)
+  // does not wait for the legacy stream's work.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (graph) {
     cudaGraph_t g = nullptr;
     cudaGraphExec_t exec = nullptr;

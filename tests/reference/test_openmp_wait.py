@@ -1,6 +1,7 @@
 """The worker (and `kvgrid serve`, whose workers inherit it) chooses libgomp's wait policy
 before its OpenMP threads start (kernels/cpu/openmp_wait.h): with neither OMP_WAIT_POLICY nor
-GOMP_SPINCOUNT set, the process starts again (same pid) with GOMP_SPINCOUNT=300; a policy the
+GOMP_SPINCOUNT set, the process starts again (same pid) with GOMP_SPINCOUNT=300, also when it
+was started through the dynamic loader (as tools/gpu-check.sh runs the GPU bundle); a policy the
 user set is left alone; in-process CLI commands keep libgomp's default."""
 
 import os
@@ -57,6 +58,32 @@ def test_a_worker_chooses_a_short_spin_by_restarting():
     assert env.get("GOMP_SPINCOUNT") == "300"
     assert env.get("KVGRID_OMP_WAIT_CHOSEN") == "1"
     assert "OMP_WAIT_POLICY" not in env
+
+
+def interpreter(path):
+    """The dynamic loader an ELF executable names (its PT_INTERP), or None."""
+    data = Path(path).read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:  # 64-bit ELF only
+        return None
+    phoff = int.from_bytes(data[32:40], "little")
+    phentsize = int.from_bytes(data[54:56], "little")
+    phnum = int.from_bytes(data[56:58], "little")
+    for i in range(phnum):
+        ph = data[phoff + i * phentsize:phoff + (i + 1) * phentsize]
+        if int.from_bytes(ph[0:4], "little") == 3:  # PT_INTERP
+            off = int.from_bytes(ph[8:16], "little")
+            size = int.from_bytes(ph[32:40], "little")
+            return data[off:off + size].rstrip(b"\0").decode()
+    return None
+
+
+def test_a_worker_started_through_its_loader_restarts_through_it():
+    loader = interpreter(BIN / "kvgrid-worker")
+    assert loader and Path(loader).exists(), loader
+    cmd = worker()
+    env = environment_of([loader, "--library-path", "/nonexistent-dir", *cmd], {},
+                         expect_restart=True)
+    assert env.get("GOMP_SPINCOUNT") == "300"
 
 
 def test_a_users_policy_is_kept():
