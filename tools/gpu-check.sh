@@ -79,7 +79,7 @@ for t in "$bundle"/bin/gpu_*; do
     # runtime that cannot reach the card (a driver older than the runtime, say), not a pass.
     if grep -q "SKIPPED\|Skipped" "$out/$name.log"; then
       echo "FAIL $name: skipped with a GPU present (log: $name.log)"
-      grep -h -B2 "SKIPPED\|Skipped" "$out/$name.log" | head -n 6
+      grep -h -m1 -A1 "Skipped" "$out/$name.log"
       failed+=("$name")
     else
       echo "PASS $name ($(( $(date +%s) - start )) s)"
@@ -213,7 +213,7 @@ else
     rm -f "$out/serve_bench.json"
 
     echo "FAIL serve_bench"
-    tail -n 15 "$out/serve_bench.err" "$out/figures-worker.log"
+    tail -n 15 "$out/serve_bench.err" "$out/figures-worker.log" 2>/dev/null
     failed+=("serve_bench")
   fi
   stop_all "${fig_pids[@]}"
