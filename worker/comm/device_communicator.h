@@ -42,6 +42,9 @@ class DeviceCommunicator {
   virtual absl::Status Synchronize(cudaStream_t stream) = 0;
   // Whether the collectives may be recorded in a CUDA graph (no host work inside them).
   [[nodiscard]] virtual bool capturable() const = 0;
+  // True once a failed or timed-out collective broke the group (every later call fails):
+  // graphs recorded with its collectives must not be launched any more.
+  [[nodiscard]] virtual bool broken() const { return false; }
 };
 
 }  // namespace kvgrid::worker

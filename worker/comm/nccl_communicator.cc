@@ -193,6 +193,8 @@ NcclCommunicator::NcclCommunicator(std::unique_ptr<State> state, int rank, int s
 
 NcclCommunicator::~NcclCommunicator() = default;  // State releases the communicator
 
+bool NcclCommunicator::broken() const { return state_->comm == nullptr; }
+
 absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
   if (state_->comm == nullptr) return absl::UnavailableError("nccl: the group is broken");
   const auto deadline = std::chrono::steady_clock::now() + timeout_;

@@ -58,6 +58,8 @@ class NcclCommunicator final : public Communicator, public DeviceCommunicator {
                            cudaStream_t stream) override;
   absl::Status Synchronize(cudaStream_t stream) override;
   bool capturable() const override { return true; }
+  // The communicator was aborted (a collective failed or timed out), its resources released.
+  bool broken() const override;
 
  private:
   struct State;

@@ -1122,6 +1122,13 @@ absl::Status CudaLlamaModel::ForwardDecodeGraph(const ForwardBatch& b, int32_t m
     ++graph_stats_.eager_steps;
     return FinishStep(n, batch, logits);
   }
+  // A graph holds the group's collectives as they were captured: after the communicator was
+  // aborted and released they would run on freed state (a fault, or a stream that never ends).
+  for (const DeviceCommunicator* c : {comm_, cp_comm_}) {
+    if (c != nullptr && c->broken()) {
+      return absl::UnavailableError("the group's collectives broke; no graph replays them");
+    }
+  }
   const GraphKey key{batch, max_blocks, pool.id()};
   if (auto it = graphs_.find(key); it != graphs_.end()) {
     KVGRID_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second.get(), stream_));
