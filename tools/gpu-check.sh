@@ -63,6 +63,9 @@ for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do
   [[ -d "$d" ]] && libpath="$libpath:$d"
 done
 loader=("$bundle/lib/ld-linux-x86-64.so.2" --library-path "$libpath")
+# Servers started in the background (this shell's jobs) do not outlive the check, however it
+# ends.
+trap 'kill -KILL $(jobs -p) 2>/dev/null' EXIT
 run() { "${loader[@]}" "$@"; }
 # A program that hangs (a group waiting on a rank that failed) is cut off, not the whole check.
 limited() { timeout --kill-after=10 180 "${loader[@]}" "$@"; }
@@ -77,7 +80,7 @@ for t in "$bundle"/bin/gpu_*; do
   if limited "$t" --gtest_brief=1 >"$out/$name.log" 2>&1; then
     # A gpu test skips where it sees no device: here, with nvidia-smi answering, that is a
     # runtime that cannot reach the card (a driver older than the runtime, say), not a pass.
-    if grep -q "SKIPPED\|Skipped" "$out/$name.log"; then
+    if grep -q '^\[  SKIPPED \]' "$out/$name.log"; then
       echo "FAIL $name: skipped with a GPU present (log: $name.log)"
       grep -h -m1 -A1 "Skipped" "$out/$name.log"
       failed+=("$name")
@@ -142,7 +145,7 @@ serve_check() {  # $1: name, $2: ranks
       --device cuda --dtype fp32 --kv-cache-dtype fp32 --kv-cache-memory 64MiB "${group[@]}" \
       >"$out/serve-$name-worker$r.log" 2>&1 &
     pids+=($!)
-  done
+    done
   local end=$((SECONDS + 90))
   while ((SECONDS < end)); do  # until the group serves, or a process of it is gone
     got="$(limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" "${prompt[@]}" \
@@ -204,16 +207,20 @@ else
   done
   echo "worker serving after $SECONDS s of the check: $((serving)) (1: yes)"
   grep -h "kvgrid-worker: rank\|KV blocks" "$out/figures-worker.log" | head -n 3
-  if ((serving)) && timeout --kill-after=5 $((budget_s - SECONDS - 20)) "${loader[@]}" \
+  limit=$((budget_s - SECONDS - 20))  # timeout 0 would mean no limit at all
+  # Every request must complete: serve_bench exits 0 once its warm-up request did.
+  if ((serving && limit >= 30)) && timeout --kill-after=5 "$limit" "${loader[@]}" \
       "$bundle/bin/serve_bench" --addr "127.0.0.1:$port" --dataset random --input-len 512 \
       --output-len 128 --num-prompts 256 --max-concurrency 64 --skip-relay-cost --json \
-      >"$out/serve_bench.json" 2>"$out/serve_bench.err"; then
+      >"$out/serve_bench.json" 2>"$out/serve_bench.err" &&
+      python3 -c 'import json, sys; l = json.load(open(sys.argv[1]))["load"]
+sys.exit(0 if l["completed"] == 256 and l["failed"] == 0 else 1)' "$out/serve_bench.json"; then
     echo "serve_bench: done (serve_bench.json)"
   else
-    rm -f "$out/serve_bench.json"
 
     echo "FAIL serve_bench"
     tail -n 15 "$out/serve_bench.err" "$out/figures-worker.log" 2>/dev/null
+    python3 "$root/tools/gpu-report.py" "$out" | grep -A1 "^serving" || true
     failed+=("serve_bench")
   fi
   stop_all "${fig_pids[@]}"

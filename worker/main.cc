@@ -460,13 +460,13 @@ absl::Status Serve(Args& args) {
   // A step that fails UNAVAILABLE cannot be retried here: a group whose collectives broke, or
   // a card whose CUDA context is lost (a sticky error). Shut down, so the coordinator's
   // failover moves the requests and an orchestrator restarts the worker or its group.
-  std::atomic<bool> group_broken{false};
+  std::atomic<bool> cannot_step{false};
   kvgrid::worker::EngineLoop loop(std::move(engine), [&](const absl::Status& status) {
     if (status.code() != absl::StatusCode::kUnavailable) return;
     std::fprintf(stderr, "kvgrid-worker: %s (%s); shutting down\n",
                  group_size > 1 ? "the group is broken" : "this worker cannot run steps",
                  std::string(status.message()).c_str());
-    group_broken.store(true);
+    cannot_step.store(true);
     kill(getpid(), SIGTERM);
   });
   const kvgrid::auth::BearerAuth cluster_auth =
@@ -561,7 +561,7 @@ absl::Status Serve(Args& args) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   std::fprintf(stderr, "kvgrid-worker: stopped\n");
-  if (group_broken.load()) {
+  if (cannot_step.load()) {
     return absl::UnavailableError(group_size > 1 ? "the worker group broke"
                                                  : "the worker could not run steps");
   }

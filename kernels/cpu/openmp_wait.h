@@ -24,10 +24,10 @@ inline constexpr const char* kOpenMpWaitChosenEnv = "KVGRID_OMP_WAIT_CHOSEN";
 // Unless OMP_WAIT_POLICY, GOMP_SPINCOUNT or kOpenMpWaitChosenEnv is set (a user's choice
 // wins), sets GOMP_SPINCOUNT to kOpenMpSpinCount and kOpenMpWaitChosenEnv, and re-executes the
 // running program (/proc/self/exe) with the same command line (/proc/self/cmdline, so that a
-// program started through its dynamic loader starts through it again). Returns only when nothing was to be
-// done or the re-exec failed (then libgomp's default stays). Call first thing in main, before
-// any thread starts. Tools that follow a process (valgrind without --trace-children, gdb) see
-// the re-exec: set kOpenMpWaitChosenEnv=1 for them.
+// program started through its dynamic loader starts through it again). Returns only when
+// nothing was to be done or the re-exec failed (then libgomp's default stays). Call first thing
+// in main, before any thread starts. Tools that follow a process (valgrind without
+// --trace-children, gdb) see the re-exec: set kOpenMpWaitChosenEnv=1 for them.
 void ChooseOpenMpWaitPolicy(char** argv);
 
 }  // namespace kvgrid::kernels::cpu

@@ -21,8 +21,9 @@ bool IsStickyCudaError(cudaError_t err) {
     case cudaErrorTensorMemoryLeak:
     case cudaErrorMpsClientTerminated:
     case cudaErrorExternalDevice:
-    // Not so documented, but no context survives it either.
+    // Not so documented, but no context survives them either.
     case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
       return true;
     default:
       return false;

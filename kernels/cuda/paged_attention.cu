@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
@@ -1070,6 +1071,41 @@ int64_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& p) {
   if (plan.max_chunks <= 1) return 0;
   // part_out, then part_max and part_sum.
   return 4 * p.num_seqs * plan.max_chunks * p.num_heads * (p.head_dim + 2);
+}
+
+int64_t PagedAttentionMaxWorkspaceBytes(const PagedAttentionParams& bounds) {
+  if (bounds.num_seqs <= 0 || bounds.num_heads <= 0 || bounds.num_kv_heads <= 0 ||
+      bounds.block_size <= 0 || bounds.num_heads % bounds.num_kv_heads != 0) {
+    return 0;
+  }
+  const int64_t limit = std::min(
+      kMaxContext, bounds.max_seq_len > 0 ? bounds.max_seq_len
+                                          : bounds.max_blocks_per_seq * bounds.block_size);
+  if (limit <= 0) return 0;
+  int64_t most = 0;
+  for (int64_t n = 1; n <= bounds.num_seqs; ++n) {
+    PagedAttentionParams p = bounds;
+    p.num_seqs = n;
+    p.num_tokens = n;
+    // MakePlan keeps chunks of c tokens while c * kDecodeTargetBlocks >= span * per_token: the
+    // longest span at each chunk length has the most chunks of that length.
+    p.max_seq_len = 1;
+    p.max_blocks_per_seq = 1;
+    const Plan one = MakePlan(p);
+    const double per_token = static_cast<double>(n * p.num_kv_heads * one.row_tiles);
+    std::vector<int64_t> spans = {limit};
+    for (int64_t c = kMinChunk; c < kMaxChunk; c *= 2) {
+      const auto longest =
+          static_cast<int64_t>(static_cast<double>(c) * kDecodeTargetBlocks / per_token);
+      if (longest >= 1) spans.push_back(std::min(limit, longest));
+    }
+    for (int64_t span : spans) {
+      p.max_seq_len = span;
+      p.max_blocks_per_seq = CeilDiv(span, p.block_size);
+      most = std::max(most, PagedAttentionWorkspaceBytes(p));
+    }
+  }
+  return most;
 }
 
 absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {

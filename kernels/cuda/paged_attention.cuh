@@ -104,6 +104,14 @@ struct PagedAttentionParams {
 // chunks of 512 tokens, 68 MB (written and read back: 1.6% of the 8.6 GB of fp16 KV read).
 int64_t PagedAttentionWorkspaceBytes(const PagedAttentionParams& params);
 
+// The most PagedAttentionWorkspaceBytes asks of any step within `bounds`: every batch of 1 to
+// bounds.num_seqs sequences whose longest context is any length up to bounds.max_seq_len
+// (0: max_blocks_per_seq * block_size); heads, head_dim, block_size and window as given.
+// What an executor reserves once so that no step grows the workspace. The chunk length the
+// kernels pick grows with the work, so the bytes are not monotone in the context: the most
+// lies at a context just below a switch to longer chunks, or at the bound.
+int64_t PagedAttentionMaxWorkspaceBytes(const PagedAttentionParams& bounds);
+
 // Enqueues the decode kernels (and their merge) and the prefill kernel on `stream`; no host
 // synchronization. Thread-safe for distinct workspaces. Errors: Validate()'s, or INTERNAL /
 // RESOURCE_EXHAUSTED naming the CUDA call.

@@ -201,6 +201,7 @@ TEST(CudaEmuTest, StreamWorkIsThereOnlyAfterAWait) {
   EXPECT_EQ(pinned[0], -7);  // a host reading here, without a wait, would see stale data
   EXPECT_EQ(cudaStreamQuery(s), cudaErrorNotReady);
   // Left as the last error, as a runtime may: a poller clears it before its next launch check.
+  EXPECT_EQ(cudaPeekAtLastError(), cudaErrorNotReady);  // peeking keeps it
   EXPECT_EQ(cudaGetLastError(), cudaErrorNotReady);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
@@ -256,6 +257,8 @@ TEST(CudaEmuTest, UndefinedWarpUseIsAStickyFault) {
   HalfWarpShuffleKernel<<<1, 32>>>(d, 16);
   EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaErrorLaunchFailure);  // sticky, as on a GPU
+  EXPECT_EQ(cudaPeekAtLastError(), cudaErrorLaunchFailure);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);  // clearing does not clear it
   ResetStickyFaultForTest();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 

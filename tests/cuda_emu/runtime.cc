@@ -460,6 +460,10 @@ cudaError_t cudaGetLastError() {
   return e;
 }
 
+cudaError_t cudaPeekAtLastError() {
+  return emu::sticky.load() ? cudaErrorLaunchFailure : emu::last_error;
+}
+
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
     case cudaSuccess: return "cudaSuccess";

@@ -673,6 +673,39 @@ TEST(PagedAttentionCudaValidateTest, AcceptsValidParams) {
   EXPECT_EQ(cuda::PagedAttentionWorkspaceBytes(ValidParams()), 0);
 }
 
+// The bound an executor reserves is the most any step within it asks for, checked against
+// every batch size and every context length (not only powers of two: the chunk length switches
+// between them). No device needed.
+TEST(PagedAttentionCudaValidateTest, MaxWorkspaceIsTheMostOfEveryStepWithinTheBounds) {
+  struct Shape {
+    int64_t heads, kv_heads, head_dim, block_size, seqs, max_len, window;
+  };
+  for (const Shape& sh : {Shape{32, 8, 128, 16, 12, 3000, 0}, Shape{4, 2, 64, 8, 9, 2100, 0},
+                          Shape{14, 2, 64, 16, 5, 2500, 0}, Shape{32, 8, 128, 16, 6, 3000, 700}}) {
+    cuda::PagedAttentionParams bounds;
+    bounds.num_heads = sh.heads;
+    bounds.num_kv_heads = sh.kv_heads;
+    bounds.head_dim = sh.head_dim;
+    bounds.block_size = sh.block_size;
+    bounds.window = sh.window;
+    bounds.num_seqs = sh.seqs;
+    bounds.max_seq_len = sh.max_len;
+    int64_t most = 0;
+    for (int64_t n = 1; n <= sh.seqs; ++n) {
+      for (int64_t len = 1; len <= sh.max_len; ++len) {
+        cuda::PagedAttentionParams p = bounds;
+        p.num_seqs = n;
+        p.num_tokens = n;
+        p.max_seq_len = len;
+        p.max_blocks_per_seq = (len + sh.block_size - 1) / sh.block_size;
+        most = std::max(most, cuda::PagedAttentionWorkspaceBytes(p));
+      }
+    }
+    EXPECT_GT(most, 0) << sh.heads << " heads";
+    EXPECT_EQ(cuda::PagedAttentionMaxWorkspaceBytes(bounds), most) << sh.heads << " heads";
+  }
+}
+
 TEST(PagedAttentionCudaValidateTest, NamesTheField) {
   auto p = ValidParams();
   p.query = nullptr;

@@ -93,9 +93,14 @@ def test_dummy_weights_are_made_on_the_card(cluster, tmp_path):
     assert "needs a checkpoint" in rank.log(), rank.describe()
 
 
-def test_a_worker_whose_device_faults_shuts_down(cluster, tmp_path, monkeypatch):
+@pytest.mark.parametrize("streams", ["deferred", "eager"])
+def test_a_worker_whose_device_faults_shuts_down(cluster, tmp_path, monkeypatch, streams):
+    # Deferred, the fault shows at the step's synchronization; eager, at the next launch or
+    # cuBLAS call, whose own status the executor still reads as a lost context.
     fault = tmp_path / "fault"
     monkeypatch.setenv("KVGRID_CUDA_EMU_FAULT_FILE", str(fault))
+    if streams == "eager":
+        monkeypatch.setenv("KVGRID_CUDA_EMU_STREAMS", "eager")
     c = cluster(workers=0)
     w = c.add_worker(CUDA_FLAGS)
     c.wait_serving(1)

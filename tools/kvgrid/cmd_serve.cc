@@ -81,8 +81,8 @@ constexpr char kHelp[] =
     "  --v-cache-dtype --block-size --max-num-seqs --max-num-batched-tokens --max-model-len\n"
     "  --swap-space --preemption-mode --watermark --enable-prefix-caching --weight-dtype\n"
     "  --device --dtype --gpu-memory-utilization --cuda-graphs --stall-timeout-s\n"
-    "  --collective-timeout-s --load-format (on cuda, worker process i of the cluster runs on visible\n"
-    "  device i modulo their count)\n"
+    "  --collective-timeout-s --load-format (on cuda, worker process i of the cluster runs on\n"
+    "  visible device i modulo their count)\n"
     "  --threads (default: the cores divided among the workers, so they do not oversubscribe\n"
     "  the machine)\n";
 

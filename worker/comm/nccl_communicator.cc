@@ -207,7 +207,7 @@ absl::Status NcclCommunicator::Wait(cudaStream_t stream, const char* what) {
     }
     // "Not ready" is no error, but the runtime may keep it as the thread's last error, which
     // the next launch's cudaGetLastError would then report as its own failure.
-    (void)cudaGetLastError();
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
     ncclResult_t async = ncclSuccess;
     KVGRID_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(state_->comm, &async));
     if (async == ncclInProgress) async = ncclSuccess;  // a call still settling: not an error

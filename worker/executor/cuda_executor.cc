@@ -216,7 +216,15 @@ void* CudaExecutor::DevicePlane(int64_t layer, int plane) const {
 }
 
 absl::Status CudaExecutor::Forward(const ForwardBatch& batch, std::vector<float>* logits) {
-  return model_->Forward(batch, *pool_, logits);
+  absl::Status s = model_->Forward(batch, *pool_, logits);
+  if (s.ok() || s.code() == absl::StatusCode::kUnavailable) return s;
+  // After a fault in a kernel, the call that reports it first may be cuBLAS's or NCCL's, with
+  // a status of their own (INTERNAL here): the context is lost all the same, and the worker
+  // must leave (UNAVAILABLE), not fail its requests one step at a time.
+  if (const cudaError_t e = cudaPeekAtLastError(); kernels::cuda::IsStickyCudaError(e)) {
+    return kernels::cuda::CudaStatus(e, std::string(s.message()).c_str(), __FILE__, __LINE__);
+  }
+  return s;
 }
 
 absl::Status CudaExecutor::CopyBlocks(BlockCopyKind kind, std::span<const BlockCopy> copies) {

@@ -951,7 +951,7 @@ absl::Status CudaLlamaModel::FinishStep(int64_t rows, int64_t step_rows,
 namespace {
 
 // Blocks per sequence a step of sequences up to `max_seq_len` tokens may carry: the power of two
-// a graph's padded block tables have, at least one.
+// a graph's padded block tables have (PadDecodeBatch), at least one.
 int64_t PaddedBlocks(int64_t max_seq_len, int64_t block_size) {
   const int64_t needed = std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size);
   int64_t blocks = 1;
@@ -961,37 +961,28 @@ int64_t PaddedBlocks(int64_t max_seq_len, int64_t block_size) {
 
 }  // namespace
 
+int64_t CudaLlamaModel::PaddedSeqs(int64_t max_seqs) {
+  return std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
+}
+
 int64_t CudaLlamaModel::AttentionWorkspaceBytes(int64_t max_seqs, int64_t max_seq_len,
                                                 int64_t block_size) const {
   if (max_seqs <= 0 || max_seq_len <= 0 || block_size <= 0) return 0;
-  const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
-  const int64_t blocks = PaddedBlocks(max_seq_len, block_size);
-  // The kernels' plan picks longer chunks for more work, so the partials are not monotone in
-  // the batch: every batch size, at every power-of-two bound on the blocks.
-  int64_t most = 0;
-  for (int64_t n = 1; n <= seqs; ++n) {
-    for (int64_t b = 1;; b = std::min(2 * b, blocks)) {
-      cuda::PagedAttentionParams p;
-      p.num_seqs = n;
-      p.num_tokens = n;
-      p.max_blocks_per_seq = b;
-      p.num_blocks = 1;
-      p.num_heads = dims_.heads;
-      p.num_kv_heads = dims_.kv_heads;
-      p.block_size = block_size;
-      p.head_dim = config_.head_dim;
-      p.max_seq_len = b * block_size;
-      most = std::max(most, cuda::PagedAttentionWorkspaceBytes(p));
-      if (b == blocks) break;
-    }
-  }
-  return most;
+  // Eager steps carry the longest context as it is, graph replays its power-of-two bound.
+  cuda::PagedAttentionParams bounds;
+  bounds.num_seqs = PaddedSeqs(max_seqs);
+  bounds.num_heads = dims_.heads;
+  bounds.num_kv_heads = dims_.kv_heads;
+  bounds.block_size = block_size;
+  bounds.head_dim = config_.head_dim;
+  bounds.max_seq_len = PaddedBlocks(max_seq_len, block_size) * block_size;
+  return cuda::PagedAttentionMaxWorkspaceBytes(bounds);
 }
 
 absl::Status CudaLlamaModel::ReserveSteps(int64_t max_tokens, int64_t max_seqs,
                                           int64_t max_seq_len, int64_t block_size) {
   KVGRID_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-  const int64_t seqs = std::max(max_seqs, DecodeGraphBatch(std::min(max_seqs, kMaxGraphBatch)));
+  const int64_t seqs = PaddedSeqs(max_seqs);
   KVGRID_RETURN_IF_ERROR(Reserve(std::max(max_tokens, seqs), seqs,
                                  PaddedBlocks(max_seq_len, block_size), seqs));
   KVGRID_RETURN_IF_ERROR(GrowStepBuffer(
@@ -1010,9 +1001,7 @@ void CudaLlamaModel::PadDecodeBatch(const ForwardBatch& b, int32_t max_seq_len,
                                     int64_t block_size, ForwardBatch* padded) {
   const int64_t n = static_cast<int64_t>(b.token_ids.size());
   const int64_t batch = DecodeGraphBatch(n);
-  const int64_t needed = std::max<int64_t>(1, (max_seq_len + block_size - 1) / block_size);
-  int64_t max_blocks = 1;
-  while (max_blocks < needed) max_blocks *= 2;
+  const int64_t max_blocks = PaddedBlocks(max_seq_len, block_size);
   ForwardBatch& p = *padded;
   p.token_ids.assign(b.token_ids.begin(), b.token_ids.end());
   p.token_ids.resize(batch, 0);

@@ -182,18 +182,22 @@ class CudaLlamaModel {
   [[nodiscard]] int cp_rank() const { return cp_rank_; }
   [[nodiscard]] int cp_size() const { return cp_size_; }
 
+  // Sequences a step of at most `max_seqs` may carry once a decode is padded to its graph's
+  // batch bucket.
+  static int64_t PaddedSeqs(int64_t max_seqs);
   // Allocates, now, the step buffers for steps of up to `max_tokens` tokens and `max_seqs`
   // sequences (decode graphs' padded batches included) of up to `max_seq_len` tokens each in
   // blocks of `block_size` (the block tables, padded as graphs pad them), and the attention
   // kernels' split-K partials for the largest such step (AttentionWorkspaceBytes): serving then
   // neither fails for memory mid-request nor drops graphs as sequences grow.
-  // Errors: RESOURCE_EXHAUSTED naming cudaMalloc.
+  // Errors: RESOURCE_EXHAUSTED naming cudaMalloc; as CudaStatus for cudaSetDevice.
   absl::Status ReserveSteps(int64_t max_tokens, int64_t max_seqs, int64_t max_seq_len,
                             int64_t block_size);
   // Bytes of the split-K partials the decode attention of the largest step ReserveSteps plans
   // for needs: the most over every batch of up to `max_seqs` sequences (padded) and every
-  // context up to `max_seq_len`. Not in StepWorkspaceBytes: it grows with both (Llama-3-8B, 256
-  // sequences of 128K tokens: about 1 GiB), so the pool's budget takes it from this.
+  // context up to `max_seq_len` (cuda::PagedAttentionMaxWorkspaceBytes). Not in
+  // StepWorkspaceBytes: it grows with both (Llama-3-8B, 256 sequences of 128K tokens: about
+  // 1 GiB), so the pool's budget takes it from this.
   [[nodiscard]] int64_t AttentionWorkspaceBytes(int64_t max_seqs, int64_t max_seq_len,
                                                 int64_t block_size) const;
 

@@ -43,8 +43,8 @@ class OutputSink {
 class EngineLoop {
  public:
   // Starts the loop's thread. `on_step_error` (optional) runs on the loop's thread after a
-  // failed step has failed every request: a tensor-parallel worker uses it to shut down, its
-  // group being broken.
+  // failed step has failed every request: the worker uses it to shut down when the step
+  // cannot be retried (UNAVAILABLE: a broken group, a lost CUDA context).
   explicit EngineLoop(std::unique_ptr<Engine> engine,
                       std::function<void(const absl::Status&)> on_step_error = nullptr);
   // Stops the thread; requests still running get UNAVAILABLE.
