@@ -132,6 +132,22 @@ stop_all() {
   kill -KILL "$@" 2>/dev/null
   wait "$@" 2>/dev/null
 }
+# Prints the token ids the coordinator at port $1 generates for `prompt`, once it serves;
+# returns 1 when a process of $4... is gone first or SECONDS reaches $2. Errors go to $3.
+first_tokens() {
+  local port=$1 until=$2 errors=$3 got
+  shift 3
+  while ((SECONDS < until)); do
+    got="$(limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" "${prompt[@]}" \
+      --timeout-s 10 2>>"$errors" | ids 2>/dev/null)" && [[ -n "$got" ]] && {
+      echo "$got"
+      return 0
+    }
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null || return 1; done
+    sleep 0.5
+  done
+  return 1
+}
 serve_check() {  # $1: name, $2: ranks
   local name=$1 ranks=$2 port=$((20000 + RANDOM % 5000)) pids=() got=""
   # Started without a function in between, so that $! is the process itself.
@@ -146,16 +162,7 @@ serve_check() {  # $1: name, $2: ranks
       >"$out/serve-$name-worker$r.log" 2>&1 &
     pids+=($!)
     done
-  local end=$((SECONDS + 90))
-  while ((SECONDS < end)); do  # until the group serves, or a process of it is gone
-    got="$(limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" "${prompt[@]}" \
-      --timeout-s 10 2>>"$out/serve-$name-generate.err" | ids 2>/dev/null)" && [[ -n "$got" ]] && break
-    got=""
-    local alive=1
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || alive=0; done
-    ((alive)) || break
-    sleep 0.5
-  done
+  got="$(first_tokens "$port" $((SECONDS + 90)) "$out/serve-$name-generate.err" "${pids[@]}")"
   stop_all "${pids[@]}"
   if [[ "$got" == "$want" ]]; then
     echo "PASS serve-$name: $got"
@@ -194,17 +201,8 @@ else
   # Until the worker answers (its start makes 16 GB of weights and captures graphs), or a
   # process is gone; the whole step ends 20 s before the budget.
   serving=0
-  while ((SECONDS < budget_s - 80)); do
-    if limited "$bundle/bin/kvgrid" generate --addr "127.0.0.1:$port" --prompt-ids 1,2,3 \
-        --max-new-tokens 1 --timeout-s 10 >/dev/null 2>>"$out/figures-generate.err"; then
-      serving=1
-      break
-    fi
-    alive=1
-    for pid in "${fig_pids[@]}"; do kill -0 "$pid" 2>/dev/null || alive=0; done
-    ((alive)) || break
-    sleep 1
-  done
+  first_tokens "$port" $((budget_s - 80)) "$out/figures-generate.err" "${fig_pids[@]}" \
+    >/dev/null && serving=1
   echo "worker serving after $SECONDS s of the check: $((serving)) (1: yes)"
   grep -h "kvgrid-worker: rank\|KV blocks" "$out/figures-worker.log" | head -n 3
   limit=$((budget_s - SECONDS - 20))  # timeout 0 would mean no limit at all

@@ -182,9 +182,6 @@ class CudaLlamaModel {
   [[nodiscard]] int cp_rank() const { return cp_rank_; }
   [[nodiscard]] int cp_size() const { return cp_size_; }
 
-  // Sequences a step of at most `max_seqs` may carry once a decode is padded to its graph's
-  // batch bucket.
-  static int64_t PaddedSeqs(int64_t max_seqs);
   // Allocates, now, the step buffers for steps of up to `max_tokens` tokens and `max_seqs`
   // sequences (decode graphs' padded batches included) of up to `max_seq_len` tokens each in
   // blocks of `block_size` (the block tables, padded as graphs pad them), and the attention
@@ -267,6 +264,9 @@ class CudaLlamaModel {
   // the quantized kernel.
   absl::Status RunLinear(const Linear& l, const float* input, const float* bias, float* output,
                          int64_t n, bool accumulate);
+  // Sequences a step of at most `max_seqs` may carry once a decode is padded to its graph's
+  // batch bucket.
+  static int64_t PaddedSeqs(int64_t max_seqs);
   // Workspaces sized for `tokens` tokens, `seqs` sequences and `logit_rows` rows (grown,
   // never shrunk).
   absl::Status Reserve(int64_t tokens, int64_t seqs, int64_t max_blocks, int64_t logit_rows);
